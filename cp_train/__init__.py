@@ -1,0 +1,1 @@
+"""cp-train: cp_train package."""

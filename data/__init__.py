@@ -1,0 +1,1 @@
+"""cp-train: data package."""

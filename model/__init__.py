@@ -1,0 +1,1 @@
+"""cp-train: model package."""

@@ -1,0 +1,88 @@
+"""How a sequence is split across the context-parallel (CP) ranks.
+
+Layouts (``world`` = CP size, ``S`` = global sequence length):
+
+- ``contiguous``: rank r holds tokens ``[r*S/world, (r+1)*S/world)``.
+- ``zigzag``: the sequence is cut into ``2*world`` equal chunks; rank r holds
+  chunks r and ``2*world-1-r`` (in that order), which balances causal work.
+- ``stripe``: token t lives on rank ``t % world`` (local order = global order).
+
+Every function takes the sequence dimension as ``dim`` (default 1, i.e.
+``[batch, seqlen, ...]`` tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Layout = Literal["contiguous", "zigzag", "stripe"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "stripe")
+
+
+def check_layout(seqlen: int, world: int, layout: str) -> None:
+    """Raise ``ValueError`` (saying what to change) unless ``seqlen`` splits evenly."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if world < 1:
+        raise ValueError(f"CP size must be >= 1, got {world}")
+    parts = 2 * world if layout == "zigzag" else world
+    if seqlen % parts != 0 or seqlen == 0:
+        need = "2*cp" if layout == "zigzag" else "cp"
+        raise ValueError(
+            f"sequence length {seqlen} is not divisible by {need} = {parts} for the {layout} "
+            f"layout with cp={world}; use a sequence length that is a multiple of {parts}")
+
+
+def sequence_positions(seqlen: int, rank: int, world: int, layout: str,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """Global token positions (int64, shape ``[seqlen // world]``) held by ``rank``, in local order."""
+    check_layout(seqlen, world, layout)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside the CP group of size {world}")
+    local = seqlen // world
+    if layout == "contiguous":
+        return torch.arange(rank * local, (rank + 1) * local, device=device)
+    if layout == "stripe":
+        return torch.arange(rank, seqlen, world, device=device)
+    chunk = seqlen // (2 * world)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world: int, layout: str, dim: int = 1) -> torch.Tensor:
+    """The slice of the full-sequence tensor ``x`` that ``rank`` holds (a new tensor)."""
+    positions = sequence_positions(x.shape[dim], rank, world, layout, device=x.device)
+    if layout == "contiguous":
+        return x.narrow(dim, int(positions[0]), positions.numel()).clone()
+    return x.index_select(dim, positions)
+
+
+def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], layout: str,
+                     dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_sequence``: ``shards[r]`` is rank r's slice; returns the full tensor."""
+    world = len(shards)
+    stacked = torch.cat(list(shards), dim=dim)
+    if layout == "contiguous":
+        check_layout(stacked.shape[dim], world, layout)
+        return stacked
+    seqlen = stacked.shape[dim]
+    order = torch.cat([sequence_positions(seqlen, r, world, layout) for r in range(world)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(seqlen)
+    return stacked.index_select(dim, inverse.to(stacked.device))
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, layout: str,
+                    dim: int = 1) -> torch.Tensor:
+    """All-gather every CP rank's slice ``x`` over ``group`` and return the full sequence.
+
+    Not differentiable; meant for evaluation, logging and tests.
+    """
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard_sequence(parts, layout, dim=dim)

@@ -1,0 +1,133 @@
+"""A persistent world of spawned CPU ranks on gloo, for tests and benchmarks.
+
+Starting a gloo process group costs seconds, so a ``SpawnedWorld`` starts its
+ranks once and then runs any number of functions on all of them:
+
+    with SpawnedWorld(4) as world:
+        results = world.run(my_module.check_something, 1024, causal=True)
+
+``fn`` must be importable by the children (a module-level function) and is
+called as ``fn(*args, **kwargs)`` on every rank after ``torch.distributed`` is
+initialised (rank and size come from ``torch.distributed``). ``run`` returns
+the per-rank return values in rank order, or raises ``RankError`` carrying the
+first failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A function failed on at least one spawned rank."""
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, threads: int, timeout_s: float,
+               env: dict[str, str], jobs: Any, results: Any) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                break
+            fn, args, kwargs = job
+            try:
+                results.put((rank, True, fn(*args, **kwargs)))
+            except BaseException:  # noqa: BLE001 - the traceback travels to the parent
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class SpawnedWorld:
+    """``world`` gloo ranks on this machine, alive until ``close()``.
+
+    ``threads`` is torch's intra-op thread count per rank (default: the
+    machine's cores shared evenly, at least 1). ``timeout_s`` bounds every
+    collective and every ``run``.
+    """
+
+    def __init__(self, world: int, threads: int | None = None, timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None) -> None:
+        if world < 1:
+            raise ValueError(f"world size must be >= 1, got {world}")
+        self.world = world
+        self.timeout_s = timeout_s
+        self.threads = threads or max(1, (os.cpu_count() or 1) // world)
+        ctx = mp.get_context("spawn")
+        self._jobs = [ctx.Queue() for _ in range(world)]
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_rank_main, daemon=True,
+                        args=(r, world, port, self.threads, timeout_s, env or {}, self._jobs[r],
+                              self._results))
+            for r in range(world)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if self.broken:
+            raise RankError("this world broke in an earlier run; start a new one")
+        for jobs in self._jobs:
+            jobs.put((fn, args, kwargs))
+        out: list[Any] = [None] * self.world
+        failures: list[tuple[int, str]] = []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self._results.get(timeout=self.timeout_s + 30)
+            except queue.Empty:
+                self.broken = True
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                raise RankError(f"{fn.__name__}: no answer within {self.timeout_s + 30:.0f} s "
+                                f"(dead ranks: {dead})") from None
+            if ok:
+                out[rank] = value
+            else:
+                failures.append((rank, value))
+        if failures:
+            rank, tb = min(failures)
+            raise RankError(f"{fn.__name__} failed on rank {rank}:\n{tb}")
+        return out
+
+    def close(self) -> None:
+        """Stop every rank (idempotent)."""
+        for jobs in self._jobs:
+            try:
+                jobs.put(None)
+            except (ValueError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._procs = []
+
+    def __enter__(self) -> SpawnedWorld:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,38 @@
+"""Shared fixtures: one persistent spawned gloo world per world size, per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from parallel.spawn import SpawnedWorld
+
+_MAX_ALIVE = 2  # worlds kept alive at once (each rank is a full Python + torch process)
+
+
+@pytest.fixture(scope="session")
+def spawn_world() -> Iterator[Callable[[int], SpawnedWorld]]:
+    """``spawn_world(n)`` returns a live gloo world of n ranks, reused across tests.
+
+    A world that broke (a rank raised mid-collective) is replaced on the next request.
+    """
+    worlds: dict[int, SpawnedWorld] = {}
+
+    def get(n: int) -> SpawnedWorld:
+        world = worlds.get(n)
+        if world is not None and not world.broken:
+            worlds[n] = worlds.pop(n)  # most recently used last
+            return world
+        if world is not None:
+            world.close()
+            del worlds[n]
+        while len(worlds) >= _MAX_ALIVE:
+            oldest = next(iter(worlds))
+            worlds.pop(oldest).close()
+        worlds[n] = SpawnedWorld(n)
+        return worlds[n]
+
+    yield get
+    for world in worlds.values():
+        world.close()
