@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -96,14 +97,9 @@ class SpawnedWorld:
             jobs.put((fn, args, kwargs))
         out: list[Any] = [None] * self.world
         failures: list[tuple[int, str]] = []
+        deadline = time.monotonic() + self.timeout_s + 30
         for _ in range(self.world):
-            try:
-                rank, ok, value = self._results.get(timeout=self.timeout_s + 30)
-            except queue.Empty:
-                self.broken = True
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                raise RankError(f"{fn.__name__}: no answer within {self.timeout_s + 30:.0f} s "
-                                f"(dead ranks: {dead})") from None
+            rank, ok, value = self._next_result(fn.__name__, deadline)
             if ok:
                 out[rank] = value
             else:
@@ -112,6 +108,18 @@ class SpawnedWorld:
             rank, tb = min(failures)
             raise RankError(f"{fn.__name__} failed on rank {rank}:\n{tb}")
         return out
+
+    def _next_result(self, name: str, deadline: float) -> tuple[int, bool, Any]:
+        """The next rank's answer; raises at once when a rank died, or at the deadline."""
+        while True:
+            try:
+                return self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.broken = True
+                    why = f"ranks {dead} died" if dead else f"no answer within {self.timeout_s + 30:.0f} s"
+                    raise RankError(f"{name}: {why}") from None
 
     def close(self) -> None:
         """Stop every rank (idempotent)."""

@@ -8,7 +8,7 @@ import pytest
 
 from parallel.spawn import SpawnedWorld
 
-_MAX_ALIVE = 2  # worlds kept alive at once (each rank is a full Python + torch process)
+_MAX_ALIVE = 4  # worlds kept alive at once (each rank is a full Python + torch process)
 
 
 @pytest.fixture(scope="session")

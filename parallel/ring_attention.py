@@ -1,0 +1,138 @@
+"""Ring flash attention over a context-parallel group: public API.
+
+All functions take this rank's slice of the sequence, laid out
+``[batch, local_seqlen, heads, head_dim]`` in the CP layout named by the
+function (see ``parallel/layout.py``), and return this rank's output slice.
+The ``*_func`` functions keep the argument names and order of the
+ring-flash-attn package so they are drop-in replacements; ``group`` is the CP
+process group (None: the default group). With ``return_attn_probs=True`` they
+return ``(out, lse, None)`` with lse ``[batch, heads, local_seqlen]`` fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from parallel.kernels import BACKENDS
+from parallel.layout import LAYOUTS
+from parallel.ring_comm import RingComm
+from parallel.ring_core import ring_backward, ring_forward
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def default_head_chunks(device: torch.device, kv_heads: int) -> int:
+    """One kv head per chunk on CPU (bounds ring buffers at no speed cost); one chunk on GPUs."""
+    return kv_heads if device.type == "cpu" else 1
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, world: int) -> None:
+    """Raise ``ValueError`` saying what to change when q/k/v cannot go through the ring."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be [batch, seqlen, heads, head_dim], got shape {tuple(x.shape)}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; attention needs a floating dtype "
+                             "(float16, bfloat16, float32 or float64)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local seqlen "
+                         "and head_dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    n = q.shape[1]
+    if n == 0:
+        raise ValueError("the local sequence is empty")
+    if layout == "zigzag" and n % 2 != 0:
+        raise ValueError(f"zigzag needs an even local sequence length, got {n}: make the global sequence "
+                         f"length ({n * world}) a multiple of 2*cp = {2 * world}")
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, causal, scale, backend, head_chunks):
+        comm = RingComm(group) if dist.is_initialized() and dist.get_world_size(group) > 1 else None
+        out, lse = ring_forward(q, k, v, comm, layout, causal, scale, backend, head_chunks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.options = comm, (layout, causal, scale, backend, head_chunks)
+        lse = lse.transpose(1, 2)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.comm, *ctx.options)
+        if dq.dtype != q.dtype:
+            dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               group: dist.ProcessGroup | None, layout: str = "zigzag", causal: bool = True,
+                               softmax_scale: float | None = None, backend: str | None = None,
+                               head_chunks: int | None = None, return_lse: bool = False):
+    """Exact attention of this rank's q on the whole sequence's k/v, over the CP ``group``.
+
+    q [B, n, H, D]; k, v [B, n, Hk, D] (GQA when Hk < H), all in ``layout``.
+    Returns out [B, n, H, D] in q's dtype (and lse [B, H, n] fp32 if ``return_lse``).
+    ``backend`` picks the kernel (see parallel/kernels.py); ``head_chunks``
+    bounds the ring's transient memory (default: see ``default_head_chunks``).
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    check_inputs(q, k, v, layout, world)
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if head_chunks is None:
+        head_chunks = default_head_chunks(q.device, k.shape[2])
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _RingAttention.apply(q, k, v, group, layout, causal, scale, backend, head_chunks)
+    return (out, lse) if return_lse else out
+
+
+def _package_api(layout: str, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                 deterministic, return_attn_probs, group):
+    if dropout_p:
+        raise NotImplementedError(f"dropout_p={dropout_p} is not supported yet; pass dropout_p=0.0")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"window_size={tuple(window_size)} (sliding window) is not supported yet; "
+                                  "pass window_size=(-1, -1)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported yet; pass alibi_slopes=None")
+    del deterministic  # the ring is deterministic: every rank adds its blocks in a fixed order
+    out, lse = context_parallel_attention(q, k, v, group, layout, causal, softmax_scale, return_lse=True)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
+    """Ring attention on the contiguous layout (rank r holds the r-th block of the sequence)."""
+    return _package_api("contiguous", q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                        deterministic, return_attn_probs, group)
+
+
+def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
+    """Ring attention on the zigzag layout (rank r holds chunks r and 2*cp-1-r of 2*cp)."""
+    return _package_api("zigzag", q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                        deterministic, return_attn_probs, group)
+
+
+def stripe_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
+    """Ring attention on the stripe layout (token t on rank t % cp)."""
+    return _package_api("stripe", q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                        deterministic, return_attn_probs, group)
+
+
+__all__ = ["context_parallel_attention", "ring_flash_attn_func", "zigzag_ring_flash_attn_func",
+           "stripe_flash_attn_func"]

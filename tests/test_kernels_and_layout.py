@@ -1,0 +1,78 @@
+"""Single-process tests: the kernel interface against float64 math, and the CP layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.kernels import flash_backward, flash_forward, select_backend
+from parallel.layout import LAYOUTS, check_layout, sequence_positions, shard_sequence, unshard_sequence
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_torch_kernel_matches_math_reference(causal: bool, heads: int, kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 48, heads, 16, generator=gen)
+    k, v = (torch.randn(2, 48, kv_heads, 16, generator=gen) for _ in range(2))
+    dout = torch.randn(2, 48, heads, 16, generator=gen)
+    out, lse = flash_forward(q, k, v, causal, backend="torch")
+    ref_out, ref_lse = flash_forward(q, k, v, causal, backend="math")
+    assert out.shape == q.shape and lse.shape == (2, heads, 48) and lse.dtype == torch.float32
+    assert ref_out.dtype == torch.float64
+    assert rel_err(out, ref_out) < 1e-6 and rel_err(lse, ref_lse) < 1e-6
+    grads = flash_backward(dout, q, k, v, out, lse, causal, backend="torch")
+    refs = flash_backward(dout, q, k, v, ref_out, ref_lse, causal, backend="math")
+    for name, g, r in zip("qkv", grads, refs, strict=True):
+        assert g.shape == r.shape, name
+        assert rel_err(g, r) < 1e-5, f"d{name}: {rel_err(g, r)}"
+
+
+def test_explicit_scale_is_used() -> None:
+    q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
+    out_a, lse_a = flash_forward(q, k, v, softmax_scale=0.5)
+    out_b, lse_b = flash_forward(q * 0.5 * 8**0.5, k, v)
+    assert rel_err(out_a, out_b) < 1e-5 and rel_err(lse_a, lse_b) < 1e-5
+
+
+def test_backend_selection_errors() -> None:
+    assert select_backend(torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend(torch.device("cpu"), "xformers")
+    with pytest.raises(ValueError, match="flash-attn package and CUDA"):
+        select_backend(torch.device("cpu"), "flash_attn")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(layout: str, world: int) -> None:
+    seqlen = 2 * world * 5
+    x = torch.arange(3 * seqlen).reshape(3, seqlen)
+    shards = [shard_sequence(x, r, world, layout) for r in range(world)]
+    assert all(s.shape == (3, seqlen // world) for s in shards)
+    assert torch.equal(unshard_sequence(shards, layout), x)
+    covered = torch.cat([sequence_positions(seqlen, r, world, layout) for r in range(world)])
+    assert torch.equal(covered.sort().values, torch.arange(seqlen))
+    for r in range(world):  # the positions say which tokens a shard holds
+        assert torch.equal(shards[r][0], x[0, sequence_positions(seqlen, r, world, layout)])
+
+
+def test_layout_positions_by_rule() -> None:
+    assert sequence_positions(16, 1, 4, "contiguous").tolist() == [4, 5, 6, 7]
+    assert sequence_positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
+    assert sequence_positions(16, 1, 4, "stripe").tolist() == [1, 5, 9, 13]
+
+
+def test_layout_errors_say_what_to_change() -> None:
+    with pytest.raises(ValueError, match=r"not divisible by 2\*cp = 8 .*multiple of 8"):
+        check_layout(20, 4, "zigzag")
+    with pytest.raises(ValueError, match="not divisible by cp = 3"):
+        check_layout(16, 3, "stripe")
+    with pytest.raises(ValueError, match="unknown CP layout"):
+        check_layout(16, 2, "spiral")
+    with pytest.raises(ValueError, match="outside the CP group"):
+        sequence_positions(16, 2, 2, "contiguous")

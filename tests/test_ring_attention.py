@@ -1,0 +1,111 @@
+"""Ring attention on spawned CPU gloo worlds: exactness, bf16, causal skipping, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.layout import LAYOUTS
+from parallel.ring_attention import context_parallel_attention, zigzag_ring_flash_attn_func
+from parallel.ring_schedule import expected_kernel_calls
+from tests import ring_cases
+
+TOL = 1e-5
+# (world, local chunk length) pairs: chunks 13 and 6 are not powers of two.
+CASES = [(w, layout, causal, heads, chunk)
+         for w in (1, 2, 3, 4)
+         for layout in LAYOUTS
+         for causal in (True, False)
+         for heads in ((4, 4), (4, 2))
+         for chunk in ((13,) if w == 3 else (8, 13))]
+ERRORS: dict[tuple, dict[int, float]] = {}
+
+
+@pytest.mark.parametrize("world,layout,causal,heads,chunk", CASES)
+def test_ring_fp32_matches_float64_reference(spawn_world, world, layout, causal, heads, chunk) -> None:
+    seqlen = 2 * world * chunk
+    use_api = chunk == 13  # the ring-flash-attn compatible functions on half the cases
+    errors = spawn_world(world).run(ring_cases.check_fp32, seqlen, *heads, layout, causal, use_api)
+    worst = {name: max(e[name] for e in errors) for name in errors[0]}
+    assert max(worst.values()) <= TOL, worst
+    ERRORS.setdefault((layout, causal, heads, chunk), {})[world] = max(worst.values())
+
+
+@pytest.mark.parametrize("head_chunks", [1, 2, 3])
+def test_head_chunking_is_exact(spawn_world, head_chunks: int) -> None:
+    errors = spawn_world(2).run(ring_cases.check_fp32, 24, 6, 3, "zigzag", True, False, head_chunks)
+    assert max(max(e.values()) for e in errors) <= TOL
+
+
+def test_error_does_not_grow_with_world_size(spawn_world) -> None:
+    """The same problem at cp = 1, 2, 4, 8: the ring's error stays at the local kernel's level."""
+    errors = {}
+    for world in (1, 2, 4, 8):
+        per_rank = spawn_world(world).run(ring_cases.check_fp32, 96, 4, 2, "zigzag", True, False, None, 16, 5)
+        errors[world] = max(max(e.values()) for e in per_rank)
+    assert max(errors.values()) <= TOL, errors
+    assert max(errors.values()) <= 2.0 * errors[1] + 1e-7, errors
+    for key, by_world in ERRORS.items():  # and across every case above that ran at several world sizes
+        if 1 in by_world:
+            assert max(by_world.values()) <= 2.0 * by_world[1] + 1e-7, (key, by_world)
+
+
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (4, "zigzag"), (4, "stripe"), (2, "contiguous")])
+def test_bf16_within_twice_the_local_kernel_error(spawn_world, world: int, layout: str) -> None:
+    results = spawn_world(world).run(ring_cases.check_bf16, 64 * world, 4, 2, layout, True)
+    for name, (ring, local) in results[0].items():
+        assert ring <= 2.0 * local, f"{name}: ring bf16 error {ring:.2e} vs local kernel {local:.2e}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_causal_blocks_are_skipped(spawn_world, layout: str, causal: bool) -> None:
+    world, chunks = 4, 2
+    counts = spawn_world(world).run(ring_cases.count_kernel_calls, 32, 4, 2, layout, causal, chunks)
+    for rank, got in enumerate(counts):
+        per_pass = chunks * expected_kernel_calls(layout, causal, rank, world, 32 // world)
+        assert got == {"forward": per_pass, "backward": per_pass}, (rank, got)
+    total = sum(c["forward"] for c in counts)
+    if causal and layout == "contiguous":
+        assert [c["forward"] for c in counts] == [chunks * (1 + r) for r in range(world)]
+    elif causal:  # balanced: every rank makes one call per step
+        assert all(c["forward"] == chunks * world for c in counts)
+    assert total == chunks * (world * (world + 1) // 2 if causal and layout == "contiguous" else world**2)
+
+
+def test_bad_inputs_raise_with_a_message() -> None:
+    q = torch.randn(1, 8, 4, 8)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        context_parallel_attention(q, torch.randn(1, 8, 3, 8), torch.randn(1, 8, 3, 8), None)
+    with pytest.raises(ValueError, match="must agree in batch, local seqlen"):
+        context_parallel_attention(q, torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), None)
+    with pytest.raises(ValueError, match="must have the same shape"):
+        context_parallel_attention(q, q, torch.randn(1, 8, 2, 8), None)
+    with pytest.raises(ValueError, match="needs a floating dtype"):
+        context_parallel_attention(q.long(), q.long(), q.long(), None)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        context_parallel_attention(q, q.double(), q, None)
+    with pytest.raises(ValueError, match=r"must be \[batch, seqlen, heads, head_dim\]"):
+        context_parallel_attention(q[0], q[0], q[0], None)
+    with pytest.raises(ValueError, match=r"even local sequence length.*multiple of 2\*cp"):
+        context_parallel_attention(q[:, :7], q[:, :7], q[:, :7], None, layout="zigzag")
+    with pytest.raises(ValueError, match="unknown CP layout"):
+        context_parallel_attention(q, q, q, None, layout="spiral")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        context_parallel_attention(q, q, q, None, backend="cudnn")
+    for kwargs, word in (({"dropout_p": 0.1}, "dropout_p"), ({"window_size": (4, 0)}, "window_size"),
+                         ({"alibi_slopes": torch.ones(4)}, "alibi_slopes")):
+        with pytest.raises(NotImplementedError, match=word):
+            zigzag_ring_flash_attn_func(q, q, q, **kwargs)
+
+
+def test_single_process_is_the_local_kernel() -> None:
+    """Without a process group the API is the plain local kernel (cp = 1), with gradients."""
+    q, k, v = (torch.randn(1, 12, 2, 8, requires_grad=True) for _ in range(3))
+    out, lse, _ = zigzag_ring_flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                           is_causal=True).transpose(1, 2)
+    assert ring_cases.rel_err(out, ref) < 1e-6 and lse.shape == (1, 2, 12)
+    (dq,) = torch.autograd.grad(out.square().sum(), q)
+    (dq_ref,) = torch.autograd.grad(ref.square().sum(), q)
+    assert ring_cases.rel_err(dq, dq_ref) < 1e-5
