@@ -1,0 +1,71 @@
+"""Blend several datasets by weight into one deterministic stream of samples.
+
+Sample ``k`` of dataset ``d`` is placed at the ideal time ``(k + 0.5) / w_d`` (weights normalised)
+and all samples are served in order of that time (ties: lower dataset first). Every prefix of
+the stream holds each dataset within ``(D - 1) / 2`` samples of its exact share for ``D >= 2``
+datasets (half a sample for two), with no randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset id, sample id within that dataset) for each of ``num_samples`` samples (int64)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"blend weights {list(weights)} must be non-negative with a positive sum")
+    w = w / w.sum()
+    times, dataset_ids, sample_ids = [], [], []
+    for d, share in enumerate(w):
+        if share == 0:
+            continue
+        count = int(np.ceil(share * num_samples + len(w) / 2)) + 1  # > any prefix can take
+        k = np.arange(count, dtype=np.int64)
+        times.append((k + 0.5) / share)
+        dataset_ids.append(np.full(count, d, dtype=np.int64))
+        sample_ids.append(k)
+    order = np.lexsort((np.concatenate(dataset_ids), np.concatenate(times)))[:num_samples]
+    return np.concatenate(dataset_ids)[order], np.concatenate(sample_ids)[order]
+
+
+def blended_sample_counts(weights: Sequence[float], num_samples: int) -> list[int]:
+    """How many samples each dataset must have for a blend of ``num_samples``."""
+    dataset_ids, _ = blend_schedule(weights, num_samples)
+    return np.bincount(dataset_ids, minlength=len(weights)).tolist()
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """``num_samples`` samples drawn from ``datasets`` in proportion to ``weights``.
+
+    Build each dataset with at least ``blended_sample_counts(weights, num_samples)[d]`` samples.
+    """
+
+    def __init__(self, datasets: Sequence[torch.utils.data.Dataset], weights: Sequence[float],
+                 num_samples: int) -> None:
+        if len(datasets) != len(weights):
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        self.datasets = list(datasets)
+        self.dataset_ids, self.sample_ids = blend_schedule(weights, num_samples)
+        needed = np.bincount(self.dataset_ids, minlength=len(datasets))
+        for d, (dataset, count) in enumerate(zip(self.datasets, needed, strict=True)):
+            if len(dataset) < count:
+                raise ValueError(f"blended dataset {d} has {len(dataset)} samples but the blend "
+                                 f"needs {count}; build it with num_samples >= {count}")
+        seq_lens = {getattr(ds, "seq_len", None) for ds in self.datasets}
+        if len(seq_lens) > 1:
+            raise ValueError(f"blended datasets have different seq_len: {sorted(map(str, seq_lens))}")
+        self.seq_len = seq_lens.pop()
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} is outside the {self.num_samples} samples")
+        return self.datasets[int(self.dataset_ids[index])][int(self.sample_ids[index])]

@@ -1,0 +1,166 @@
+"""Tokenize text into a Megatron ``.bin``/``.idx`` pair.
+
+    python -m data.preprocess --input PATH... --tokenizer MODEL --output-prefix PREFIX \\
+        [--workers N] [--json-key text] [--glob '*.txt']
+
+Inputs: text files (one document per file), ``.jsonl``/``.json`` files (one JSON object per line,
+the document is ``obj[json_key]``) and directories (searched recursively for ``--glob``, sorted).
+Every document gets the tokenizer's EOD id appended; empty documents are skipped. Writes
+``PREFIX.bin`` and ``PREFIX.idx``, uint16 when the vocab fits, else int32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data.indexed import IndexedDatasetWriter, data_path, index_path, token_dtype_for_vocab
+from data.tokenizer import Tokenizer
+
+PathLike = str | os.PathLike
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+@dataclass(frozen=True)
+class PreprocessSummary:
+    documents: int
+    tokens: int
+    skipped_empty: int
+    seconds: float
+    prefix: str
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        return (f"wrote {data_path(self.prefix)} and {index_path(self.prefix).name}: "
+                f"{self.documents} documents, {self.tokens} tokens "
+                f"({self.skipped_empty} empty skipped) in {self.seconds:.1f} s, "
+                f"{self.tokens_per_second:,.0f} tokens/s")
+
+
+def list_input_files(inputs: Sequence[PathLike], glob: str = "*") -> list[Path]:
+    """Expand directories (recursively, sorted, hidden entries skipped); keep files as given."""
+    files: list[Path] = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            found = sorted(p for p in item.rglob(glob)
+                           if p.is_file() and not any(part.startswith(".")
+                                                      for part in p.relative_to(item).parts))
+            files.extend(found)
+        elif item.is_file():
+            files.append(item)
+        else:
+            raise FileNotFoundError(f"input {item} does not exist")
+    return files
+
+
+def iter_documents(files: Iterable[Path], json_key: str = "text") -> Iterator[str]:
+    """Documents in order: a whole text file, or ``obj[json_key]`` per line of a JSON-lines file."""
+    for path in files:
+        if path.suffix not in JSON_SUFFIXES:
+            yield path.read_text(encoding="utf-8", errors="replace")
+            continue
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number} is not valid JSON ({err.msg})") from None
+                if not isinstance(record, dict) or json_key not in record:
+                    raise ValueError(f"{path}:{number} has no {json_key!r} field; pass the right "
+                                     f"--json-key")
+                yield str(record[json_key])
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(model_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer(model_path)
+
+
+def _encode(text: str) -> list[int]:
+    assert _worker_tokenizer is not None, "worker not initialised"
+    return _worker_tokenizer.encode(text)
+
+
+def preprocess(documents: Iterable[str], tokenizer_model: PathLike, output_prefix: PathLike,
+               workers: int = 1, progress: bool = True, total: int | None = None) -> PreprocessSummary:
+    """Tokenize ``documents`` (in order, EOD appended) into ``output_prefix``.bin/.idx.
+
+    ``workers > 1`` tokenizes in that many processes; the output is identical either way.
+    """
+    tokenizer = Tokenizer(tokenizer_model)
+    dtype = token_dtype_for_vocab(tokenizer.vocab_size)
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    count = tokens = skipped = 0
+    pool = None
+    if workers > 1:
+        pool = multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_init_worker, initargs=(str(tokenizer.model_path),))
+        encoded: Iterable[list[int]] = pool.imap(_encode, documents, chunksize=8)
+    else:
+        encoded = map(tokenizer.encode, documents)
+    try:
+        with IndexedDatasetWriter(output_prefix, dtype) as writer:
+            for ids in tqdm(encoded, total=total, unit="doc", disable=not progress,
+                            desc="tokenizing"):
+                if not ids:
+                    skipped += 1
+                    continue
+                ids.append(tokenizer.eod)
+                writer.add_document(np.asarray(ids, dtype=dtype))
+                count += 1
+                tokens += len(ids)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return PreprocessSummary(count, tokens, skipped, time.perf_counter() - start,
+                             os.fspath(output_prefix))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="text files, .jsonl files or directories")
+    parser.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    parser.add_argument("--json-key", default="text", help="field holding the text in .jsonl")
+    parser.add_argument("--glob", default="*", help="file pattern inside directories (default *)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> PreprocessSummary:
+    args = parse_args(argv)
+    files = list_input_files(args.input, args.glob)
+    if not files:
+        raise SystemExit(f"no input files found in {args.input} (glob {args.glob!r})")
+    has_json = any(p.suffix in JSON_SUFFIXES for p in files)
+    summary = preprocess(iter_documents(files, args.json_key), args.tokenizer, args.output_prefix,
+                         workers=args.workers, progress=not args.quiet,
+                         total=None if has_json else len(files))
+    print(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The three index arrays behind a GPT dataset (as Megatron's GPTDataset), and their on-disk cache.
+
+- document index ``int64[E * D]``: the dataset's documents (sequence ids of the indexed data)
+  repeated for ``E`` epochs, each epoch in its own shuffled order;
+- sample index ``int64[N + 1, 2]``: row ``j`` is ``(position in the document index, token
+  offset)`` where sample ``j`` starts; sample ``j`` is the ``seq_len + 1`` tokens of the
+  concatenated shuffled documents from token ``j * seq_len`` on (consecutive samples share one
+  token: the last label of one is the first input of the next);
+- shuffle index ``int64[N]``: a permutation of the samples, the order the dataset serves them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CACHE_FORMAT = 1
+INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+
+
+@dataclass(frozen=True)
+class SampleIndices:
+    document_index: np.ndarray
+    sample_index: np.ndarray
+    shuffle_index: np.ndarray
+
+
+def epochs_needed(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
+    """Epochs whose tokens cover ``num_samples`` samples of ``seq_len + 1`` tokens."""
+    needed = num_samples * seq_len + 1
+    return -(-needed // tokens_per_epoch)
+
+
+def build_indices(sizes: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int,
+                  seed: int) -> SampleIndices:
+    """The three indices for ``documents`` (ids into ``sizes``, the token count per sequence)."""
+    tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
+    num_epochs = epochs_needed(tokens_per_epoch, seq_len, num_samples)
+    rng = np.random.RandomState(seed % 2**32)
+    document_index = np.concatenate(
+        [documents[rng.permutation(len(documents))] for _ in range(num_epochs)]).astype(np.int64)
+    token_ends = np.cumsum(sizes[document_index].astype(np.int64))
+    token_starts = np.concatenate([[0], token_ends[:-1]])
+    first_token = np.arange(num_samples + 1, dtype=np.int64) * seq_len
+    # the document holding a token is the last one starting at or before it (skips empty ones)
+    position = np.searchsorted(token_ends, first_token, side="right")
+    sample_index = np.stack([position, first_token - token_starts[position]], axis=1)
+    shuffle_index = rng.permutation(num_samples).astype(np.int64)
+    return SampleIndices(document_index, sample_index.astype(np.int64), shuffle_index)
+
+
+def cache_key(sizes: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int,
+              seed: int) -> str:
+    """Hex digest of everything the indices depend on: documents, their sizes, the parameters."""
+    digest = hashlib.sha256()
+    digest.update(np.ascontiguousarray(documents, dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(sizes[documents], dtype=np.int64).tobytes())
+    digest.update(json.dumps({"format": CACHE_FORMAT, "seq_len": seq_len,
+                              "num_samples": num_samples, "seed": seed}).encode())
+    return digest.hexdigest()[:20]
+
+
+def cache_paths(cache_dir: Path, stem: str) -> dict[str, Path]:
+    return {name: cache_dir / f"{stem}.{name}.npy" for name in INDEX_NAMES}
+
+
+def load_cached(cache_dir: Path, stem: str) -> SampleIndices | None:
+    """The cached indices (memory-mapped), or None when any file is missing."""
+    paths = cache_paths(cache_dir, stem)
+    if not all(p.is_file() for p in paths.values()):
+        return None
+    return SampleIndices(**{name: np.load(path, mmap_mode="r") for name, path in paths.items()})
+
+
+def save_cached(cache_dir: Path, stem: str, indices: SampleIndices, description: dict) -> None:
+    """Write the three ``.npy`` files (each atomically) and a human-readable ``.json``."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for name, path in cache_paths(cache_dir, stem).items():
+        partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        with open(partial, "wb") as handle:
+            np.save(handle, getattr(indices, name))
+        os.replace(partial, path)
+    (cache_dir / f"{stem}.json").write_text(json.dumps(description, indent=2) + "\n")
