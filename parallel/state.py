@@ -1,0 +1,339 @@
+"""Process groups for TP x CP x DP, built once per process on a named DeviceMesh.
+
+Rank order is Megatron's ``tp-cp-dp`` (TP fastest):
+``rank = tp_rank + tp * (cp_rank + cp * dp_rank)``, i.e. ``arange(world).reshape(dp, cp, tp)``.
+A later ``pp`` axis goes after ``dp`` in ``_AXIS_ORDER``.
+
+``compute_rank_groups`` / ``rank_coordinates`` are pure. ``initialize_parallel`` creates
+the groups (every rank creates every group, in the same order) and returns a
+``ParallelState``; the Megatron-named getters below read that current state. Library
+modules receive groups explicitly and never call the getters.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from itertools import product
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+Groups = tuple[tuple[int, ...], ...]
+_AXIS_ORDER = ("tp", "cp", "dp")  # fastest-varying first
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """Every group of each kind as sorted tuples of global ranks, ordered by first member."""
+
+    tp: Groups
+    cp: Groups
+    dp: Groups
+    dp_cp: Groups  # gradient reduction
+    tp_cp: Groups
+
+
+def _check_sizes(tp: int, cp: int, dp: int) -> None:
+    for name, size in (("tp", tp), ("cp", cp), ("dp", dp)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+
+
+def _check_world(world_size: int, tp: int, cp: int, dp: int) -> None:
+    _check_sizes(tp, cp, dp)
+    if world_size != tp * cp * dp:
+        raise ValueError(f"world size {world_size} != tp*cp*dp = {tp}*{cp}*{dp} = {tp * cp * dp}; "
+                         f"choose sizes whose product is {world_size}")
+
+
+def _groups_along(sizes: dict[str, int], along: tuple[str, ...]) -> Groups:
+    """Groups varying the ``along`` axes with the other axes fixed (``sizes`` fastest first)."""
+    strides, stride = {}, 1
+    for name, size in sizes.items():
+        strides[name], stride = stride, stride * size
+    fixed = [name for name in reversed(list(sizes)) if name not in along]  # slowest first
+    groups = []
+    for outer in product(*(range(sizes[name]) for name in fixed)):
+        base = sum(c * strides[name] for name, c in zip(fixed, outer, strict=True))
+        members = (base + sum(c * strides[name] for name, c in zip(along, inner, strict=True))
+                   for inner in product(*(range(sizes[name]) for name in along)))
+        groups.append(tuple(sorted(members)))
+    return tuple(groups)
+
+
+def compute_rank_groups(world_size: int, tp: int, cp: int, dp: int) -> RankGroups:
+    """All TP, CP, DP, DP x CP and TP x CP groups of the layout (pure; raises ValueError)."""
+    _check_world(world_size, tp, cp, dp)
+    sizes = dict(zip(_AXIS_ORDER, (tp, cp, dp), strict=True))
+    return RankGroups(tp=_groups_along(sizes, ("tp",)), cp=_groups_along(sizes, ("cp",)),
+                      dp=_groups_along(sizes, ("dp",)), dp_cp=_groups_along(sizes, ("cp", "dp")),
+                      tp_cp=_groups_along(sizes, ("tp", "cp")))
+
+
+def rank_coordinates(rank: int, tp: int, cp: int, dp: int) -> tuple[int, int, int]:
+    """``(tp_rank, cp_rank, dp_rank)`` of global ``rank`` (pure; raises ValueError)."""
+    _check_sizes(tp, cp, dp)
+    if not 0 <= rank < tp * cp * dp:
+        raise ValueError(f"rank {rank} is outside the world of size tp*cp*dp = {tp * cp * dp}")
+    return rank % tp, (rank // tp) % cp, rank // (tp * cp)
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """One process group seen from this rank: its size, this rank's index, the members' global ranks."""
+
+    size: int
+    rank: int
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """The groups of this process. ``mesh`` has dims ``("dp", "cp", "tp")`` over
+    ``arange(world).reshape(dp, cp, tp)``; ``dp_cp_mesh`` / ``tp_cp_mesh`` are its flattenings
+    of ``("dp", "cp")`` / ``("cp", "tp")``. ``cp_prev_rank`` / ``cp_next_rank`` are the global
+    ranks of this rank's CP ring neighbours (itself when cp == 1)."""
+
+    world_size: int
+    rank: int
+    backend: str
+    tp: AxisGroup
+    cp: AxisGroup
+    dp: AxisGroup
+    dp_cp: AxisGroup
+    tp_cp: AxisGroup
+    cp_prev_rank: int
+    cp_next_rank: int
+    mesh: DeviceMesh
+    dp_cp_mesh: DeviceMesh
+    tp_cp_mesh: DeviceMesh
+    owns_default_group: bool
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """``(tp, cp, dp)``."""
+        return self.tp.size, self.cp.size, self.dp.size
+
+
+_STATE: ParallelState | None = None
+
+
+def _axis(mesh: DeviceMesh) -> AxisGroup:
+    group = mesh.get_group()
+    return AxisGroup(size=dist.get_world_size(group), rank=dist.get_rank(group), group=group,
+                     ranks=tuple(dist.get_process_group_ranks(group)))
+
+
+def _subgroup_override(backend: str, timeout: timedelta) -> tuple[str, Any] | None:
+    """(backend, options carrying ``timeout``) for subgroups; None where the backend has no options."""
+    names = {"gloo": ("ProcessGroupGloo", "_Options"), "nccl": ("ProcessGroupNCCL", "Options")}
+    try:
+        options = getattr(getattr(dist, names[backend][0]), names[backend][1])()
+        options._timeout = timeout
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+    return backend, options
+
+
+def _init_default_group(backend: str, timeout: timedelta) -> None:
+    missing = [name for name in _LAUNCH_ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: "
+                           f"launch with torchrun, or call torch.distributed.init_process_group first")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
+                        timeout_minutes: float = 10.0) -> ParallelState:
+    """Build every group once and make it the current state (returned).
+
+    Uses the default process group when one exists (it is then left alone by
+    ``destroy_parallel``); otherwise creates it from torchrun's environment. ``dp`` defaults
+    to ``world // (tp*cp)``. ``backend`` defaults to nccl when CUDA is available, else gloo.
+    ``timeout_minutes`` bounds collectives on the groups created here.
+    """
+    global _STATE
+    _check_sizes(tp, cp, 1 if dp is None else dp)
+    if not timeout_minutes > 0:
+        raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
+    if _STATE is not None:
+        if _STATE.sizes == (tp, cp, dp or _STATE.dp.size) and backend in (None, _STATE.backend):
+            return _STATE
+        raise RuntimeError(f"parallel state already initialised with (tp, cp, dp) = {_STATE.sizes}; "
+                           f"call destroy_parallel() before initialising (tp={tp}, cp={cp}, dp={dp})")
+    created = not dist.is_initialized()
+    if created:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        world = int(os.environ.get("WORLD_SIZE", "0"))  # 0: unknown, _init_default_group explains
+    else:
+        existing, world = dist.get_backend(), dist.get_world_size()
+        if backend is not None and backend != existing:
+            raise ValueError(f"the default process group uses backend {existing!r} but backend={backend!r} "
+                             f"was requested; pass backend=None or {existing!r}")
+        backend = existing
+    if world > 0:
+        dp = _resolve_dp(world, tp, cp, dp)
+    timeout = timedelta(minutes=timeout_minutes)
+    if created:
+        _init_default_group(backend, timeout)
+    try:
+        dp = _resolve_dp(dist.get_world_size(), tp, cp, dp)
+        _STATE = _build_state(tp, cp, dp, backend, timeout, created)
+    except BaseException:
+        if created:
+            dist.destroy_process_group()
+        raise
+    return _STATE
+
+
+def _resolve_dp(world: int, tp: int, cp: int, dp: int | None) -> int:
+    if dp is None:
+        if world % (tp * cp) != 0:
+            raise ValueError(f"world size {world} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}; "
+                             f"choose tp and cp whose product divides {world}")
+        dp = world // (tp * cp)
+    _check_world(world, tp, cp, dp)
+    return dp
+
+
+def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, created: bool) -> ParallelState:
+    device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    override = _subgroup_override(backend, timeout)
+    per_dim = {name: override for name in ("dp", "cp", "tp")} if override else None
+    mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"),
+                            backend_override=per_dim)
+    dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=override)
+    tp_cp_mesh = mesh["cp", "tp"]._flatten("tp_cp", backend_override=override)
+    cp_axis = _axis(mesh["cp"])
+    return ParallelState(
+        world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,
+        tp=_axis(mesh["tp"]), cp=cp_axis, dp=_axis(mesh["dp"]), dp_cp=_axis(dp_cp_mesh),
+        tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % cp],
+        cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
+        tp_cp_mesh=tp_cp_mesh, owns_default_group=created)
+
+
+def destroy_parallel() -> None:
+    """Destroy the groups ``initialize_parallel`` created (and the default group only if it created
+    that too); a no-op when not initialised."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None:
+        return
+    if state.owns_default_group:
+        dist.destroy_process_group()
+        return
+    default = dist.group.WORLD
+    seen: set[int] = set()
+    for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp):
+        if axis.group is not default and id(axis.group) not in seen:
+            seen.add(id(axis.group))
+            dist.destroy_process_group(axis.group)
+
+
+@contextmanager
+def parallel_context(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
+                     timeout_minutes: float = 10.0) -> Iterator[ParallelState]:
+    """``initialize_parallel`` for the ``with`` block, ``destroy_parallel`` after it."""
+    state = initialize_parallel(tp=tp, cp=cp, dp=dp, backend=backend, timeout_minutes=timeout_minutes)
+    try:
+        yield state
+    finally:
+        destroy_parallel()
+
+
+def run_with_parallel(sizes: tuple[int, int, int | None], fn: Callable[..., Any], *args: Any,
+                      **kwargs: Any) -> Any:
+    """``fn(state, *args, **kwargs)`` inside ``parallel_context(*sizes)``; for ``SpawnedWorld.run``."""
+    with parallel_context(*sizes) as state:
+        return fn(state, *args, **kwargs)
+
+
+def parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def get_parallel_state() -> ParallelState:
+    """The current state; RuntimeError before ``initialize_parallel``."""
+    if _STATE is None:
+        raise RuntimeError("parallel state is not initialised: call "
+                           "parallel.state.initialize_parallel(tp=..., cp=..., dp=...) first")
+    return _STATE
+
+
+def get_device_mesh() -> DeviceMesh:
+    return get_parallel_state().mesh
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().tp.group
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel_state().tp.rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_parallel_state().tp.size
+
+
+def get_context_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().cp.group
+
+
+def get_context_parallel_rank() -> int:
+    return get_parallel_state().cp.rank
+
+
+def get_context_parallel_world_size() -> int:
+    return get_parallel_state().cp.size
+
+
+def get_context_parallel_global_ranks() -> tuple[int, ...]:
+    return get_parallel_state().cp.ranks
+
+
+def get_context_parallel_ring_neighbours() -> tuple[int, int]:
+    """Global ranks ``(prev, next)`` of this rank in its CP ring."""
+    state = get_parallel_state()
+    return state.cp_prev_rank, state.cp_next_rank
+
+
+def _data_axis(with_context_parallel: bool) -> AxisGroup:
+    state = get_parallel_state()
+    return state.dp_cp if with_context_parallel else state.dp
+
+
+def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """The DP group, or the DP x CP group (gradient reduction) when ``with_context_parallel``."""
+    return _data_axis(with_context_parallel).group
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _data_axis(with_context_parallel).rank
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return _data_axis(with_context_parallel).size
+
+
+def get_tensor_and_context_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().tp_cp.group
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    return get_parallel_state().tp_cp.rank
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    return get_parallel_state().tp_cp.size

@@ -1,0 +1,300 @@
+"""Megatron-style tensor parallelism (TP): autograd mappings and TP layers.
+
+Every function and layer takes its TP ``group`` explicitly; ``group=None`` (or a group of
+size 1) means no TP: the layers are then plain ``Linear`` / ``Embedding`` layers and the
+mappings are identities, with no communication.
+
+Weight initialisation does not depend on the layout: the FULL weight is drawn from a
+``torch.Generator`` seeded with ``seed`` (fp32, on CPU) and each rank keeps its slice, so a
+model built with tp=1 and with tp=4 holds the same numbers. Give each layer its own seed.
+Partitioned parameters carry ``tensor_model_parallel = True`` and ``partition_dim``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+InitMethod = Callable[[torch.Tensor, torch.Generator], None]
+"""Fills a full fp32 weight in place, drawing only from the given generator."""
+
+
+def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(size, rank)`` of this process in ``group``; ``(1, 0)`` for ``None``."""
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_divisible(what: str, value: int, size: int) -> None:
+    if value % size != 0:
+        raise ValueError(f"{what} = {value} is not divisible by the tensor-parallel size {size}; "
+                         f"make {what} a multiple of {size} or change tp")
+
+
+def _split_last_dim(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    _check_divisible("last dimension", x.shape[-1], size)
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _all_reduced(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduced(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return _all_reduced(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, (ctx.size, rank) = group, group_size_and_rank(group)
+        return _split_last_dim(x, ctx.size, rank)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_last_dim(grad, ctx.group, ctx.size), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.size, ctx.rank = group_size_and_rank(group)
+        return _gather_last_dim(x, group, ctx.size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last_dim(grad, ctx.size, ctx.rank), None
+
+
+def _no_tp(group: dist.ProcessGroup | None) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Identity forward; all-reduce (sum) of the gradient over ``group`` backward."""
+    return x if _no_tp(group) else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-reduce (sum) over ``group`` forward; identity backward."""
+    return x if _no_tp(group) else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim (``[..., d]`` -> ``[..., d/tp]``); all-gather backward."""
+    return x if _no_tp(group) else _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather the last dim in rank order (``[..., d/tp]`` -> ``[..., d]``); split backward."""
+    return x if _no_tp(group) else _GatherFromRegion.apply(x, group)
+
+
+def init_weight_shard(full_shape: tuple[int, int], partition_dim: int, group: dist.ProcessGroup | None,
+                      seed: int, init_method: InitMethod | None = None, init_std: float = 0.02,
+                      dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                      ) -> torch.Tensor:
+    """This rank's slice (along ``partition_dim``) of the full weight drawn from ``seed``.
+
+    Default init: normal(0, ``init_std``). Layout independent: the slices of all ranks
+    concatenate to the full weight that tp=1 would hold.
+    """
+    size, rank = group_size_and_rank(group)
+    _check_divisible(f"weight dim {partition_dim} of {tuple(full_shape)}", full_shape[partition_dim], size)
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.empty(full_shape, dtype=torch.float32)
+    if init_method is None:
+        full.normal_(0.0, init_std, generator=generator)
+    else:
+        init_method(full, generator)
+    shard = full.chunk(size, dim=partition_dim)[rank].clone()
+    return shard.to(dtype=dtype or torch.get_default_dtype(), device=device)
+
+
+def _partitioned(tensor: torch.Tensor, partition_dim: int) -> nn.Parameter:
+    param = nn.Parameter(tensor)
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    param.partition_dim = partition_dim  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split by output rows across ``group``.
+
+    Local weight ``[out_features/tp, in_features]`` and bias ``[out_features/tp]`` (rank r
+    holds rows ``[r*out/tp, (r+1)*out/tp)``). Input ``[..., in_features]`` (replicated);
+    output ``[..., out_features/tp]``, or ``[..., out_features]`` when ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group: dist.ProcessGroup | None = None, seed: int = 0, init_method: InitMethod | None = None,
+                 init_std: float = 0.02, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.group = gather_output, group
+        self.tp_size, self.tp_rank = group_size_and_rank(group)
+        _check_divisible("out_features", out_features, self.tp_size)
+        self.weight = _partitioned(init_weight_shard((out_features, in_features), 0, group, seed,
+                                                     init_method, init_std, dtype, device), 0)
+        local_out = out_features // self.tp_size
+        self.bias = (_partitioned(torch.zeros(local_out, dtype=self.weight.dtype, device=device), 0)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split by input columns across ``group``; output all-reduced.
+
+    Local weight ``[out_features, in_features/tp]`` (rank r holds columns
+    ``[r*in/tp, (r+1)*in/tp)``); bias ``[out_features]`` replicated, added after the reduce.
+    Input ``[..., in_features/tp]`` when ``input_is_parallel``, else ``[..., in_features]``
+    (split here). Output ``[..., out_features]``, identical on every rank of ``group``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = False, group: dist.ProcessGroup | None = None, seed: int = 0,
+                 init_method: InitMethod | None = None, init_std: float = 0.02,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.group = input_is_parallel, group
+        self.tp_size, self.tp_rank = group_size_and_rank(group)
+        _check_divisible("in_features", in_features, self.tp_size)
+        self.weight = _partitioned(init_weight_shard((out_features, in_features), 1, group, seed,
+                                                     init_method, init_std, dtype, device), 1)
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=device))
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local_in = self.in_features // self.tp_size
+        if self.input_is_parallel and x.shape[-1] != local_in:
+            raise ValueError(f"input_is_parallel expects the last dim to be in_features/tp = {local_in}, "
+                             f"got {x.shape[-1]}; pass the local shard or input_is_parallel=False")
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split into contiguous ranges across ``group``.
+
+    Local weight ``[num_embeddings/tp, embedding_dim]`` (rank r holds ids
+    ``[r*V/tp, (r+1)*V/tp)``). Input ids ``[...]`` in ``[0, num_embeddings)`` (not checked:
+    an id outside every range embeds to zeros); output ``[..., embedding_dim]`` on every rank.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: dist.ProcessGroup | None = None,
+                 seed: int = 0, init_method: InitMethod | None = None, init_std: float = 0.02,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        self.tp_size, self.tp_rank = group_size_and_rank(group)
+        _check_divisible("num_embeddings", num_embeddings, self.tp_size)
+        self.weight = _partitioned(init_weight_shard((num_embeddings, embedding_dim), 0, group, seed,
+                                                     init_method, init_std, dtype, device), 0)
+        self.vocab_start = self.tp_rank * (num_embeddings // self.tp_size)
+        self.vocab_end = self.vocab_start + num_embeddings // self.tp_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f"token ids must be an integer tensor, got {ids.dtype}")
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = torch.where(outside, 0, ids - self.vocab_start)
+        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(y, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
+                ignore_index: int) -> torch.Tensor:
+        size, rank = group_size_and_rank(group)
+        compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        local_vocab = logits.shape[-1]
+        row_max = logits.detach().amax(dim=-1).to(compute_dtype)
+        if size > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits.to(compute_dtype) - row_max.unsqueeze(-1)  # a new tensor: the input is untouched
+        ignored = targets == ignore_index
+        local_target = targets - rank * local_vocab
+        in_shard = (local_target >= 0) & (local_target < local_vocab) & ~ignored
+        index = torch.where(in_shard, local_target, 0).unsqueeze(-1)
+        target_logit = torch.where(in_shard, shifted.gather(-1, index).squeeze(-1), 0.0)
+        exp = shifted.exp_()
+        sums = torch.stack([target_logit, exp.sum(dim=-1)])  # one all-reduce for both
+        if size > 1:
+            dist.all_reduce(sums, group=group)
+        target_logit, sum_exp = sums.unbind(0)
+        loss = torch.where(ignored, 0.0, torch.log(sum_exp) - target_logit)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, index, in_shard, ignored)
+        ctx.logits_dtype, ctx.used = logits.dtype, False
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.used:
+            raise RuntimeError("vocab_parallel_cross_entropy supports one backward pass per forward "
+                               "(the saved softmax becomes the gradient in place); run the forward again")
+        ctx.used = True
+        grad, index, in_shard, ignored = ctx.saved_tensors
+        grad.scatter_add_(-1, index, -in_shard.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(torch.where(ignored, 0.0, grad_loss.to(grad.dtype)).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 group: dist.ProcessGroup | None = None, ignore_index: int = -100
+                                 ) -> torch.Tensor:
+    """Per-token cross entropy ``[...]`` of vocab-sharded ``logits`` ``[..., V/tp]`` (rank r holds
+    classes ``[r*V/tp, (r+1)*V/tp)``) against global class ids ``targets`` ``[...]``.
+
+    The full logits are never gathered: only the row max and two per-token sums are
+    all-reduced over ``group``. Computed in fp32 (fp64 for fp64 logits); the loss has that
+    dtype, the gradient the logits' dtype. Tokens whose target is ``ignore_index`` get loss 0
+    and no gradient. Targets must lie in ``[0, V)`` (not checked). One backward per forward.
+    """
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor of class ids, got {targets.dtype}")
+    if logits.dim() < 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal the logits shape without its "
+                         f"last (vocab) dim, {tuple(logits.shape[:-1])}")
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)

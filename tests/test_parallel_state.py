@@ -1,0 +1,243 @@
+"""Parallel state: pure rank groups vs brute force, real groups on a spawned world of 8, errors."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from parallel import state as ps
+from parallel.spawn import free_port
+from parallel.state import compute_rank_groups, initialize_parallel, rank_coordinates
+
+
+def layouts(world: int) -> list[tuple[int, int, int]]:
+    """Every (tp, cp, dp) with tp*cp*dp == world."""
+    return [(tp, cp, world // (tp * cp)) for tp in range(1, world + 1) for cp in range(1, world + 1)
+            if world % (tp * cp) == 0]
+
+
+def brute_force_groups(world: int, tp: int, cp: int, dp: int) -> dict[str, set[tuple[int, ...]]]:
+    grid = np.arange(world).reshape(dp, cp, tp)
+    def as_set(rows: np.ndarray) -> set[tuple[int, ...]]:
+        return {tuple(sorted(int(r) for r in row)) for row in rows}
+    return {
+        "tp": as_set(grid.reshape(-1, tp)),
+        "cp": as_set(grid.transpose(0, 2, 1).reshape(-1, cp)),
+        "dp": as_set(grid.transpose(1, 2, 0).reshape(-1, dp)),
+        "dp_cp": as_set(grid.transpose(2, 0, 1).reshape(-1, dp * cp)),
+        "tp_cp": as_set(grid.reshape(dp, cp * tp)),
+    }
+
+
+GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "tp_cp")
+
+
+def test_golden_groups_world8_tp2_cp2_dp2() -> None:
+    groups = compute_rank_groups(8, tp=2, cp=2, dp=2)
+    assert groups.tp == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert groups.cp == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert groups.dp == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert groups.dp_cp == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert groups.tp_cp == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+@pytest.mark.parametrize("world", range(1, 17))
+def test_groups_match_brute_force(world: int) -> None:
+    for tp, cp, dp in layouts(world):
+        groups = compute_rank_groups(world, tp, cp, dp)
+        expected = brute_force_groups(world, tp, cp, dp)
+        for kind in GROUP_KINDS:
+            got = getattr(groups, kind)
+            assert set(got) == expected[kind], (kind, tp, cp, dp, got)
+            assert list(got) == sorted(got), f"{kind} groups not ordered by first member: {got}"
+            assert sorted(r for g in got for r in g) == list(range(world)), f"{kind} is not a partition"
+        for rank in range(world):
+            tp_rank, cp_rank, dp_rank = rank_coordinates(rank, tp, cp, dp)
+            assert rank == tp_rank + tp * (cp_rank + cp * dp_rank), (rank, tp, cp, dp)
+
+
+@pytest.mark.parametrize("args,message", [
+    ((8, 2, 2, 3), r"world size 8 != tp\*cp\*dp = 2\*2\*3 = 12"),
+    ((8, 0, 4, 2), r"tp must be an integer >= 1, got 0"),
+    ((8, 2, -1, 2), r"cp must be an integer >= 1, got -1"),
+    ((8, 2, 2, 2.0), r"dp must be an integer >= 1, got 2.0"),
+])
+def test_compute_rank_groups_rejects_bad_sizes(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        compute_rank_groups(*args)
+
+
+def test_rank_coordinates_rejects_rank_outside_world() -> None:
+    with pytest.raises(ValueError, match=r"rank 8 is outside the world of size tp\*cp\*dp = 8"):
+        rank_coordinates(8, 2, 2, 2)
+
+
+GETTERS = [ps.get_parallel_state, ps.get_device_mesh, ps.get_tensor_model_parallel_group,
+           ps.get_tensor_model_parallel_rank, ps.get_tensor_model_parallel_world_size,
+           ps.get_context_parallel_group, ps.get_context_parallel_rank,
+           ps.get_context_parallel_world_size, ps.get_context_parallel_global_ranks,
+           ps.get_context_parallel_ring_neighbours, ps.get_data_parallel_group,
+           ps.get_data_parallel_rank, ps.get_data_parallel_world_size,
+           ps.get_tensor_and_context_parallel_group, ps.get_tensor_and_context_parallel_rank,
+           ps.get_tensor_and_context_parallel_world_size]
+
+
+@pytest.mark.parametrize("getter", GETTERS, ids=lambda g: g.__name__)
+def test_getters_before_initialisation_raise(getter) -> None:
+    assert not ps.parallel_is_initialized()
+    with pytest.raises(RuntimeError, match="call parallel.state.initialize_parallel"):
+        getter()
+
+
+def test_initialize_rejects_size_below_one_before_touching_dist() -> None:
+    with pytest.raises(ValueError, match="cp must be an integer >= 1, got 0"):
+        initialize_parallel(tp=1, cp=0)
+    assert not dist.is_initialized()
+
+
+def test_initialize_rejects_non_positive_timeout() -> None:
+    with pytest.raises(ValueError, match="timeout_minutes must be > 0, got 0"):
+        initialize_parallel(timeout_minutes=0)
+
+
+def test_initialize_without_launcher_says_how_to_launch(monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="launch with torchrun"):
+        initialize_parallel(backend="gloo")
+    assert not ps.parallel_is_initialized()
+
+
+def test_initialize_from_torchrun_env_owns_and_destroys_default_group(monkeypatch) -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"world size 1 != tp\*cp\*dp = 1\*1\*2 = 2"):
+        initialize_parallel(dp=2, backend="gloo")
+    assert not dist.is_initialized(), "a size error must be raised before the default group is created"
+    try:
+        state = initialize_parallel(backend="gloo", timeout_minutes=3)
+        assert state.owns_default_group and state.sizes == (1, 1, 1) and state.backend == "gloo"
+        for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp):
+            timeout = axis.group._get_backend(torch.device("cpu")).options._timeout
+            assert timeout == timedelta(minutes=3), f"group {axis.ranks} has timeout {timeout}"
+        assert state.mesh.mesh_dim_names == ("dp", "cp", "tp")
+        assert (state.cp_prev_rank, state.cp_next_rank) == (0, 0)
+    finally:
+        ps.destroy_parallel()
+    assert not dist.is_initialized(), "destroy_parallel must destroy the default group it created"
+
+
+# ----------------------------------------------------------------------------- spawned world of 8
+
+def _check_axis(name: str, axis: ps.AxisGroup, expected_groups: tuple[tuple[int, ...], ...],
+                expected_rank: int, me: int) -> None:
+    mine = [g for g in expected_groups if me in g]
+    assert len(mine) == 1, f"{name}: rank {me} is in {len(mine)} computed groups"
+    assert axis.ranks == mine[0], f"{name}: members {axis.ranks}, computed {mine[0]}"
+    assert tuple(dist.get_process_group_ranks(axis.group)) == mine[0], f"{name}: process group members"
+    assert axis.size == len(mine[0]) == dist.get_world_size(axis.group), f"{name}: size {axis.size}"
+    assert axis.rank == expected_rank == dist.get_rank(axis.group), \
+        f"{name}: group rank {axis.rank}, expected {expected_rank}"
+    total = torch.tensor([float(me)])
+    dist.all_reduce(total, group=axis.group)  # the group really connects exactly these ranks
+    want = sum(mine[0])
+    assert total.item() == want, f"{name}: all-reduce of the members' ranks gave {total.item()}, not {want}"
+
+
+def check_layout_on_rank(tp: int, cp: int, dp: int) -> None:
+    world, me = dist.get_world_size(), dist.get_rank()
+    groups = compute_rank_groups(world, tp, cp, dp)
+    tp_rank, cp_rank, dp_rank = rank_coordinates(me, tp, cp, dp)
+    state = initialize_parallel(tp=tp, cp=cp, dp=dp)
+    try:
+        assert not state.owns_default_group
+        assert initialize_parallel(tp=tp, cp=cp) is state, "same sizes again must return the same state"
+        _check_axis("tp", state.tp, groups.tp, tp_rank, me)
+        _check_axis("cp", state.cp, groups.cp, cp_rank, me)
+        _check_axis("dp", state.dp, groups.dp, dp_rank, me)
+        _check_axis("dp_cp", state.dp_cp, groups.dp_cp, cp_rank + cp * dp_rank, me)
+        _check_axis("tp_cp", state.tp_cp, groups.tp_cp, tp_rank + tp * cp_rank, me)
+        ring = state.cp.ranks
+        neighbours = (ring[(cp_rank - 1) % cp], ring[(cp_rank + 1) % cp])
+        assert (state.cp_prev_rank, state.cp_next_rank) == neighbours, (state.cp_prev_rank, neighbours)
+        mesh = state.mesh
+        assert mesh.mesh_dim_names == ("dp", "cp", "tp")
+        assert torch.equal(mesh.mesh.cpu(), torch.arange(world).reshape(dp, cp, tp)), mesh.mesh
+        assert list(mesh.get_coordinate()) == [dp_rank, cp_rank, tp_rank], mesh.get_coordinate()
+        for dim, axis in (("tp", state.tp), ("cp", state.cp), ("dp", state.dp)):
+            assert tuple(dist.get_process_group_ranks(mesh.get_group(dim))) == axis.ranks, dim
+        assert tuple(state.dp_cp_mesh.mesh.flatten().tolist()) == state.dp_cp.ranks
+        assert tuple(state.tp_cp_mesh.mesh.flatten().tolist()) == state.tp_cp.ranks
+        # Megatron-named getters read the same state
+        assert ps.get_tensor_model_parallel_group() is state.tp.group
+        assert ps.get_tensor_model_parallel_rank() == tp_rank
+        assert ps.get_tensor_model_parallel_world_size() == tp
+        assert ps.get_context_parallel_group() is state.cp.group
+        assert (ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()) == (cp_rank, cp)
+        assert ps.get_context_parallel_global_ranks() == state.cp.ranks
+        assert ps.get_context_parallel_ring_neighbours() == (state.cp_prev_rank, state.cp_next_rank)
+        assert ps.get_data_parallel_group() is state.dp.group
+        assert (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()) == (dp_rank, dp)
+        assert ps.get_data_parallel_group(with_context_parallel=True) is state.dp_cp.group
+        assert ps.get_data_parallel_world_size(with_context_parallel=True) == dp * cp
+        assert ps.get_data_parallel_rank(with_context_parallel=True) == state.dp_cp.rank
+        assert ps.get_tensor_and_context_parallel_group() is state.tp_cp.group
+        assert ps.get_tensor_and_context_parallel_world_size() == tp * cp
+        assert ps.get_tensor_and_context_parallel_rank() == state.tp_cp.rank
+        assert ps.get_device_mesh() is mesh
+    finally:
+        ps.destroy_parallel()
+    assert not ps.parallel_is_initialized()
+
+
+def check_all_layouts_and_errors_on_rank() -> int:
+    world = dist.get_world_size()
+    for tp, cp, dp in layouts(world):
+        check_layout_on_rank(tp, cp, dp)
+    check_layout_on_rank(2, 2, 2)  # the same layout again after destroy builds fresh groups
+    # DTensor works on the named mesh
+    with ps.parallel_context(tp=4, cp=1) as state:
+        full = torch.arange(32.0).reshape(8, 4)
+        local = distribute_tensor(full, state.mesh["tp"], [Shard(0)]).to_local()
+        assert torch.equal(local, full.chunk(4)[state.tp.rank]), local
+    # bad input
+    with pytest.raises(ValueError, match=r"world size 8 is not divisible by tp\*cp = 3\*1 = 3"):
+        initialize_parallel(tp=3)
+    with pytest.raises(ValueError, match=r"world size 8 != tp\*cp\*dp = 2\*2\*4 = 16"):
+        initialize_parallel(tp=2, cp=2, dp=4)
+    with pytest.raises(ValueError, match="default process group uses backend 'gloo'"):
+        initialize_parallel(tp=2, backend="nccl")
+    initialize_parallel(tp=2, cp=2)
+    try:
+        with pytest.raises(RuntimeError, match=r"already initialised with \(tp, cp, dp\) = \(2, 2, 2\)"):
+            initialize_parallel(tp=4, cp=2)
+    finally:
+        ps.destroy_parallel()
+    ps.destroy_parallel()  # a second destroy is a no-op
+    # the spawned world's default group survives every destroy_parallel
+    assert dist.is_initialized()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == world, f"default group all-reduce gave {total.item()}"
+    return len(layouts(world))
+
+
+def describe_state_on_rank(state: ps.ParallelState, tag: str) -> tuple[str, tuple[int, ...], int, int]:
+    return tag, state.cp.ranks, state.cp_prev_rank, state.cp_next_rank
+
+
+def test_spawned_world8_groups_match_computed_coordinates(spawn_world) -> None:
+    world = spawn_world(8)
+    assert world.run(check_all_layouts_and_errors_on_rank) == [10] * 8
+    results = world.run(ps.run_with_parallel, (2, 2, 2), describe_state_on_rank, "golden")
+    cp_groups = {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3), 4: (4, 6), 5: (5, 7), 6: (4, 6), 7: (5, 7)}
+    for rank, (tag, cp_ranks, prev_rank, next_rank) in enumerate(results):
+        assert tag == "golden" and cp_ranks == cp_groups[rank], (rank, cp_ranks)
+        other = cp_groups[rank][1 - cp_groups[rank].index(rank)]
+        assert prev_rank == next_rank == other, (rank, prev_rank, next_rank)
