@@ -16,16 +16,17 @@ import torch.distributed as dist
 
 @dataclass
 class Transfer:
-    """An exchange in flight: ``recv`` holds the previous rank's tensor once ``wait()`` returns."""
+    """An exchange in flight: ``recv`` holds the previous rank's tensors once ``wait()`` returns."""
 
-    recv: torch.Tensor
+    recv: list[torch.Tensor]
     works: list
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> list[torch.Tensor]:
+        """Wait for the sends and receives; hand over the received tensors (kept no longer here)."""
         for work in self.works:
             work.wait()
-        self.works = []
-        return self.recv
+        received, self.recv, self.works = self.recv, [], []
+        return received
 
 
 class RingComm:
@@ -38,10 +39,20 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor | None = None, tag: int = 0) -> Transfer:
-        """Send ``send`` to the next rank and receive the previous rank's tensor (same shape) into ``recv``."""
-        if recv is None:
-            recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+    def exchange(self, send: list[torch.Tensor], recv_shapes: list[torch.Size] | None = None,
+                 tag: int = 0, like: torch.Tensor | None = None) -> Transfer:
+        """Send the contiguous tensors ``send`` to the next rank; receive the previous rank's.
+
+        The received tensors have ``recv_shapes`` (default: the shapes sent) and the dtype and
+        device of ``like`` (default: the first tensor sent);
+        either list may be empty (nothing sent or nothing received). The send buffers are
+        released once the transfer completes.
+        """
+        shapes = recv_shapes if recv_shapes is not None else [x.shape for x in send]
+        like = like if like is not None else (send[0] if send else None)
+        recv = [torch.empty(shape, dtype=like.dtype, device=like.device) for shape in shapes]
+        if not send and not recv:
+            return Transfer([], [])
+        ops = [dist.P2POp(dist.isend, x, self.next, self.group, tag) for x in send]
+        ops += [dist.P2POp(dist.irecv, x, self.prev, self.group, tag) for x in recv]
         return Transfer(recv, dist.batch_isend_irecv(ops))

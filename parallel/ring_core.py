@@ -9,10 +9,13 @@ flight at any time, always for the next step that needs remote data, so the
 transfer overlaps the current kernel call. Splitting by head chunks bounds
 the transient buffers (received K/V, travelling dK/dV) to one chunk's size.
 
-Backward: for each chunk the remote steps run first; the dK/dV accumulator of
-a block starts on the first rank that uses it, travels the ring with the K/V
-and arrives at the block's owner, which adds its own (local-step) share. dQ
-stays local. Nothing saved is recomputed.
+Backward, per chunk: the local step first, written straight into dq/dk/dv;
+then the remote steps. The dK/dV accumulator of a block starts on the first
+rank that uses it, travels the ring with the K/V and arrives home at the
+block's owner, which adds it to its own share. dQ stays local. Nothing saved
+is recomputed. To keep the peak low, the first remote K/V transfer of each
+chunk starts after the chunk's local step (the only transfer not overlapped),
+and buffers are dropped as soon as they are sent.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 from parallel.kernels import flash_backward, flash_forward
 from parallel.ring_comm import RingComm, Transfer
-from parallel.ring_schedule import BlockTask, block_task
+from parallel.ring_schedule import BlockTask, block_task, covered_kv_rows, needed_kv_rows
 
 KV_TAG, GRAD_TAG = 0, 1
 
@@ -46,11 +49,37 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     out.lerp_(block_out.to(out.dtype), weight.unsqueeze(-1))
 
 
-def _start_local_kv(comm: RingComm | None, k: torch.Tensor, v: torch.Tensor) -> Transfer | None:
-    """Send this rank's K/V chunk (packed [2, B, n, hk, D]) to the next rank, receive the previous one's."""
-    if comm is None:
-        return None
-    return comm.exchange(torch.stack([k, v]), tag=KV_TAG)
+def _pass_kv(comm: RingComm, held: list[torch.Tensor], like: torch.Tensor, rows: tuple[int, int]) -> Transfer:
+    """Send the first rows of the held [k, v] on; receive the next block's rows (``rows`` = (sent, received)).
+
+    ``like`` ([B, n, hk, D]) gives the shape of the other dims, dtype and device.
+    """
+    send_rows, recv_rows = rows
+    send = [x[:, :send_rows].contiguous() for x in held] if send_rows else []
+    shapes = [(like.shape[0], recv_rows, *like.shape[2:])] * 2 if recv_rows else []
+    return comm.exchange(send, shapes, tag=KV_TAG, like=like)
+
+
+class _Plan:
+    """Row counts of the ring's transfers for one rank (from ring_schedule's pure rules)."""
+
+    def __init__(self, layout: str, causal: bool, rank: int, world: int, n: int) -> None:
+        self.layout, self.causal, self.rank, self.world, self.n = layout, causal, rank, world, n
+
+    def task(self, step: int) -> BlockTask | None:
+        return block_task(self.layout, self.causal, self.rank, (self.rank - step) % self.world, self.n)
+
+    def kv_rows(self, step: int) -> tuple[int, int]:
+        """(rows sent, rows received) when the K/V held at ``step`` moves on to hop ``step + 1``."""
+        held, arriving = (self.rank - step) % self.world, (self.rank - step - 1) % self.world
+        return (needed_kv_rows(self.layout, self.causal, held, step + 1, self.world, self.n),
+                needed_kv_rows(self.layout, self.causal, arriving, step + 1, self.world, self.n))
+
+    def grad_rows(self, step: int) -> tuple[int, int]:
+        """(rows sent, rows received) of the dK/dV accumulators passed on after ``step``."""
+        held, arriving = (self.rank - step) % self.world, (self.rank - step - 1) % self.world
+        return (covered_kv_rows(self.layout, self.causal, held, step, self.world, self.n),
+                covered_kv_rows(self.layout, self.causal, arriving, step, self.world, self.n))
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, layout: str,
@@ -60,32 +89,30 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
     batch, n, heads, dim = q.shape
     group_size = heads // k.shape[2]
     world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
+    plan = _Plan(layout, causal, rank, world, n)
     acc = accumulator_dtype(q.dtype)
     out = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
     lse = torch.empty(batch, n, heads, dtype=acc, device=q.device)
     for k0, k1 in head_chunk_bounds(k.shape[2], head_chunks):
         qs = slice(k0 * group_size, k1 * group_size)
         q_c, out_c, lse_c = q[:, :, qs], out[:, :, qs], lse[:, :, qs]
-        k_c, v_c = k[:, :, k0:k1], v[:, :, k0:k1]
-        transfer = None
+        k_chunk = k[:, :, k0:k1]
+        held = [k_chunk, v[:, :, k0:k1]]
         for step in range(world):
-            if step == 0:
-                transfer = _start_local_kv(comm, k_c, v_c)
-            else:
-                held = transfer.wait()
-                k_c, v_c = held[0], held[1]
-                transfer = comm.exchange(held, tag=KV_TAG) if step + 1 < world else None
-            task = block_task(layout, causal, rank, (rank - step) % world, n)
-            if task is None:
-                continue
-            block_out, block_lse = flash_forward(q_c[:, task.q_rows], k_c[:, task.kv_rows],
-                                                 v_c[:, task.kv_rows], task.causal, scale, backend)
-            block_lse = block_lse.transpose(1, 2)
-            if step == 0:  # the local step always covers every row
-                out_c.copy_(block_out)
-                lse_c.copy_(block_lse)
-            else:
-                merge_block(out_c[:, task.q_rows], lse_c[:, task.q_rows], block_out, block_lse)
+            # the next block travels while this one computes
+            transfer = _pass_kv(comm, held, k_chunk, plan.kv_rows(step)) if step + 1 < world else None
+            task = plan.task(step)
+            if task is not None:
+                block_out, block_lse = flash_forward(q_c[:, task.q_rows], held[0][:, task.kv_rows],
+                                                     held[1][:, task.kv_rows], task.causal, scale, backend)
+                block_lse = block_lse.transpose(1, 2)
+                if step == 0:  # the local step always covers every row
+                    out_c.copy_(block_out)
+                    lse_c.copy_(block_lse)
+                else:
+                    merge_block(out_c[:, task.q_rows], lse_c[:, task.q_rows], block_out, block_lse)
+                del block_out, block_lse
+            held = transfer.wait() if transfer is not None else []
     return out, lse
 
 
@@ -113,42 +140,65 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     kv_heads = k.shape[2]
     group_size = heads // kv_heads
     world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
+    plan = _Plan(layout, causal, rank, world, n)
     acc = accumulator_dtype(q.dtype)
-    dq = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
+    dq = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
     dk = torch.empty(batch, n, kv_heads, dim, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
-    chunks = head_chunk_bounds(kv_heads, head_chunks)
-    kv_transfer = _start_local_kv(comm, k[:, :, chunks[0][0]:chunks[0][1]], v[:, :, chunks[0][0]:chunks[0][1]])
-    for index, (k0, k1) in enumerate(chunks):
+    for k0, k1 in head_chunk_bounds(kv_heads, head_chunks):
         qs = slice(k0 * group_size, k1 * group_size)
         rows = (dout[:, :, qs], q[:, :, qs], out[:, :, qs], lse[:, :, qs])
-        dq_c = dq[:, :, qs]
-
+        k_c, v_c, dq_c, dk_c, dv_c = k[:, :, k0:k1], v[:, :, k0:k1], dq[:, :, qs], dk[:, :, k0:k1], dv[:, :, k0:k1]
+        dq_c.zero_()
+        dk_b, dv_b = _block_grads(plan.task(0), rows, k_c, v_c, dq_c, scale, backend)
+        dk_c.copy_(dk_b)
+        dv_c.copy_(dv_b)
+        del dk_b, dv_b
+        if comm is None:
+            continue
+        # the chunk's first hop starts after its local step, so the two never hold memory at once
+        kv_transfer = _pass_kv(comm, [k_c, v_c], k_c, plan.kv_rows(0))
         grad_transfer = None
-        for step in range(1, world):  # remote blocks first
+        for step in range(1, world):
             held = kv_transfer.wait()
-            kv_transfer = comm.exchange(held, tag=KV_TAG) if step + 1 < world else None
-            task = block_task(layout, causal, rank, (rank - step) % world, n)
-            dk_b, dv_b = _block_grads(task, rows, held[0], held[1], dq_c, scale, backend)
-            if grad_transfer is None:
-                grads = torch.zeros(2, batch, n, k1 - k0, dim, dtype=acc, device=q.device)
-            else:
-                grads = grad_transfer.wait()
-            if task is not None:
-                grads[0][:, task.kv_rows] += dk_b
-                grads[1][:, task.kv_rows] += dv_b
-            del dk_b, dv_b
-            grad_transfer = comm.exchange(grads, tag=GRAD_TAG)  # the last hop delivers it to its owner
-        if index + 1 < len(chunks):  # prefetch the next chunk's first remote block during the local step
-            n0, n1 = chunks[index + 1]
-            kv_transfer = _start_local_kv(comm, k[:, :, n0:n1], v[:, :, n0:n1])
-        local = block_task(layout, causal, rank, rank, n)
-        dk_b, dv_b = _block_grads(local, rows, k[:, :, k0:k1], v[:, :, k0:k1], dq_c, scale, backend)
-        if grad_transfer is None:
-            dk[:, :, k0:k1] = dk_b
-            dv[:, :, k0:k1] = dv_b
-        else:
-            home = grad_transfer.wait()
-            dk[:, :, k0:k1].copy_(home[0]).add_(dk_b)
-            dv[:, :, k0:k1].copy_(home[1]).add_(dv_b)
+            kv_transfer = _pass_kv(comm, held, k_c, plan.kv_rows(step)) if step + 1 < world else None
+            task = plan.task(step)
+            dk_b, dv_b = _block_grads(task, rows, *held, dq_c, scale, backend) if held else (None, None)
+            del held
+            arriving = grad_transfer.wait() if grad_transfer is not None else []
+            send_rows, recv_rows = plan.grad_rows(step)
+            grads = _accumulate(arriving, task, dk_b, dv_b, dk_c, send_rows)
+            del arriving, dk_b, dv_b
+            # pass the accumulator on; after the last hop every accumulator arrives at its owner
+            shapes = [(batch, recv_rows, k1 - k0, dim)] * 2 if recv_rows else []
+            grad_transfer = comm.exchange(grads, shapes, tag=GRAD_TAG, like=dk_c)
+            del grads
+        home = grad_transfer.wait()
+        if home:
+            dk_c[:, :home[0].shape[1]] += home[0]
+            dv_c[:, :home[1].shape[1]] += home[1]
+        del home, grad_transfer
     return dq, dk, dv
+
+
+def _accumulate(arriving: list[torch.Tensor], task: BlockTask | None, dk_b: torch.Tensor | None,
+                dv_b: torch.Tensor | None, like: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """The travelling [dk, dv] accumulator with this rank's share added: its first ``rows`` rows.
+
+    ``arriving`` holds the rows used by the earlier ranks (empty if none); ``like`` gives dtype/device.
+    """
+    if rows == 0:
+        return []
+    if not arriving and task is not None and task.kv_rows == slice(0, rows) and dk_b.dtype == like.dtype:
+        return [dk_b, dv_b]  # the first contribution covers every row: send it as it is
+    if arriving and arriving[0].shape[1] == rows:
+        grads = arriving
+    else:
+        shape = (like.shape[0], rows, *like.shape[2:])
+        grads = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
+        for total, part in zip(grads, arriving, strict=False):
+            total[:, :part.shape[1]] += part
+    if task is not None:
+        grads[0][:, task.kv_rows] += dk_b
+        grads[1][:, task.kv_rows] += dv_b
+    return grads

@@ -53,3 +53,30 @@ def block_task(layout: str, causal: bool, rank: int, source: int, n: int) -> Blo
 def expected_kernel_calls(layout: str, causal: bool, rank: int, world: int, n: int) -> int:
     """Kernel calls one rank makes per head chunk for one forward (the backward makes as many)."""
     return sum(block_task(layout, causal, rank, (rank - s) % world, n) is not None for s in range(world))
+
+
+def covered_kv_rows(layout: str, causal: bool, source: int, hops: int, world: int, n: int) -> int:
+    """Rows ``[0, stop)`` of ``source``'s K/V block that the ``hops`` ranks after it have used.
+
+    The travelling dK/dV accumulator of that block carries exactly these rows. Every
+    rule above uses a prefix of the K/V rows, which is what makes the union a prefix.
+    """
+    stop = 0
+    for hop in range(1, hops + 1):
+        task = block_task(layout, causal, (source + hop) % world, source, n)
+        if task is not None:
+            stop = max(stop, task.kv_rows.stop)
+    return stop
+
+
+def needed_kv_rows(layout: str, causal: bool, source: int, from_hop: int, world: int, n: int) -> int:
+    """Rows ``[0, stop)`` of ``source``'s K/V block that hops ``from_hop .. world-1`` still use.
+
+    A K/V transfer carries only these rows (0: the transfer is skipped).
+    """
+    stop = 0
+    for hop in range(from_hop, world):
+        task = block_task(layout, causal, (source + hop) % world, source, n)
+        if task is not None:
+            stop = max(stop, task.kv_rows.stop)
+    return stop

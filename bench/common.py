@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmarks: memory high-water marks, timing, output as JSON lines plus a table."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python bench/x.py` works without installing the project
+    sys.path.insert(0, str(ROOT))
+
+# Large allocations are mmapped and unmapped at once, so RSS follows live memory
+# (glibc's adaptive threshold would otherwise keep freed buffers and hide peaks).
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+
+
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def reset_peak_memory() -> float:
+    """Reset this process's RSS high-water mark; returns the current RSS in MB (the baseline)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _status_mb("VmRSS")
+
+
+def peak_memory_mb() -> float:
+    """The RSS high-water mark (MB) since the last ``reset_peak_memory``."""
+    return _status_mb("VmHWM")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def emit(records: list[dict], columns: Sequence[tuple[str, str, Callable[[object], str]]]) -> None:
+    """Print one JSON line per record, then an aligned table of ``columns`` (key, header, formatter)."""
+    for record in records:
+        print(json.dumps(record), flush=True)
+    rows = [[header for _, header, _ in columns]]
+    rows += [[fmt(r.get(key)) for key, _, fmt in columns] for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    print()
+    for index, row in enumerate(rows):
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
