@@ -1,10 +1,7 @@
 """Process groups for TP x CP x DP, built once per process on a named DeviceMesh.
 
-Rank order is Megatron's ``tp-cp-dp`` (TP fastest):
-``rank = tp_rank + tp * (cp_rank + cp * dp_rank)``, i.e. ``arange(world).reshape(dp, cp, tp)``.
-A later ``pp`` axis goes after ``dp`` in ``_AXIS_ORDER``.
-
-``compute_rank_groups`` / ``rank_coordinates`` are pure. ``initialize_parallel`` creates
+Rank order is Megatron's ``tp-cp-dp`` (see ``parallel/rank_groups.py`` for the pure
+rank-group function, re-exported here). ``initialize_parallel`` creates
 the groups (every rank creates every group, in the same order) and returns a
 ``ParallelState``; the Megatron-named getters below read that current state. Library
 modules receive groups explicitly and never call the getters.
@@ -17,72 +14,23 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from itertools import product
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-Groups = tuple[tuple[int, ...], ...]
-_AXIS_ORDER = ("tp", "cp", "dp")  # fastest-varying first
+from parallel.rank_groups import (  # noqa: F401  (re-exported)
+    AXIS_ORDER,
+    Groups,
+    RankGroups,
+    check_sizes,
+    check_world,
+    compute_rank_groups,
+    rank_coordinates,
+)
+
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass(frozen=True)
-class RankGroups:
-    """Every group of each kind as sorted tuples of global ranks, ordered by first member."""
-
-    tp: Groups
-    cp: Groups
-    dp: Groups
-    dp_cp: Groups  # gradient reduction
-    tp_cp: Groups
-
-
-def _check_sizes(tp: int, cp: int, dp: int) -> None:
-    for name, size in (("tp", tp), ("cp", cp), ("dp", dp)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
-
-
-def _check_world(world_size: int, tp: int, cp: int, dp: int) -> None:
-    _check_sizes(tp, cp, dp)
-    if world_size != tp * cp * dp:
-        raise ValueError(f"world size {world_size} != tp*cp*dp = {tp}*{cp}*{dp} = {tp * cp * dp}; "
-                         f"choose sizes whose product is {world_size}")
-
-
-def _groups_along(sizes: dict[str, int], along: tuple[str, ...]) -> Groups:
-    """Groups varying the ``along`` axes with the other axes fixed (``sizes`` fastest first)."""
-    strides, stride = {}, 1
-    for name, size in sizes.items():
-        strides[name], stride = stride, stride * size
-    fixed = [name for name in reversed(list(sizes)) if name not in along]  # slowest first
-    groups = []
-    for outer in product(*(range(sizes[name]) for name in fixed)):
-        base = sum(c * strides[name] for name, c in zip(fixed, outer, strict=True))
-        members = (base + sum(c * strides[name] for name, c in zip(along, inner, strict=True))
-                   for inner in product(*(range(sizes[name]) for name in along)))
-        groups.append(tuple(sorted(members)))
-    return tuple(groups)
-
-
-def compute_rank_groups(world_size: int, tp: int, cp: int, dp: int) -> RankGroups:
-    """All TP, CP, DP, DP x CP and TP x CP groups of the layout (pure; raises ValueError)."""
-    _check_world(world_size, tp, cp, dp)
-    sizes = dict(zip(_AXIS_ORDER, (tp, cp, dp), strict=True))
-    return RankGroups(tp=_groups_along(sizes, ("tp",)), cp=_groups_along(sizes, ("cp",)),
-                      dp=_groups_along(sizes, ("dp",)), dp_cp=_groups_along(sizes, ("cp", "dp")),
-                      tp_cp=_groups_along(sizes, ("tp", "cp")))
-
-
-def rank_coordinates(rank: int, tp: int, cp: int, dp: int) -> tuple[int, int, int]:
-    """``(tp_rank, cp_rank, dp_rank)`` of global ``rank`` (pure; raises ValueError)."""
-    _check_sizes(tp, cp, dp)
-    if not 0 <= rank < tp * cp * dp:
-        raise ValueError(f"rank {rank} is outside the world of size tp*cp*dp = {tp * cp * dp}")
-    return rank % tp, (rank // tp) % cp, rank // (tp * cp)
 
 
 @dataclass(frozen=True)
@@ -163,7 +111,7 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
     ``timeout_minutes`` bounds collectives on the groups created here.
     """
     global _STATE
-    _check_sizes(tp, cp, 1 if dp is None else dp)
+    check_sizes(tp, cp, 1 if dp is None else dp)
     if not timeout_minutes > 0:
         raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
     if _STATE is not None:
@@ -202,7 +150,7 @@ def _resolve_dp(world: int, tp: int, cp: int, dp: int | None) -> int:
             raise ValueError(f"world size {world} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}; "
                              f"choose tp and cp whose product divides {world}")
         dp = world // (tp * cp)
-    _check_world(world, tp, cp, dp)
+    check_world(world, tp, cp, dp)
     return dp
 
 
