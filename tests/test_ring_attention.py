@@ -7,7 +7,7 @@ import torch
 
 from parallel.layout import LAYOUTS
 from parallel.ring_attention import context_parallel_attention, zigzag_ring_flash_attn_func
-from parallel.ring_schedule import expected_kernel_calls
+from parallel.ring_schedule import covered_kv_rows, expected_kernel_calls, needed_kv_rows
 from tests import ring_cases
 
 TOL = 1e-5
@@ -109,3 +109,20 @@ def test_single_process_is_the_local_kernel() -> None:
     (dq,) = torch.autograd.grad(out.square().sum(), q)
     (dq_ref,) = torch.autograd.grad(ref.square().sum(), q)
     assert ring_cases.rel_err(dq, dq_ref) < 1e-5
+
+
+def test_transfers_carry_only_the_rows_still_needed() -> None:
+    n, world = 8, 4
+    # zigzag: block 0 only ever meets higher ranks, which read its first half
+    assert needed_kv_rows("zigzag", True, 0, 1, world, n) == n // 2
+    assert needed_kv_rows("zigzag", True, 2, 1, world, n) == n  # rank 3 reads half, ranks 0, 1 all of it
+    assert needed_kv_rows("zigzag", True, 2, 2, world, n) == n
+    # contiguous causal: nobody after the last rank needs its block, so that hop is skipped
+    assert needed_kv_rows("contiguous", True, world - 1, 1, world, n) == 0
+    assert needed_kv_rows("contiguous", True, 0, world - 1, world, n) == n
+    assert needed_kv_rows("stripe", True, 3, 1, world, n) == n - 1
+    assert needed_kv_rows("zigzag", False, 0, 1, world, n) == n
+    # the travelling dK/dV covers the rows used so far
+    assert covered_kv_rows("zigzag", True, 1, 1, world, n) == n // 2
+    assert covered_kv_rows("zigzag", True, 1, 3, world, n) == n
+    assert covered_kv_rows("contiguous", True, world - 1, world - 1, world, n) == 0
