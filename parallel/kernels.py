@@ -20,6 +20,7 @@ flash ops, CPU and CUDA) and ``math`` (float64 reference, for tests).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 from collections import Counter
 
@@ -108,18 +109,26 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *args, 0.0, causal, scale=scale)
     else:
-        no_rng = torch.empty((), dtype=torch.long, device=q.device)
+        no_rng = torch.empty((), dtype=torch.long, device=q.device)  # dropout is 0: no RNG state is read
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            *args, None, None, q.shape[1], k.shape[1], 0.0, causal, no_rng, no_rng, scale=scale)
+            *args[:5], lse.contiguous(), None, None, q.shape[1], k.shape[1], 0.0, causal, no_rng, no_rng, scale=scale)
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, _reduce_kv_grad(dk, kv_heads), _reduce_kv_grad(dv, kv_heads)
+
+
+def _flash_attn_new_api(fn) -> bool:
+    """flash-attn >= 2.6 takes window_size_left/right and softcap; 2.5 took one window_size tuple."""
+    return "window_size_left" in inspect.signature(fn).parameters
 
 
 def _flash_attn_forward(q, k, v, causal, scale):  # pragma: no cover - needs CUDA + flash-attn
     from flash_attn.flash_attn_interface import _flash_attn_forward as fwd
 
-    out, lse = fwd(q, k, v, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
-                   softcap=0.0, alibi_slopes=None, return_softmax=False)[:2]
+    if _flash_attn_new_api(fwd):  # -> out, lse, S_dmask, rng_state
+        out, lse = fwd(q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False)[:2]
+    else:  # -> out, q, k, v, out_padded, lse, S_dmask, rng_state
+        result = fwd(q, k, v, 0.0, scale, causal, (-1, -1), None, False)
+        out, lse = result[0], result[5]
     return out, lse
 
 
@@ -127,7 +136,11 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no 
     from flash_attn.flash_attn_interface import _flash_attn_backward as bwd
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bwd(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False)
+    dout, lse = dout.contiguous(), lse.contiguous()  # the CUDA kernels want dense [B, H, S] lse
+    if _flash_attn_new_api(bwd):
+        bwd(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False)
+    else:
+        bwd(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, (-1, -1), None, False)
     return dq, dk, dv
 
 
