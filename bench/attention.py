@@ -1,6 +1,6 @@
 """Ring attention throughput and memory on CPU, against the local kernel on the whole sequence.
 
-    python bench/attention.py --seqlens 8192 --worlds 2 4 --layouts zigzag
+    python -m bench.attention --seqlens 8192 --worlds 2 4 --layouts zigzag
 
 For each (seqlen, world, layout, fwd_only) the ranks run in spawned gloo
 processes with ``threads // world`` threads each; the baseline is PyTorch's
@@ -17,14 +17,13 @@ import argparse
 import os
 import time
 
+import torch
+import torch.distributed as dist
+
 from bench.common import emit, median, peak_memory_mb, reset_peak_memory
-
-import torch  # noqa: E402  (bench.common sets the allocator's environment first)
-import torch.distributed as dist  # noqa: E402
-
-from parallel.layout import shard_sequence  # noqa: E402
-from parallel.ring_attention import context_parallel_attention  # noqa: E402
-from parallel.spawn import SpawnedWorld  # noqa: E402
+from parallel.layout import shard_sequence
+from parallel.ring_attention import context_parallel_attention
+from parallel.spawn import SpawnedWorld
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -95,7 +94,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--layouts", nargs="+", default=["zigzag"], choices=["contiguous", "zigzag", "stripe"])
+    parser.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "stripe"],
+                        choices=["contiguous", "zigzag", "stripe"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")

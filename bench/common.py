@@ -5,17 +5,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python bench/x.py` works without installing the project
-    sys.path.insert(0, str(ROOT))
-
+# Run benchmarks as modules from the repository root: `python -m bench.attention ...`.
 # Large allocations are mmapped and unmapped at once, so RSS follows live memory
 # (glibc's adaptive threshold would otherwise keep freed buffers and hide peaks).
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the spawned ranks
 
 
 def _status_mb(key: str) -> float:
