@@ -1,0 +1,41 @@
+"""One pre-norm decoder block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.attention import Attention
+from model.config import ModelConfig
+from model.mlp import MLP
+
+
+class Block(nn.Module):
+    """Input and output ``[B, n, hidden]`` (this rank's tokens, replicated over ``tp_group``).
+
+    The RMSNorm weights are replicated over TP (and CP); with ``config.activation_checkpointing``
+    only the block's input is kept for the backward and the block is recomputed there (the
+    ring attention's communication included).
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, tp_group: dist.ProcessGroup | None = None,
+                 cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.checkpointing = config.activation_checkpointing
+        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
+        self.attention = Attention(config, layer, tp_group, cp_group, cp_layout, dtype=dtype, device=device)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
+        self.mlp = MLP(config, layer, tp_group, dtype=dtype, device=device)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``cos``/``sin``: the RoPE tables of this rank's global positions (``model.rope.rope_tables``)."""
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)

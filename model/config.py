@@ -1,0 +1,111 @@
+"""The GPT model's configuration and its checks against a parallel layout."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from parallel.kernels import BACKENDS
+from parallel.layout import LAYOUTS
+
+
+@dataclass
+class ModelConfig:
+    """Shape and options of a Llama-style GPT decoder (RMSNorm, RoPE, GQA, SwiGLU, no biases).
+
+    ``mlp_chunks``: the MLP runs over this many slices of the local sequence, each under
+    activation checkpointing (1: one plain pass). ``activation_checkpointing``: recompute
+    each block in the backward. ``attention_layout``: the CP layout of the sequence
+    (``contiguous``, ``zigzag`` or ``stripe``). ``attention_backend``: kernel for the ring
+    (None: the best available; a model built without a CP group uses PyTorch's SDPA instead).
+    ``seed`` alone fixes the initial weights, whatever the layout.
+    """
+
+    vocab_size: int = 32000
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_heads: int = 12
+    num_kv_heads: int | None = None  # None: num_heads (no GQA)
+    ffn_hidden_size: int | None = None  # None: the multiple of 64 nearest 8/3 * hidden
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    mlp_chunks: int = 1
+    activation_checkpointing: bool = False
+    attention_layout: str = "zigzag"
+    attention_backend: str | None = None
+    init_std: float = 0.02
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        self.resolve()
+
+    def resolve(self) -> None:
+        """Fill the derived defaults left as None (``num_kv_heads``, ``ffn_hidden_size``); idempotent."""
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 64 * max(1, round(8 * self.hidden_size / 3 / 64))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self, tp: int = 1, cp: int = 1, seq_len: int | None = None) -> None:
+        """Raise ``ValueError`` saying what to change when this model cannot run at (tp, cp).
+
+        ``seq_len`` (global tokens per sample), when given, is checked against the layout too.
+        """
+        positive = ("vocab_size", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                    "ffn_hidden_size", "max_position_embeddings", "mlp_chunks")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, size in (("tp", tp), ("cp", cp)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.hidden_size % heads != 0:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {heads}; "
+                             f"make hidden_size a multiple of num_heads")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim = hidden_size / num_heads = {self.head_dim} must be even for RoPE; "
+                             f"change hidden_size or num_heads")
+        if heads % kv_heads != 0:
+            raise ValueError(f"num_heads {heads} is not divisible by num_kv_heads {kv_heads}; "
+                             f"num_kv_heads must divide num_heads")
+        for name, value in (("num_heads", heads), ("num_kv_heads", kv_heads), ("vocab_size", self.vocab_size),
+                            ("ffn_hidden_size", self.ffn_hidden_size)):
+            if value % tp != 0:
+                raise ValueError(f"{name} {value} is not divisible by tp = {tp}; "
+                                 f"choose a tp that divides {value} or make {name} a multiple of {tp}")
+        if self.attention_layout not in LAYOUTS:
+            raise ValueError(f"unknown attention_layout {self.attention_layout!r}; choose one of "
+                             f"{', '.join(LAYOUTS)}")
+        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of "
+                             f"{', '.join(BACKENDS)} or None")
+        if seq_len is not None:
+            self.check_sequence(seq_len, cp)
+
+    def check_sequence(self, seq_len: int, cp: int, layout: str | None = None) -> None:
+        """Raise ``ValueError`` unless ``seq_len`` global tokens split evenly over ``cp`` ranks in ``layout``."""
+        layout = layout or self.attention_layout
+        parts = 2 * cp if layout == "zigzag" and cp > 1 else cp  # at cp = 1 every layout is the sequence
+        if seq_len < parts:
+            need = "2*cp" if layout == "zigzag" else "cp"
+            raise ValueError(f"sequence length {seq_len} is shorter than {need} = {parts} for the {layout} "
+                             f"layout at cp={cp}; use a longer sequence or a smaller cp")
+        if seq_len % parts != 0:
+            raise ValueError(f"sequence length {seq_len} is not divisible by {parts} for the {layout} layout "
+                             f"at cp={cp}; use a sequence length that is a multiple of {parts}")
+        if seq_len > self.max_position_embeddings:
+            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
+                             f"{self.max_position_embeddings}; raise max_position_embeddings")
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A stable seed for the parameter called ``name`` (same in every process and every layout)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**62)

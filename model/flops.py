@@ -1,0 +1,38 @@
+"""Model FLOPs per token of a training step (forward + backward), for TFLOP/s and MFU.
+
+Megatron / PaLM convention, per token at global sequence length ``s``:
+
+    flops = 6 * N + 6 * L * (heads * head_dim) * s
+
+- ``N`` counts the weights of the matmuls only: per layer the fused QKV projection
+  ``hidden * (heads + 2*kv_heads) * head_dim``, the output projection ``heads*head_dim * hidden``
+  and the SwiGLU MLP ``3 * hidden * ffn``; plus the LM head ``hidden * vocab`` (counted even
+  when tied, since the matmul runs). Embedding lookups, norms, RoPE, activations and the
+  loss are not counted. Each weight costs 2 FLOPs per token forward and 4 backward: ``6 * N``.
+- Attention scores ``Q K^T`` and ``P V`` cost ``4 * s * heads * head_dim`` per token per layer
+  forward with every key visible, 3x that with the backward (``12 * L * h_attn * s``); causal
+  masking halves it (each query sees ``s/2`` keys on average), giving ``6 * L * h_attn * s``.
+- MODEL FLOPs: recomputation (activation checkpointing, the chunked MLP, flash attention's
+  backward) is not counted, so MFU compares configurations fairly.
+"""
+
+from __future__ import annotations
+
+from model.config import ModelConfig
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """``N``: weights that take part in a matmul per token (see the module docstring)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    attention = hidden * (config.num_heads + 2 * config.num_kv_heads) * head_dim
+    attention += config.num_heads * head_dim * hidden
+    mlp = 3 * hidden * config.ffn_hidden_size
+    return config.num_layers * (attention + mlp) + hidden * config.vocab_size
+
+
+def model_flops_per_token(config: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Training FLOPs (fwd + bwd) per token at global sequence length ``seq_len``; independent of the layout."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    attention = 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    return 6.0 * matmul_params(config) + (attention / 2 if causal else attention)

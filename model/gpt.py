@@ -1,0 +1,102 @@
+"""The GPT decoder: vocab-parallel embedding, pre-norm blocks, final RMSNorm, vocab-parallel LM head.
+
+Each rank holds ``n`` tokens of every sample: its slice of the sequence in the CP layout
+(``parallel/layout.py``), the same slice on every rank of its TP group. With ``labels`` the
+model returns the per-token loss ``[B, n]`` (fp32, from ``vocab_parallel_cross_entropy``;
+the trainer owns the reduction over tokens and ranks), else this rank's vocab shard of the
+logits ``[B, n, vocab/tp]``. Every parameter is drawn from ``config.seed`` and its name only,
+so all layouts hold the same model; TP-sharded parameters carry ``partition_dim``, the rest are
+replicated (their gradients must be summed over CP and DP like every other gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from model.block import Block
+from model.config import ModelConfig, param_seed
+from model.rope import rope_tables
+from parallel.layout import LAYOUTS, sequence_positions
+from parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_parallel_region,
+    group_size_and_rank,
+    vocab_parallel_cross_entropy,
+)
+
+
+def _is_int(x: torch.Tensor) -> bool:
+    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
+class GPTModel(nn.Module):
+    """GPT over a TP group and a CP group (None: size 1). ``cp_layout`` overrides ``config.attention_layout``."""
+
+    def __init__(self, config: ModelConfig, tp_group: dist.ProcessGroup | None = None,
+                 cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp_size, _ = group_size_and_rank(tp_group)
+        self.cp_size, self.cp_rank = group_size_and_rank(cp_group)
+        config.validate(self.tp_size, self.cp_size)
+        self.cp_layout = cp_layout or config.attention_layout
+        if self.cp_layout not in LAYOUTS:
+            raise ValueError(f"unknown cp_layout {self.cp_layout!r}; choose one of {', '.join(LAYOUTS)}")
+        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
+        factory = {"dtype": dtype, "device": device}
+        self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group,
+                                                seed=param_seed(config.seed, "embedding"),
+                                                init_std=config.init_std, **factory)
+        self.layers = nn.ModuleList(Block(config, i, tp_group, cp_group, self.cp_layout, **factory)
+                                    for i in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, **factory)
+        self.lm_head = None if config.tie_embeddings else ColumnParallelLinear(
+            config.hidden_size, config.vocab_size, bias=False, group=tp_group,
+            seed=param_seed(config.seed, "lm_head"), init_std=config.init_std, **factory)
+
+    def local_positions(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """Global positions ``[local_len]`` of this rank's tokens in the CP layout."""
+        layout = self.cp_layout if self.cp_size > 1 else "contiguous"  # the same at cp = 1, any length
+        return sequence_positions(local_len * self.cp_size, self.cp_rank, self.cp_size, layout, device)
+
+    def _check_inputs(self, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+                      labels: torch.Tensor | None) -> None:
+        if tokens.dim() != 2 or not _is_int(tokens):
+            raise ValueError(f"tokens must be an integer tensor [batch, local_seqlen], got {tokens.dtype} "
+                             f"{tuple(tokens.shape)}")
+        batch, n = tokens.shape
+        self.config.check_sequence(n * self.cp_size, self.cp_size, self.cp_layout)
+        if position_ids is not None and (not _is_int(position_ids)
+                                         or tuple(position_ids.shape) not in ((batch, n), (n,))):
+            raise ValueError(f"position_ids must be integer [batch, local_seqlen] = [{batch}, {n}] (or [{n}]), "
+                             f"got {position_ids.dtype} {tuple(position_ids.shape)}")
+        if labels is not None and (not _is_int(labels) or labels.shape != tokens.shape):
+            raise ValueError(f"labels must be an integer tensor shaped like tokens {tuple(tokens.shape)}, got "
+                             f"{labels.dtype} {tuple(labels.shape)}")
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens ``[B, n]`` (this rank's slice in the CP layout); position_ids ``[B, n]`` global positions
+        (None: those of the layout); labels ``[B, n]`` global class ids (``-100``: ignored, loss 0).
+
+        Returns the per-token loss ``[B, n]`` (fp32) with labels, else logits ``[B, n, vocab/tp]``.
+        """
+        self._check_inputs(tokens, position_ids, labels)
+        batch, n = tokens.shape
+        if position_ids is None:
+            position_ids = self.local_positions(n, tokens.device)
+        position_ids = position_ids.expand(batch, n)
+        cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta)
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        x = copy_to_tensor_parallel_region(self.norm(x), self.tp_group)
+        weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, weight)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)

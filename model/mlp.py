@@ -1,0 +1,66 @@
+"""SwiGLU MLP, tensor parallel, optionally blockwise over the sequence (Blockwise Parallel Transformer).
+
+With ``mlp_chunks = c > 1`` the local sequence is cut into c slices and each slice runs the
+whole MLP under activation checkpointing, so its ``[tokens, ffn/tp]`` intermediates exist for
+one slice at a time, in the forward and in the backward. The TP communication (identity /
+all-reduce) happens once, outside the slices, so the recomputation never communicates.
+Every token's result is computed by the same operations either way: chunked equals unchunked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.config import ModelConfig, param_seed
+from parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+)
+
+
+class MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: gate/up column parallel ``[ffn/tp, hidden]``, down row parallel
+    ``[hidden, ffn/tp]``. Input and output ``[B, n, hidden]``, replicated over ``tp_group``.
+
+    The parallel layers hold the (sharded, layout-independent) weights; ``forward`` applies them
+    itself so that the all-reduce of ``down`` runs once per call instead of once per slice.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, tp_group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp_group, self.chunks = tp_group, config.mlp_chunks
+        hidden, ffn, name = config.hidden_size, config.ffn_hidden_size, f"layers.{layer}.mlp"
+        common = {"bias": False, "group": tp_group, "dtype": dtype, "device": device}
+        self.gate = ColumnParallelLinear(hidden, ffn, seed=param_seed(config.seed, f"{name}.gate"),
+                                         init_std=config.init_std, **common)
+        self.up = ColumnParallelLinear(hidden, ffn, seed=param_seed(config.seed, f"{name}.up"),
+                                       init_std=config.init_std, **common)
+        self.down = RowParallelLinear(ffn, hidden, input_is_parallel=True,
+                                      seed=param_seed(config.seed, f"{name}.down"),
+                                      init_std=config.init_std / math.sqrt(2 * config.num_layers), **common)
+
+    def local_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the output for tokens ``x`` ``[B, m, hidden]`` (no communication)."""
+        act = F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight)
+        return F.linear(act, self.down.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel_region(x, self.tp_group)
+        chunks = min(self.chunks, x.shape[1])
+        if chunks <= 1:
+            partial = self.local_mlp(x)
+        elif not torch.is_grad_enabled():
+            partial = torch.cat([self.local_mlp(piece) for piece in x.tensor_split(chunks, dim=1)], dim=1)
+        else:
+            partial = torch.cat([checkpoint(self.local_mlp, piece, use_reentrant=False)
+                                 for piece in x.tensor_split(chunks, dim=1)], dim=1)
+        return reduce_from_tensor_parallel_region(partial, self.tp_group)
