@@ -55,7 +55,7 @@ def time_attention(batch: int, seqlen: int, heads: int, kv_heads: int, head_dim:
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
                     enable_gqa=heads != kv_heads).transpose(1, 2)
             else:
-                out = context_parallel_attention(q, k, v, None, layout, causal)
+                out = context_parallel_attention(q, k, v, dist.group.WORLD, layout, causal)
             if not fwd_only:
                 out.backward(dout)
         for x in (q, k, v):

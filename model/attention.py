@@ -13,24 +13,12 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig, param_seed
 from model.rope import apply_rope
 from parallel.ring_attention import context_parallel_attention
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_and_rank
-
-
-def local_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of q ``[B, n, H, D]`` on k, v ``[B, n, Hk, D]`` over this process's sequence only.
-
-    PyTorch's ``scaled_dot_product_attention``; used when there is no CP group, and never
-    touches a process group (``context_parallel_attention(group=None)`` means the default group).
-    """
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, enable_gqa=k.shape[2] != q.shape[2])
-    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -72,9 +60,5 @@ class Attention(nn.Module):
         q = qkv[:, :, :, : self.group_size].reshape(batch, n, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, self.group_size], qkv[:, :, :, self.group_size + 1].contiguous()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cp_group is None:
-            out = local_causal_attention(q, k, v)
-        else:
-            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_layout, causal=True,
-                                             backend=self.backend)
+        out = context_parallel_attention(q, k, v, self.cp_group, self.cp_layout, causal=True, backend=self.backend)
         return self.proj(out.reshape(batch, n, self.local_heads * self.head_dim))

@@ -17,7 +17,7 @@ class ModelConfig:
     activation checkpointing (1: one plain pass). ``activation_checkpointing``: recompute
     each block in the backward. ``attention_layout``: the CP layout of the sequence
     (``contiguous``, ``zigzag`` or ``stripe``). ``attention_backend``: kernel for the ring
-    (None: the best available; a model built without a CP group uses PyTorch's SDPA instead).
+    (None: the best available, see parallel/kernels.py; also used without a CP group).
     ``seed`` alone fixes the initial weights, whatever the layout.
     """
 

@@ -59,7 +59,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, causal, scale, backend, head_chunks):
-        comm = RingComm(group) if dist.is_initialized() and dist.get_world_size(group) > 1 else None
+        comm = RingComm(group) if group is not None and dist.get_world_size(group) > 1 else None
         out, lse = ring_forward(q, k, v, comm, layout, causal, scale, backend, head_chunks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -83,12 +83,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                head_chunks: int | None = None, return_lse: bool = False):
     """Exact attention of this rank's q on the whole sequence's k/v, over the CP ``group``.
 
-    q [B, n, H, D]; k, v [B, n, Hk, D] (GQA when Hk < H), all in ``layout``.
+    q [B, n, H, D]; k, v [B, n, Hk, D] (GQA when Hk < H), all in ``layout``. ``group`` None
+    (or a group of one) means no context parallelism: the local kernel on this sequence.
     Returns out [B, n, H, D] in q's dtype (and lse [B, H, n] fp32 if ``return_lse``).
     ``backend`` picks the kernel (see parallel/kernels.py); ``head_chunks``
     bounds the ring's transient memory (default: see ``default_head_chunks``).
     """
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if group is not None else 1
     check_inputs(q, k, v, layout, world)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -109,6 +110,8 @@ def _package_api(layout: str, q, k, v, dropout_p, softmax_scale, causal, window_
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not supported yet; pass alibi_slopes=None")
     del deterministic  # the ring is deterministic: every rank adds its blocks in a fixed order
+    if group is None and dist.is_initialized():  # these functions' None is the default group
+        group = dist.group.WORLD
     out, lse = context_parallel_attention(q, k, v, group, layout, causal, softmax_scale, return_lse=True)
     return (out, lse, None) if return_attn_probs else out
 

@@ -51,7 +51,7 @@ def run_ring(q, k, v, dout, layout: str, causal: bool, use_api: bool, head_chunk
         out, lse, none = API[layout](ql, kl, vl, causal=causal, return_attn_probs=True)
         assert none is None
     else:
-        out, lse = context_parallel_attention(ql, kl, vl, None, layout, causal, head_chunks=head_chunks,
+        out, lse = context_parallel_attention(ql, kl, vl, dist.group.WORLD, layout, causal, head_chunks=head_chunks,
                                               return_lse=True)
     out.backward(dl)
     got = {"out": out.detach(), "lse": lse.transpose(1, 2).contiguous(), "dq": ql.grad, "dk": kl.grad,

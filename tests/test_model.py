@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from model import GPTModel, ModelConfig, matmul_params, model_flops_per_token
-from model.attention import local_causal_attention
 from model.mlp import MLP
 from model.rope import apply_rope, rope_tables
 from parallel.ring_attention import context_parallel_attention
@@ -94,10 +93,13 @@ def test_rope_is_relative_and_starts_at_identity() -> None:
     assert torch.allclose(rotated(q, 77).norm(dim=-1), q.norm(dim=-1), atol=1e-5)
 
 
-def test_local_attention_matches_the_ring_kernel_without_cp() -> None:
+def test_attention_without_cp_is_the_local_kernel() -> None:
+    """cp_group None: the model's attention is the local causal kernel (GQA), as SDPA computes it."""
     gen = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(2, 24, 4, 8, generator=gen), *torch.randn(2, 2, 24, 2, 8, generator=gen)
-    assert rel_err(local_causal_attention(q, k, v), context_parallel_attention(q, k, v, None)) < 1e-6
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+    assert rel_err(context_parallel_attention(q, k, v, None), sdpa) < 1e-6
 
 
 @pytest.mark.parametrize("overrides", [{"mlp_chunks": 2}, {"mlp_chunks": 4}, {"mlp_chunks": 5},
