@@ -1,6 +1,38 @@
-"""cp-train entry point: ``torchrun --nproc-per-node N train.py --config FILE [flags]``."""
+"""cp-train entry point: ``torchrun --nproc-per-node N train.py --config FILE [flags] [--set key=value ...]``.
 
+Parses the config (YAML < flags < ``--set``), initialises torch.distributed from torchrun's
+environment (nccl on CUDA, gloo on CPU; every collective bounded by ``parallel.timeout_minutes``),
+builds the run and trains. See ``python train.py --help`` and ``launch/``.
+"""
+
+from __future__ import annotations
+
+import os
 import sys
+from collections.abc import Sequence
+
+from cp_train.cli import parse_config
+from cp_train.config import ConfigError
+from cp_train.trainer import run_training
+from cp_train.validate import validate
+from parallel.state import parallel_context
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+        dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as error:
+        print(f"train.py: config error: {error}", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": os.environ.get("MASTER_PORT", "29511")})
+    parallel = config.parallel
+    with parallel_context(parallel.tp, parallel.cp, dp, parallel.backend, parallel.timeout_minutes) as state:
+        run_training(config, state)
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit("train.py: the trainer is not built yet (see the trainer issue)")
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Building a run's pieces from its config: device, data (datasets and loaders), model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cp_train.config import Config
+from data.gpt_dataset import GPTDataset, train_valid_split
+from data.indexed import IndexedDataset
+from data.loader import StepLoader, build_data_loader
+from data.prepare_default import prepare_default_corpus
+from data.tokenizer import Tokenizer, padded_vocab_size
+from model import GPTModel
+from parallel.state import ParallelState
+
+
+def select_device(state: ParallelState) -> torch.device:
+    """This rank's CUDA device under nccl, else the CPU."""
+    if state.backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _one_per_node_first(state: ParallelState, work) -> object:  # noqa: ANN001 - any callable
+    """Run ``work()`` on local rank 0 first (it may write caches), then on the other ranks."""
+    local_rank = int(os.environ.get("LOCAL_RANK", state.rank))
+    result = work() if local_rank == 0 else None
+    dist.barrier()
+    return result if local_rank == 0 else work()
+
+
+@dataclass
+class DataSources:
+    prefix: str
+    tokenizer: str | None
+    eod_id: int
+    pad_id: int | None
+    vocab_size: int  # the model's (padded) vocabulary
+
+
+def resolve_data(config: Config, state: ParallelState) -> DataSources:
+    """Data prefix and tokenizer (the embedded default corpus, built if missing, when ``data.prefix`` is
+    unset); fills ``model.vocab_size`` from the tokenizer (padded to a multiple of 128) when it is unset."""
+    prefix, tokenizer_path = config.data.prefix, config.data.tokenizer
+    if prefix is None:
+        corpus = _one_per_node_first(state, prepare_default_corpus)
+        prefix, tokenizer_path = str(corpus.data_prefix), tokenizer_path or str(corpus.tokenizer_model)
+    eod, pad, vocab = config.data.eod_id, None, config.model.vocab_size
+    if tokenizer_path is not None:
+        tokenizer = Tokenizer(tokenizer_path)
+        eod = tokenizer.eod if eod is None else eod
+        pad = tokenizer.pad
+        vocab = vocab or padded_vocab_size(tokenizer.vocab_size)
+    if vocab is None or eod is None:
+        raise ValueError("set data.tokenizer, or model.vocab_size and data.eod_id")
+    config.model.vocab_size = vocab
+    return DataSources(prefix, tokenizer_path, eod, pad, vocab)
+
+
+def build_datasets(config: Config, sources: DataSources, state: ParallelState
+                   ) -> tuple[GPTDataset, GPTDataset | None]:
+    """Train (``steps * global_batch_size`` samples) and validation (``eval_iters`` global batches) datasets
+    over a document split of the data; sample indices are cached (built once per node)."""
+    indexed = IndexedDataset(sources.prefix)
+    indexed.check_vocab(sources.vocab_size)
+    data, train = config.data, config.train
+    if data.valid_fraction > 0:
+        train_docs, valid_docs = train_valid_split(indexed.num_documents, data.valid_fraction)
+    else:
+        train_docs, valid_docs = np.arange(indexed.num_documents), np.arange(0)
+    common = {"seed": data.seed, "eod_id": sources.eod_id, "pad_id": sources.pad_id,
+              "mask_eod_loss": data.mask_eod_loss, "reset_position_ids": data.reset_position_ids,
+              "cache_dir": data.cache_dir}
+
+    def make() -> tuple[GPTDataset, GPTDataset | None]:
+        training = GPTDataset(indexed, data.seq_len, train.steps * train.global_batch_size,
+                              documents=train_docs, name="train", **common)
+        valid = None
+        if valid_docs.size and train.eval_interval > 0:
+            valid = GPTDataset(indexed, data.seq_len, train.eval_iters * train.global_batch_size,
+                               documents=valid_docs, name="valid", **common)
+        return training, valid
+
+    return _one_per_node_first(state, make)  # type: ignore[return-value]
+
+
+def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, consumed_samples: int) -> StepLoader:
+    """This rank's loader: DP rank's samples from ``consumed_samples`` on, CP slice in the model's layout."""
+    return build_data_loader(dataset, config.train.micro_batch_size, config.train.global_batch_size,
+                             dp_rank=state.dp.rank, dp_size=state.dp.size, cp_rank=state.cp.rank,
+                             cp_size=state.cp.size, layout=config.model.attention_layout,
+                             consumed_samples=consumed_samples, num_workers=config.data.num_workers)
+
+
+def build_model(config: Config, state: ParallelState, device: torch.device) -> GPTModel:
+    """The GPT on this rank's TP and CP groups, fp32 parameters (autocast handles bf16)."""
+    config.model.validate(state.tp.size, state.cp.size, config.data.seq_len)
+    return GPTModel(config.model, state.tp.group, state.cp.group, device=device)
+
+
+def describe(model: torch.nn.Module, state: ParallelState) -> dict[str, int]:
+    """Parameter counts: this rank's, and the whole model's (TP shards summed, replicated counted once)."""
+    local = sum(p.numel() for p in model.parameters())
+    sharded = sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
+    return {"parameters": (local - sharded) + sharded * state.tp.size, "parameters_per_rank": local}
+
+
+def run_dir_of(config: Config, run_name: str) -> Path:
+    return Path(config.logging.dir) if config.logging.dir else Path("runs") / run_name

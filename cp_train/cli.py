@@ -1,0 +1,56 @@
+"""Command line of ``train.py``: ``--config FILE``, Megatron-style flags and ``--set key=value`` overrides."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from cp_train.config import Config, load_config
+
+# flag -> (dotted key, type, help); Megatron's long names are accepted as aliases
+FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
+    "--tp-size": ("parallel.tp", int, "tensor-parallel size", ("--tensor-model-parallel-size",)),
+    "--cp-size": ("parallel.cp", int, "context-parallel size", ("--context-parallel-size",)),
+    "--dp-size": ("parallel.dp", int, "data-parallel size (default: world / (tp*cp))", ()),
+    "--cp-layout": ("model.attention_layout", str, "contiguous, zigzag or stripe", ()),
+    "--seq-len": ("data.seq_len", int, "tokens per sample", ("--seq-length",)),
+    "--micro-batch-size": ("train.micro_batch_size", int, "samples per micro-batch per DP rank", ()),
+    "--global-batch-size": ("train.global_batch_size", int, "samples per optimizer step", ()),
+    "--lr": ("optimizer.lr", float, "peak learning rate", ()),
+    "--min-lr": ("optimizer.min_lr", float, "final learning rate of the decay", ()),
+    "--train-steps": ("train.steps", int, "optimizer steps", ("--train-iters",)),
+    "--eval-interval": ("train.eval_interval", int, "steps between evaluations (0: off)", ()),
+    "--seed": ("train.seed", int, "runtime RNG seed", ()),
+    "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix (default: the embedded corpus)", ()),
+    "--tokenizer-model": ("data.tokenizer", str, "SentencePiece model", ()),
+    "--save": ("checkpoint.save", str, "checkpoint directory", ()),
+    "--load": ("checkpoint.load", str, "checkpoint to resume from", ()),
+    "--save-interval": ("checkpoint.interval", int, "steps between checkpoints (0: off)", ()),
+    "--log-interval": ("logging.interval", int, "steps between metric records", ()),
+    "--run-dir": ("logging.dir", str, "run directory (JSONL, wandb, config)", ()),
+    "--wandb-project": ("logging.wandb_project", str, "wandb project", ()),
+    "--wandb-mode": ("logging.wandb_mode", str, "online, offline or disabled (default: online only with "
+                     "WANDB_API_KEY)", ()),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py", description="Context-parallel GPT pretraining. Precedence: YAML < flags < --set.",
+        epilog="Launch with torchrun, e.g. torchrun --nproc-per-node 2 train.py --config "
+               "launch/configs/cpu-tiny.yaml --set train.steps=50")
+    parser.add_argument("--config", help="YAML file (see launch/configs/)")
+    for flag, (key, kind, text, aliases) in FLAGS.items():
+        parser.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=kind.__name__.upper(),
+                            help=f"{text} [{key}]")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="any config key, e.g. --set model.hidden_size=512 (repeatable; wins over flags)")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> Config:
+    """The config from ``argv``: YAML (``--config``) < flags < ``--set`` overrides."""
+    args = build_parser().parse_args(argv)
+    flags = {key: value for key, value in vars(args).items()
+             if key not in ("config", "overrides") and value is not None}
+    return load_config(args.config, flags, args.overrides)

@@ -1,0 +1,89 @@
+"""AdamW, the warmup + decay learning-rate schedule, and clipping by the global gradient norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cp_train.config import OptimizerConfig, ScheduleConfig
+
+
+def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over ``model``; no weight decay for 1-D parameters (norms, biases). ``fused`` on CUDA, ``foreach``
+    on CPU unless ``config.implementation`` says otherwise."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    implementation = config.implementation
+    if implementation == "auto":
+        implementation = "fused" if device.type == "cuda" else "foreach"
+    flags = {"fused": True} if implementation == "fused" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **flags)
+
+
+class LRSchedule:
+    """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then cosine / linear decay to ``min_lr`` over
+    ``decay_steps`` (default: the rest of the run), or constant. A pure function of the step index."""
+
+    def __init__(self, optimizer_config: OptimizerConfig, config: ScheduleConfig, train_steps: int) -> None:
+        self.lr, self.min_lr = optimizer_config.lr, optimizer_config.min_lr
+        self.warmup, self.decay = config.warmup_steps, config.decay
+        self.decay_steps = config.decay_steps or max(1, train_steps - config.warmup_steps)
+
+    def __call__(self, step: int) -> float:
+        """The learning rate of 0-based step ``step`` (the ``step + 1``-th optimizer step)."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        if self.decay == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup) / self.decay_steps)
+        if self.decay == "linear":
+            return self.lr - (self.lr - self.min_lr) * progress
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        lr = self(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict[str, float | int | str]:
+        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup, "decay": self.decay,
+                "decay_steps": self.decay_steps}
+
+
+def global_grad_norm(parameters: list[nn.Parameter], tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """L2 norm of all gradients of the model (fp32 scalar, the same on every rank).
+
+    Call after the DP x CP reduction, when every rank of a TP group holds the same replicated gradients:
+    TP-sharded parameters (``tensor_model_parallel``) are summed over ``tp_group``, replicated ones
+    counted once.
+    """
+    sharded = [p.grad for p in parameters if p.grad is not None and getattr(p, "tensor_model_parallel", False)]
+    replicated = [p.grad for p in parameters if p.grad is not None and not getattr(p, "tensor_model_parallel", False)]
+    device = (sharded or replicated)[0].device
+
+    def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack(torch._foreach_norm([g.float() for g in grads])).square().sum()
+
+    total = sum_of_squares(sharded)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(total, group=tp_group)
+    return (total + sum_of_squares(replicated)).sqrt()
+
+
+def clip_gradients(parameters: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (``max_norm`` 0: off)."""
+    if max_norm <= 0:
+        return
+    coefficient = max_norm / (float(total_norm) + 1e-6)
+    if coefficient < 1.0:
+        torch._foreach_mul_([p.grad for p in parameters if p.grad is not None], coefficient)

@@ -1,0 +1,114 @@
+"""Where metrics go, from one rank: a console line with a progress bar, ``metrics.jsonl`` and wandb.
+
+wandb runs offline unless ``WANDB_API_KEY`` is set or ``logging.wandb_mode`` is ``online``; the
+offline run lands in ``RUN_DIR/wandb/`` (``wandb sync`` uploads it later). The run name and config
+carry tp/cp/dp and seq_len, and the wandb group is the layout, so dashboards group by layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def wandb_mode(configured: str | None) -> str:
+    """``configured`` if given, else online with ``WANDB_API_KEY`` in the environment, else offline."""
+    if configured:
+        return configured
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _count(value: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"
+
+
+def progress_bar(step: int, total: int, width: int = 20) -> str:
+    done = min(width, int(width * step / max(total, 1)))
+    return f"[{'#' * done}{'.' * (width - done)}] {100 * step / max(total, 1):3.0f}%"
+
+
+def console_line(record: dict[str, Any], total_steps: int, started: float, first_step: int) -> str:
+    """One line per record: progress, loss, lr, grad norm, throughput, MFU, timings, memory, ETA."""
+    step = record["step"]
+    if record.get("kind") == "eval":
+        return f"eval  step {step:>{len(str(total_steps))}}/{total_steps} | val loss {record['loss']:.4f} | " \
+               f"val ppl {record['perplexity']:.2f}"
+    elapsed = time.perf_counter() - started
+    eta = elapsed / max(step - first_step, 1) * (total_steps - step)
+    return (f"step {step:>{len(str(total_steps))}}/{total_steps} {progress_bar(step, total_steps)} | "
+            f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
+            f"{_count(record['tokens_per_s'])} tok/s ({_count(record['tokens_per_s_per_device'])}/dev) | "
+            f"{record['tflops_per_device']:.3f} TFLOP/s/dev | MFU {100 * record['mfu']:.1f}% | "
+            f"step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s | "
+            f"mem {record['peak_memory_gib']:.2f} GiB | eta {_duration(eta)}")
+
+
+class MetricsSinks:
+    """Console, JSONL and wandb sinks of one run; every method is a no-op unless ``enabled`` (one rank).
+    ``metrics.jsonl`` is appended to when ``append`` (a resumed run), else started afresh."""
+
+    def __init__(self, enabled: bool, run_dir: Path, run_name: str, total_steps: int, first_step: int,
+                 config: dict[str, Any], layout: dict[str, int], use_wandb: bool, project: str,
+                 mode: str | None, console: bool = True, stream: TextIO | None = None, append: bool = False) -> None:
+        self.enabled, self.total_steps, self.first_step = enabled, total_steps, first_step
+        self.console, self.stream = console, stream or sys.stdout
+        self.started = time.perf_counter()
+        self.jsonl: TextIO | None = None
+        self.wandb_run: Any = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # a resumed run appends to its metrics, a fresh one starts them over
+        self.jsonl = open(run_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+        if use_wandb and wandb_mode(mode) != "disabled":
+            import wandb  # slow import: only when used
+
+            self.wandb_run = wandb.init(
+                project=project, name=run_name, dir=str(run_dir), mode=wandb_mode(mode),
+                group=f"tp{layout['tp']}-cp{layout['cp']}-dp{layout['dp']}-seq{layout['seq_len']}",
+                config={**config, "layout": layout}, tags=[f"cp{layout['cp']}", f"seq{layout['seq_len']}"],
+                reinit="finish_previous")
+
+    def message(self, text: str) -> None:
+        if self.enabled and self.console:
+            print(f"[cp-train] {text}", file=self.stream, flush=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write ``record`` (it carries ``step`` and ``loss``) to every sink."""
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        assert self.jsonl is not None
+        self.jsonl.write(json.dumps({**clean, "time": time.time()}) + "\n")
+        self.jsonl.flush()
+        if self.console:
+            print(console_line(record, self.total_steps, self.started, self.first_step), file=self.stream,
+                  flush=True)
+        if self.wandb_run is not None:
+            prefix = "eval/" if record.get("kind") == "eval" else "train/"
+            self.wandb_run.log({prefix + k: v for k, v in record.items() if isinstance(v, int | float)
+                                and k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

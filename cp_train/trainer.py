@@ -1,0 +1,294 @@
+"""The training loop: micro-batches with gradient accumulation, the exact DP x CP loss reduction, AdamW,
+evaluation, checkpoints and metrics.
+
+``Trainer(config, state)`` builds everything on the current parallel state (``parallel.state``) and
+resumes from ``checkpoint.load`` (or ``checkpoint.save``'s ``latest``); ``train()`` runs to
+``train.steps``. Collectives use the groups of ``state``: the loss token count, the loss and the
+gradients are summed over DP x CP, the gradient norm over TP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from cp_train import build
+from cp_train.checkpoint import ShardedState, find_checkpoint, load_checkpoint, save_checkpoint
+from cp_train.config import Config, dump_yaml
+from cp_train.grad_sync import GradientReducer
+from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
+from cp_train.metrics import IntervalMeter, peak_memory_gib, peak_tflops, reset_peak_memory
+from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
+from cp_train.rng import derived_seed, restore_rng_state, seed_everything
+from cp_train.sinks import MetricsSinks
+from cp_train.validate import validate
+from model import model_flops_per_token
+from parallel.state import ParallelState
+
+MicroBatch = dict[str, torch.Tensor]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss (or the gradient norm) became NaN or Inf; the message names the step."""
+
+
+class BatchLoss(NamedTuple):
+    loss: float  # global mean over the loss tokens of the global batch
+    tokens: float  # loss tokens of the global batch
+    local_tokens: float  # loss tokens of this rank's micro-batches
+    local_loss_sum: float  # this rank's summed token losses
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    loss_tokens: float  # of the global batch
+    local_loss_tokens: float  # of this rank
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step (1-based) -> global loss
+    grad_norms: dict[int, float] = field(default_factory=dict)  # before clipping
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+    run_dir: str = ""
+    final_step: int = 0
+
+
+class Trainer:
+    """One training run on ``state`` (every rank constructs it; construction and ``train`` are collective)."""
+
+    def __init__(self, config: Config, state: ParallelState) -> None:
+        self.config, self.state = config, state
+        self.dp = validate(config, state.world_size)
+        if (state.tp.size, state.cp.size, state.dp.size) != (config.parallel.tp, config.parallel.cp, self.dp):
+            raise ValueError(f"config layout (tp, cp, dp) = ({config.parallel.tp}, {config.parallel.cp}, {self.dp}) "
+                             f"differs from the parallel state's {state.sizes}")
+        self.device = build.select_device(state)
+        self.autocast_dtype = self._autocast_dtype()
+        seed_everything(derived_seed(config.train.seed, state.rank))
+        self.sources = build.resolve_data(config, state)
+        self.model = build.build_model(config, state, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        self.schedule = LRSchedule(config.optimizer, config.schedule, config.train.steps)
+        self.reducer = GradientReducer(self.params, state.dp_cp.group, config.train.grad_bucket_mb)
+        self.sharded = ShardedState(self.model, self.optimizer, state)
+        self.result = TrainResult()
+        self.run_name = config.run_name(self.dp)
+        self.run_dir = build.run_dir_of(config, self.run_name)
+        self.result.run_dir = str(self.run_dir)
+        self.step, consumed = 0, 0
+        self._pending_messages: list[str] = []
+        resume = self._resume_path()
+        if resume is not None:
+            consumed = self._load(resume)
+        self.train_data, self.valid_data = build.build_datasets(config, self.sources, state)
+        self.loader = build.build_loader(config, self.train_data, state, consumed)
+        self.grad_callback: Callable[[int], None] | None = None  # called after the gradient sum (tests)
+        self._last_saved = self.step if resume is not None else -1
+
+    # ----------------------------------------------------------------------------------- setup
+    def _autocast_dtype(self) -> torch.dtype | None:
+        dtype = self.config.train.dtype
+        if dtype == "bf16" or (dtype == "auto" and self.device.type == "cuda"):
+            return torch.bfloat16
+        return None
+
+    def _resume_path(self) -> Path | None:
+        ckpt = self.config.checkpoint
+        if ckpt.load:
+            found = find_checkpoint(ckpt.load)
+            if found is None:
+                raise FileNotFoundError(f"checkpoint.load={ckpt.load} holds no complete checkpoint (no `latest`)")
+            return found
+        if ckpt.save and ckpt.auto_resume:
+            return find_checkpoint(ckpt.save)
+        return None
+
+    def _load(self, path: Path) -> int:
+        meta = load_checkpoint(path, self.sharded, self.state)
+        for group in self.optimizer.param_groups:  # this run's config and implementation win over the saved ones
+            group.update({k: self.optimizer.defaults[k] for k in ("foreach", "fused") if k in self.optimizer.defaults})
+            group["betas"] = (self.config.optimizer.beta1, self.config.optimizer.beta2)
+            group["eps"] = self.config.optimizer.eps
+            if group["weight_decay"]:
+                group["weight_decay"] = self.config.optimizer.weight_decay
+        self.step = int(meta["step"])
+        saved = meta["layout"]
+        self._note(f"resumed from {path} at step {self.step}, consumed_samples {meta['consumed_samples']}")
+        if meta["rng_state"] is not None:
+            restore_rng_state(meta["rng_state"])
+        else:
+            seed_everything(derived_seed(self.config.train.seed, self.state.rank, self.step))
+            self._note(f"layout changed from (tp, cp, dp) = ({saved['tp']}, {saved['cp']}, {saved['dp']}) to "
+                       f"{self.state.sizes}: model and optimizer resharded, RNG re-derived from train.seed "
+                       f"{self.config.train.seed} at step {self.step}")
+        return int(meta["consumed_samples"])
+
+    def _note(self, text: str) -> None:
+        self.result.messages.append(text)
+        self._pending_messages.append(text)
+
+    # ------------------------------------------------------------------------------------ step
+    def _to_device(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_backward(self, micro_batches: list[MicroBatch]) -> BatchLoss:
+        """Accumulate the gradients of one global batch (this rank's micro-batches).
+
+        Each micro-batch backpropagates ``sum(masked token losses) / global loss tokens``; the last
+        backward runs under the reducer, so on return every gradient is summed over DP x CP."""
+        group = self.state.dp_cp.group
+        self.reducer.zero_grad()
+        masks = [mb["loss_mask"] for mb in micro_batches]
+        tokens = global_loss_tokens(masks, group)
+        local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for index, mb in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with self.reducer.sync() if last else contextlib.nullcontext():
+                with self._autocast():
+                    token_losses = self.model(mb["tokens"], mb["position_ids"], labels=mb["labels"])
+                loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])
+                (loss_sum / tokens).backward()
+            local_sum += loss_sum.detach().double()
+        local_tokens = float(sum(float(m.sum()) for m in masks))
+        return BatchLoss(reduce_loss(local_sum, tokens, group), tokens, local_tokens, float(local_sum))
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """One optimizer step on one global batch (this rank's micro-batches, already CP-sliced)."""
+        lr = self.schedule.apply(self.optimizer, self.step)
+        loss, tokens, local_tokens, _ = self.forward_backward(self._to_device(micro_batches))
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(f"loss is {loss} at step {self.step + 1}: stopping the run (lower "
+                                     f"optimizer.lr, check the data, or resume from an earlier checkpoint)")
+        if self.grad_callback is not None:
+            self.grad_callback(self.step + 1)
+        norm = global_grad_norm(self.params, self.state.tp.group)
+        if not math.isfinite(float(norm)):
+            raise NonFiniteLossError(f"gradient norm is {float(norm)} at step {self.step + 1} (loss {loss}): "
+                                     f"stopping the run before the update")
+        clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
+        self.optimizer.step()
+        self.step += 1
+        return StepResult(loss, float(norm), lr, tokens, local_tokens)
+
+    # ------------------------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the validation batches (exact over DP x CP), or NaN without a validation split."""
+        if self.valid_data is None:
+            return float("nan")
+        loader = build.build_loader(self.config, self.valid_data, self.state, 0)
+        self.model.eval()
+        local_sum, local_tokens = 0.0, 0.0
+        for micro_batches in loader:
+            for mb in self._to_device(micro_batches):
+                with self._autocast():
+                    token_losses = self.model(mb["tokens"], mb["position_ids"], labels=mb["labels"])
+                local_sum += float(masked_loss_sum(token_losses, mb["loss_mask"]))
+                local_tokens += float(mb["loss_mask"].sum())
+        self.model.train()
+        total, tokens = reduce_sums([local_sum, local_tokens], self.state.dp_cp.group, self.device)
+        return total / max(tokens, 1.0)
+
+    # ------------------------------------------------------------------------------------ loop
+    def save(self) -> None:
+        ckpt = self.config.checkpoint
+        if not ckpt.save or self._last_saved == self.step:
+            return
+        meta = {"step": self.step, "consumed_samples": self.loader.consumed_samples,
+                "scheduler": {"step": self.step, **self.schedule.state_dict()},
+                "layout": {"tp": self.state.tp.size, "cp": self.state.cp.size, "dp": self.state.dp.size,
+                           "world_size": self.state.world_size, "attention_layout": self.config.model.attention_layout},
+                "config": self.config.to_dict(), "torch": torch.__version__}
+        path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state)
+        self._last_saved = self.step
+        self._note(f"saved checkpoint {path}")
+
+    def _sinks(self) -> MetricsSinks:
+        config = self.config
+        layout = {"tp": self.state.tp.size, "cp": self.state.cp.size, "dp": self.state.dp.size,
+                  "world_size": self.state.world_size, "seq_len": config.data.seq_len}
+        sinks = MetricsSinks(self.state.rank == 0, self.run_dir, self.run_name, config.train.steps, self.step,
+                             config.to_dict(), layout, config.logging.wandb, config.logging.wandb_project,
+                             config.logging.wandb_mode, config.logging.console, append=self.step > 0)
+        if self.state.rank == 0:
+            (self.run_dir / "config.yaml").write_text(dump_yaml(config))
+        return sinks
+
+    def train(self, until_step: int | None = None) -> TrainResult:
+        """Train to ``train.steps`` (or stop after ``until_step``), logging, evaluating and saving on the way."""
+        config, state = self.config, self.state
+        last = min(config.train.steps, until_step or config.train.steps)
+        sinks = self._sinks()
+        sizes = build.describe(self.model, state)
+        peak, peak_source = peak_tflops(self.device, config.logging.peak_tflops, config.logging.cpu_peak_tflops)
+        sinks.message(f"run {self.run_name}: {sizes['parameters']:,} parameters ({sizes['parameters_per_rank']:,} "
+                      f"per rank), world {state.world_size} = tp {state.tp.size} x cp {state.cp.size} x dp "
+                      f"{state.dp.size}, device {self.device}, run dir {self.run_dir}; peak {peak} TFLOP/s per "
+                      f"device ({peak_source})")
+        for text in self._pending_messages:
+            sinks.message(text)
+        self._pending_messages.clear()
+        meter = IntervalMeter(config.train.global_batch_size * config.data.seq_len,
+                              model_flops_per_token(config.model, config.data.seq_len), state.world_size, peak)
+        reset_peak_memory(self.device)
+        batches = iter(self.loader)
+        try:
+            while self.step < last:
+                started = time.perf_counter()
+                micro_batches = next(batches)
+                loaded = time.perf_counter()
+                out = self.train_step(micro_batches)
+                meter.add(out.loss, time.perf_counter() - started, loaded - started)
+                self.result.losses[self.step] = out.loss
+                self.result.grad_norms[self.step] = out.grad_norm
+                if self.step % config.logging.interval == 0 or self.step == last:
+                    sinks.log(meter.record(self.step, out.lr, out.grad_norm, self.loader.consumed_samples,
+                                           config.data.seq_len, peak_memory_gib(self.device)))
+                paused = time.perf_counter()
+                if config.train.eval_interval and (self.step % config.train.eval_interval == 0 or self.step == last):
+                    self._log_eval(sinks)
+                if config.checkpoint.interval and self.step % config.checkpoint.interval == 0:
+                    self.save()
+                    self._flush(sinks)
+                meter.exclude(time.perf_counter() - paused)
+            self.save()
+            self._flush(sinks)
+        finally:
+            sinks.close()
+        self.result.final_step = self.step
+        return self.result
+
+    def _log_eval(self, sinks: MetricsSinks) -> None:
+        loss = self.evaluate()
+        self.result.eval_losses[self.step] = loss
+        sinks.log({"kind": "eval", "step": self.step, "loss": loss,
+                   "perplexity": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss})
+
+    def _flush(self, sinks: MetricsSinks) -> None:
+        for text in self._pending_messages:
+            sinks.message(text)
+        self._pending_messages.clear()
+
+
+def run_training(config: Config, state: ParallelState, until_step: int | None = None) -> TrainResult:
+    """Build a ``Trainer`` on ``state`` and train; returns the per-step losses and the messages."""
+    return Trainer(config, state).train(until_step)
+

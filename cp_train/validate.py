@@ -1,0 +1,96 @@
+"""Checks that a ``Config`` can run on a world of a given size; errors name the keys and the numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cp_train.config import Config, ConfigError
+
+DTYPES = ("auto", "bf16", "fp32")
+DECAYS = ("cosine", "linear", "constant")
+OPTIMIZERS = ("auto", "fused", "foreach")
+WANDB_MODES = (None, "online", "offline", "disabled")
+
+
+def resolve_dp(config: Config, world_size: int) -> int:
+    """DP size: ``parallel.dp``, or ``world_size // (tp * cp)``; ConfigError when the layout cannot fill the world."""
+    tp, cp, dp = config.parallel.tp, config.parallel.cp, config.parallel.dp
+    for key, value in (("parallel.tp", tp), ("parallel.cp", cp), ("parallel.dp", dp)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if dp is None:
+        if world_size % (tp * cp):
+            raise ConfigError(f"world size {world_size} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}; "
+                              f"choose parallel.tp and parallel.cp whose product divides {world_size}")
+        return world_size // (tp * cp)
+    if tp * cp * dp != world_size:
+        raise ConfigError(f"world size {world_size} != tp*cp*dp = {tp}*{cp}*{dp} = {tp * cp * dp}; "
+                          f"launch {tp * cp * dp} processes or change parallel.tp/cp/dp")
+    return dp
+
+
+def _positive(config: Config, keys: tuple[str, ...], minimum: float) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _choice(key: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def validate(config: Config, world_size: int) -> int:
+    """Raise ConfigError unless ``config`` runs on ``world_size`` ranks; return the DP size."""
+    dp = resolve_dp(config, world_size)
+    tp, cp = config.parallel.tp, config.parallel.cp
+    train, data, model = config.train, config.data, config.model
+    _positive(config, ("train.steps", "train.micro_batch_size", "train.global_batch_size", "train.eval_iters",
+                       "logging.interval", "data.seq_len", "parallel.timeout_minutes"), 1)
+    _positive(config, ("train.eval_interval", "checkpoint.interval", "schedule.warmup_steps",
+                       "data.num_workers", "optimizer.weight_decay", "optimizer.clip_grad",
+                       "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops"), 0)
+    if not config.optimizer.lr > 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
+    if config.optimizer.min_lr > config.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr {config.optimizer.min_lr} is larger than optimizer.lr "
+                          f"{config.optimizer.lr}")
+    for key, beta in (("optimizer.beta1", config.optimizer.beta1), ("optimizer.beta2", config.optimizer.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {beta}")
+    _choice("train.dtype", train.dtype, DTYPES)
+    _choice("schedule.decay", config.schedule.decay, DECAYS)
+    _choice("optimizer.implementation", config.optimizer.implementation, OPTIMIZERS)
+    _choice("logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
+    per_micro_step = train.micro_batch_size * dp
+    if train.global_batch_size % per_micro_step:
+        raise ConfigError(f"train.global_batch_size {train.global_batch_size} is not divisible by "
+                          f"micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_micro_step}; "
+                          f"the global batch is micro batch * dp * gradient-accumulation steps")
+    layout = model.attention_layout
+    parts = 2 * cp if layout == "zigzag" and cp > 1 else cp
+    if data.seq_len % parts:
+        need = "2*cp" if layout == "zigzag" and cp > 1 else "cp"
+        raise ConfigError(f"data.seq_len {data.seq_len} is not divisible by {need} = {parts} for the {layout} "
+                          f"layout at cp={cp}; use a multiple of {parts}")
+    if data.seq_len > model.max_position_embeddings:
+        raise ConfigError(f"data.seq_len {data.seq_len} exceeds model.max_position_embeddings "
+                          f"{model.max_position_embeddings}")
+    if not 0 <= data.valid_fraction < 1:
+        raise ConfigError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
+    if train.eval_interval > 0 and data.valid_fraction == 0:
+        raise ConfigError(f"train.eval_interval {train.eval_interval} needs a validation split: set "
+                          f"data.valid_fraction > 0 or train.eval_interval=0")
+    if config.checkpoint.interval > 0 and not config.checkpoint.save:
+        raise ConfigError(f"checkpoint.interval {config.checkpoint.interval} needs checkpoint.save (a directory)")
+    if data.prefix is not None and data.tokenizer is None and data.eod_id is None:
+        raise ConfigError("data.prefix without data.tokenizer needs data.eod_id (the end-of-document id)")
+    if data.prefix is not None and data.tokenizer is None and model.vocab_size is None:
+        raise ConfigError("data.prefix without data.tokenizer needs model.vocab_size")
+    try:  # an unset vocab_size comes from the tokenizer and is checked again then
+        dataclasses.replace(model, vocab_size=model.vocab_size or tp).validate(tp, cp, data.seq_len)
+    except ValueError as error:
+        raise ConfigError(f"model: {error}") from None
+    return dp

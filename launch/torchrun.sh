@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Single node: one process per GPU (or per CPU rank), all arguments go to train.py.
+#   launch/torchrun.sh launch/configs/gpt-125m-cp8.yaml [--set train.steps=100 ...]
+#   NPROC=2 launch/torchrun.sh launch/configs/cpu-tiny.yaml
+# NPROC defaults to the number of visible GPUs (2 without GPUs). Extra torchrun options: TORCHRUN_ARGS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+config="${1:?usage: launch/torchrun.sh CONFIG.yaml [train.py flags]}"
+shift
+if [[ -z "${NPROC:-}" ]]; then
+  NPROC=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
+fi
+exec torchrun --standalone --nproc-per-node "${NPROC}" ${TORCHRUN_ARGS:-} \
+  train.py --config "${config}" "$@"

@@ -1,0 +1,114 @@
+"""Checkpoints: exact resume in fresh processes, resume into other layouts, and interrupted saves.
+
+A (1, 2, 1) run saves at step 4 of 8. Resuming it in fresh processes must reproduce the
+uninterrupted run's losses bitwise; resuming it with cp 2 -> 4, dp 1 -> 2 and tp 1 -> 2 must load
+the very same parameters and Adam moments (resharded by DCP), continue the data stream at the same
+global sample and match the uninterrupted losses within 1e-5; a save that dies part way must
+leave ``latest`` on the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cp_train.checkpoint import LATEST, META, find_checkpoint, step_dir_name
+from parallel.spawn import SpawnedWorld
+from parallel.state import run_with_parallel
+from tests import trainer_cases
+
+STEPS, SAVE_AT, LAYOUT = 8, 4, (1, 2, 1)
+CHANGED_LAYOUTS = {"cp 2->4": (1, 4, 1), "dp 1->2": (1, 2, 2), "tp 1->2": (2, 2, 1)}
+WANT = ("params", "optimizer")
+
+
+def run(world, layout, corpus: str, run_dir: Path, until_step: int | None = None, want=(), **overrides):
+    overrides = {"train.steps": STEPS, **overrides}
+    return world.run(run_with_parallel, layout, trainer_cases.train_layout, corpus, str(run_dir), overrides,
+                     until_step, want)
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == expected.keys(), f"{what}: different keys"
+    differing = [name for name in expected if not torch.equal(got[name], expected[name])]
+    assert not differing, f"{what}: not bitwise equal: {differing}"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return trainer_cases.write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
+
+
+@pytest.fixture(scope="module")
+def saved(spawn_world, corpus, tmp_path_factory) -> dict:
+    """The uninterrupted run's losses, and a checkpoint at step 4 of the same run with its full states."""
+    root = tmp_path_factory.mktemp("ckpt")
+    world = spawn_world(2)
+    uninterrupted = run(world, LAYOUT, corpus, root / "uninterrupted")[0]["losses"]
+    first_half = run(world, LAYOUT, corpus, root / "first-half", SAVE_AT, WANT,
+                     **{"checkpoint.save": str(root / "checkpoints")})[0]
+    return {"losses": uninterrupted, "first_half": first_half, "checkpoints": root / "checkpoints", "root": root}
+
+
+def test_checkpoint_files_and_latest_pointer(saved) -> None:
+    checkpoints = saved["checkpoints"]
+    assert (checkpoints / LATEST).read_text().strip() == step_dir_name(SAVE_AT)
+    found = find_checkpoint(checkpoints)
+    assert found == checkpoints / step_dir_name(SAVE_AT)
+    meta = json.loads((found / META).read_text())
+    assert meta["step"] == SAVE_AT and meta["consumed_samples"] == SAVE_AT * trainer_cases.GLOBAL_BATCH
+    assert meta["layout"] == {"tp": 1, "cp": 2, "dp": 1, "world_size": 2, "attention_layout": "zigzag"}
+    assert meta["config"]["train"]["steps"] == STEPS and meta["scheduler"]["step"] == SAVE_AT
+    assert (found / ".metadata").is_file() and sorted(p.name for p in (found / "rng").iterdir()) == [
+        "rank_00000.pt", "rank_00001.pt"]
+    assert saved["first_half"]["losses"] == {s: saved["losses"][s] for s in range(1, SAVE_AT + 1)}
+
+
+def test_exact_resume_in_fresh_processes(saved, corpus, tmp_path) -> None:
+    with SpawnedWorld(2) as fresh:
+        resumed = run(fresh, LAYOUT, corpus, tmp_path, want=WANT, **{"checkpoint.load": str(saved["checkpoints"])})
+    answer = resumed[0]
+    assert answer["step_at_start"] == SAVE_AT
+    assert answer["consumed_at_start"] == SAVE_AT * trainer_cases.GLOBAL_BATCH
+    for what in WANT:
+        assert_same_tensors(answer["start"][what], saved["first_half"]["end"][what], f"loaded {what}")
+    expected = {step: saved["losses"][step] for step in range(SAVE_AT + 1, STEPS + 1)}
+    assert answer["losses"] == expected, "resumed losses are not bitwise those of the uninterrupted run"
+    assert not any("layout changed" in m for m in answer["messages"])
+
+
+@pytest.mark.parametrize("change", list(CHANGED_LAYOUTS))
+def test_resume_with_another_layout(spawn_world, saved, corpus, tmp_path, change) -> None:
+    layout = CHANGED_LAYOUTS[change]
+    answer = run(spawn_world(4), layout, corpus, tmp_path, want=WANT,
+                 **{"checkpoint.load": str(saved["checkpoints"])})[0]
+    for what in WANT:  # resharded by DCP, every value lands where it belongs
+        assert_same_tensors(answer["start"][what], saved["first_half"]["end"][what], f"{change}: loaded {what}")
+    assert answer["consumed_at_start"] == SAVE_AT * trainer_cases.GLOBAL_BATCH
+    notes = [m for m in answer["messages"] if "layout changed" in m]
+    assert notes and "RNG re-derived from train.seed" in notes[0] and f"to {layout}" in notes[0], answer["messages"]
+    for step in range(SAVE_AT + 1, STEPS + 1):
+        expected = saved["losses"][step]
+        assert abs(answer["losses"][step] - expected) <= 1e-5 * abs(expected), (change, step)
+
+
+def test_interrupted_save_keeps_latest_on_previous_checkpoint(spawn_world, saved, corpus, tmp_path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(saved["checkpoints"], checkpoints)  # resume from step 4, save at 6, die saving 8
+    overrides = {"train.steps": STEPS, "checkpoint.save": str(checkpoints), "checkpoint.interval": 2}
+    world = spawn_world(2)
+    errors = world.run(run_with_parallel, LAYOUT, trainer_cases.train_with_failing_save, corpus, str(tmp_path),
+                       overrides, STEPS, 1)
+    assert all("simulated crash of rank 1" in error for error in errors), errors
+    assert (checkpoints / LATEST).read_text().strip() == step_dir_name(6)
+    partial = checkpoints / step_dir_name(STEPS)
+    assert partial.is_dir() and not (partial / META).exists() and any(partial.glob("*.distcp"))
+    assert find_checkpoint(checkpoints) == checkpoints / step_dir_name(6)
+    resumed = run(world, LAYOUT, corpus, tmp_path / "after-crash", **{"checkpoint.save": str(checkpoints)})[0]
+    assert resumed["step_at_start"] == 6
+    assert resumed["losses"] == {step: saved["losses"][step] for step in (7, 8)}
+    assert (checkpoints / LATEST).read_text().strip() == step_dir_name(STEPS)  # the retried save completed

@@ -1,0 +1,177 @@
+"""Config: YAML < flags < --set precedence, type coercion, unknown keys, and every validation error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import train as train_script
+from cp_train.cli import parse_config
+from cp_train.config import Config, ConfigError, build_config, dump_yaml, load_config
+from cp_train.validate import validate
+
+CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
+SMALL_MODEL = {"model.vocab_size": 256, "model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
+               "model.num_kv_heads": 2, "model.ffn_hidden_size": 128, "model.max_position_embeddings": 256}
+
+
+def small(**overrides) -> Config:
+    values = {**SMALL_MODEL, "data.seq_len": 64, "train.global_batch_size": 8, "train.micro_batch_size": 2,
+              "parallel.cp": 2}
+    values.update(overrides)
+    return build_config([("test", values)])
+
+
+@pytest.fixture()
+def yaml_file(tmp_path) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  hidden_size: 96\n  num_heads: 4\noptimizer:\n  lr: 1e-3\n  min_lr: 1e-5\n"
+                    "parallel:\n  cp: 2\ntrain:\n  steps: 50\n  eval_interval: 5\nlogging:\n  interval: 7\n")
+    return path
+
+
+def test_precedence_yaml_then_flags_then_set(yaml_file) -> None:
+    only_yaml = parse_config(["--config", str(yaml_file)])
+    assert (only_yaml.optimizer.lr, only_yaml.parallel.cp, only_yaml.train.steps) == (1e-3, 2, 50)
+    assert only_yaml.model.hidden_size == 96 and only_yaml.logging.interval == 7
+    assert only_yaml.train.micro_batch_size == Config().train.micro_batch_size  # untouched: the default
+    flags = parse_config(["--config", str(yaml_file), "--lr", "2e-3", "--cp-size", "4", "--train-steps", "9"])
+    assert (flags.optimizer.lr, flags.parallel.cp, flags.train.steps) == (2e-3, 4, 9)
+    assert flags.model.hidden_size == 96  # YAML keys the flags do not name survive
+    dotted = parse_config(["--config", str(yaml_file), "--lr", "2e-3", "--set", "optimizer.lr=3e-3",
+                           "--cp-size", "4", "--set", "parallel.cp=8", "--set", "model.hidden_size=128"])
+    assert (dotted.optimizer.lr, dotted.parallel.cp, dotted.model.hidden_size) == (3e-3, 8, 128)
+    assert dotted.train.steps == 50
+
+
+def test_megatron_aliases_and_script_keys() -> None:
+    config = parse_config(["--tensor-model-parallel-size", "2", "--context-parallel-size", "4",
+                           "--seq-length", "512", "--train-iters", "3", "--save", "ck", "--load", "ck2",
+                           "--wandb-project", "p", "--wandb-mode", "disabled", "--micro-batch-size", "2",
+                           "--global-batch-size", "16", "--set", "logging.dir=runs/x",
+                           "--set", "checkpoint.interval=0", "--set", "train.eval_interval=0"])
+    assert (config.parallel.tp, config.parallel.cp, config.data.seq_len, config.train.steps) == (2, 4, 512, 3)
+    assert (config.checkpoint.save, config.checkpoint.load, config.checkpoint.interval) == ("ck", "ck2", 0)
+    assert (config.logging.wandb_project, config.logging.wandb_mode, config.logging.dir) == ("p", "disabled",
+                                                                                           "runs/x")
+    assert (config.train.micro_batch_size, config.train.global_batch_size, config.train.eval_interval) == (2, 16, 0)
+
+
+def test_values_are_coerced_to_the_field_types() -> None:
+    config = load_config(None, overrides=["optimizer.lr=3e-4", "model.tie_embeddings=true", "train.steps=12",
+                                          "parallel.dp=null", "data.prefix=/data/x", "model.vocab_size=512",
+                                          "logging.peak_tflops=989"])
+    assert config.optimizer.lr == 3e-4 and isinstance(config.optimizer.lr, float)
+    assert config.model.tie_embeddings is True and config.train.steps == 12 and config.parallel.dp is None
+    assert config.data.prefix == "/data/x" and config.model.vocab_size == 512
+    assert config.logging.peak_tflops == 989.0
+    derived = load_config(None, overrides=["model.hidden_size=384", "model.num_heads=6"])
+    assert derived.model.num_kv_heads == 6 and derived.model.ffn_hidden_size == 1024  # derived after overrides
+    assert dump_yaml(config).startswith("model:")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=ten", "train.steps expects int, got 'ten'"),
+    ("train.steps=2.5", "train.steps expects int"),
+    ("model.tie_embeddings=maybe", "model.tie_embeddings expects bool"),
+    ("optimizer.lr=fast", "optimizer.lr expects float"),
+    ("train.steps=null", "train.steps must not be null"),
+])
+def test_bad_values_name_the_key(override, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides=[override])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--set", "model.hiden_size=3"], "unknown config key 'model.hiden_size' .*did you mean 'model.hidden_size'"),
+    (["--set", "trian.steps=3"], "unknown config key 'trian.steps'.*did you mean 'train'"),
+    (["--set", "train.steps"], "must look like section.key=value"),
+    (["--set", "train=3"], "unknown config key 'train'"),
+])
+def test_unknown_or_malformed_overrides(argv, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("model:\n  hidden: 512\n", r"run.yaml: unknown config key 'model.hidden'"),
+    ("modle:\n  hidden_size: 512\n", r"unknown config key 'modle.hidden_size'.*did you mean 'model'"),
+    ("model: 3\n", "'model' must be a mapping"),
+    ("- a\n- b\n", "the top level must be a mapping"),
+    ("model: [\n", "not valid YAML"),
+])
+def test_unknown_keys_in_yaml_name_the_key_and_the_file(tmp_path, text, message) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+VALIDATION_ERRORS = [
+    ({"parallel.dp": 2}, 8, r"world size 8 != tp\*cp\*dp = 1\*2\*2 = 4"),
+    ({"parallel.tp": 2, "parallel.cp": 2}, 6, r"world size 6 is not divisible by tp\*cp = 2\*2 = 4"),
+    ({"parallel.cp": 0}, 2, "parallel.cp must be >= 1, got 0"),
+    ({"data.seq_len": 66}, 2, r"data.seq_len 66 is not divisible by 2\*cp = 4 for the zigzag layout"),
+    ({"data.seq_len": 65, "model.attention_layout": "contiguous"}, 2, "data.seq_len 65 is not divisible by cp = 2"),
+    ({"train.global_batch_size": 6}, 4, r"global_batch_size 6 is not divisible by micro_batch_size\*dp = 2\*2 = 4"),
+    ({"parallel.tp": 4, "parallel.cp": 1, "model.num_heads": 6, "model.hidden_size": 48}, 4,
+     "num_heads 6 is not divisible by tp = 4"),
+    ({"parallel.tp": 4, "parallel.cp": 1}, 4, "num_kv_heads 2 is not divisible by tp = 4"),
+    ({"parallel.tp": 2, "parallel.cp": 1, "model.vocab_size": 255}, 2, "vocab_size 255 is not divisible by tp = 2"),
+    ({"parallel.tp": 2, "parallel.cp": 1, "model.ffn_hidden_size": 129}, 2,
+     "ffn_hidden_size 129 is not divisible by tp = 2"),
+    ({"model.hidden_size": 66}, 2, "hidden_size 66 is not divisible by num_heads 4"),
+    ({"model.num_kv_heads": 3}, 2, "num_heads 4 is not divisible by num_kv_heads 3"),
+    ({"data.seq_len": 512}, 2, "data.seq_len 512 exceeds model.max_position_embeddings 256"),
+    ({"model.attention_layout": "spiral"}, 2, "spiral"),
+    ({"train.steps": 0}, 2, "train.steps must be >= 1, got 0"),
+    ({"train.micro_batch_size": 0}, 2, "train.micro_batch_size must be >= 1"),
+    ({"logging.interval": 0}, 2, "logging.interval must be >= 1"),
+    ({"train.eval_interval": -1}, 2, "train.eval_interval must be >= 0"),
+    ({"checkpoint.interval": -5}, 2, "checkpoint.interval must be >= 0"),
+    ({"checkpoint.interval": 10}, 2, "checkpoint.interval 10 needs checkpoint.save"),
+    ({"train.eval_interval": 5, "data.valid_fraction": 0.0}, 2, "train.eval_interval 5 needs a validation split"),
+    ({"data.valid_fraction": 1.5}, 2, r"data.valid_fraction must be in \[0, 1\), got 1.5"),
+    ({"optimizer.lr": 0.0}, 2, "optimizer.lr must be > 0"),
+    ({"optimizer.min_lr": 1.0}, 2, "optimizer.min_lr 1.0 is larger than optimizer.lr"),
+    ({"optimizer.beta2": 1.0}, 2, r"optimizer.beta2 must be in \[0, 1\)"),
+    ({"optimizer.clip_grad": -1.0}, 2, "optimizer.clip_grad must be >= 0"),
+    ({"train.dtype": "fp8"}, 2, "train.dtype must be one of auto, bf16, fp32; got 'fp8'"),
+    ({"schedule.decay": "step"}, 2, "schedule.decay must be one of cosine, linear, constant"),
+    ({"optimizer.implementation": "apex"}, 2, "optimizer.implementation must be one of"),
+    ({"logging.wandb_mode": "cloud"}, 2, "logging.wandb_mode must be one of"),
+    ({"data.prefix": "/x", "data.eod_id": None}, 2, "data.prefix without data.tokenizer needs data.eod_id"),
+    ({"data.prefix": "/x", "data.eod_id": 2, "model.vocab_size": None}, 2,
+     "data.prefix without data.tokenizer needs model.vocab_size"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", VALIDATION_ERRORS,
+                         ids=[next(iter(o)) + f"-w{w}" for o, w, _ in VALIDATION_ERRORS])
+def test_validation_errors_name_the_numbers(overrides, world, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(small(**overrides), world)
+
+
+def test_valid_layouts_resolve_dp() -> None:
+    assert validate(small(), 2) == 1 and validate(small(), 4) == 2
+    assert validate(small(**{"parallel.tp": 2}), 8) == 2
+    assert validate(small(**{"parallel.cp": 1, "data.seq_len": 63, "train.global_batch_size": 2}), 1) == 1
+
+
+@pytest.mark.parametrize("name,world", [("cpu-tiny.yaml", 2), ("gpt-125m-cp8.yaml", 8), ("gpt-1b-128k-cp8.yaml", 8),
+                                        ("gpt-1b-128k-cp8.yaml", 16)])
+def test_shipped_configs_are_valid(name, world) -> None:
+    config = load_config(CONFIGS / name)
+    assert config.parallel.cp == (2 if name == "cpu-tiny.yaml" else 8)
+    validate(config, world)
+    assert config.logging.dir and config.logging.interval >= 1
+
+
+def test_train_script_reports_config_errors(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--set", "model.hidden=3"]) == 2
+    assert "unknown config key 'model.hidden'" in capsys.readouterr().err
+    assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--seq-len", "250"]) == 2
+    assert "data.seq_len 250 is not divisible by 2*cp = 4" in capsys.readouterr().err

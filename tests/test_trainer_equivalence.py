@@ -1,0 +1,107 @@
+"""The headline: the same training run in every (tp, cp, dp) layout (tiny fp32 GPT, gloo, spawned ranks).
+
+20 steps on the same global batches of EOD-masked data (CP ranks hold unequal numbers of loss
+tokens): the step-1 loss and gradients must match the unsharded (1, 1, 1) run within 1e-6
+relative and the loss curve within 1e-5. A run with the per-rank-mean loss reduction (the usual
+bug) must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.state import run_with_parallel
+from tests import trainer_cases
+
+REFERENCE = (1, 1, 1)
+LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1)], 4: [(1, 4, 1), (2, 2, 1), (1, 2, 2)], 8: [(2, 2, 2)]}
+LAYOUTS = [layout for layouts in LAYOUTS_BY_WORLD.values() for layout in layouts if layout != REFERENCE]
+STEP1_TOL, CURVE_TOL = 1e-6, 1e-5
+
+
+def rel_err(x: torch.Tensor | float, ref: torch.Tensor | float) -> float:
+    x, ref = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(ref, dtype=torch.float64)
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def worst_grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert grads.keys() == ref.keys()
+    errors = {name: rel_err(grads[name], ref[name]) for name in ref}
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return trainer_cases.write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
+
+
+@pytest.fixture(scope="module")
+def runs(spawn_world, corpus, tmp_path_factory) -> dict[tuple[int, int, int], list[dict]]:
+    """Per layout, every rank's answer from ``trainer_cases.train_layout`` (20 steps)."""
+    out = {}
+    for world, layouts in LAYOUTS_BY_WORLD.items():
+        for layout in layouts:
+            run_dir = str(tmp_path_factory.mktemp("run-tp{}-cp{}-dp{}".format(*layout)))
+            out[layout] = spawn_world(world).run(run_with_parallel, layout, trainer_cases.train_layout, corpus,
+                                                 run_dir)
+    return out
+
+
+def test_reference_run_learns(runs) -> None:
+    """...with clipping active on some steps, so the global-norm computation matters to the curve."""
+    losses, norms = runs[REFERENCE][0]["losses"], runs[REFERENCE][0]["grad_norms"]
+    assert any(norm > 1.0 for norm in norms.values()) and any(norm < 1.0 for norm in norms.values()), norms
+    assert sorted(losses) == list(range(1, trainer_cases.STEPS + 1))
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (18, 19, 20)) / 3
+    assert last < first - 0.1, f"the loss did not fall: {losses}"
+
+
+def test_cp_ranks_hold_unequal_loss_tokens(runs) -> None:
+    """The data is a real test of the reduction: CP ranks of one replica count different loss tokens."""
+    for layout in LAYOUTS:
+        tokens = [answer["local_tokens"] for answer in runs[layout]]
+        assert len(set(tokens)) > 1, f"{layout}: every rank holds {tokens[0]} loss tokens"
+    total = runs[REFERENCE][0]["local_tokens"]
+    assert total < trainer_cases.GLOBAL_BATCH * trainer_cases.SEQ_LEN * 0.9, "too few masked tokens"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "tp{}-cp{}-dp{}".format(*layout))
+def test_step1_loss_and_gradients_match_unsharded(runs, layout) -> None:
+    ref, got = runs[REFERENCE][0], runs[layout][0]
+    loss_error = rel_err(got["losses"][1], ref["losses"][1])
+    assert loss_error <= STEP1_TOL, f"{layout}: step-1 loss {got['losses'][1]} vs {ref['losses'][1]}"
+    error, name = worst_grad_error(got["grads"], ref["grads"])
+    assert error <= STEP1_TOL, f"{layout}: step-1 gradient of {name} off by {error:.2e} relative"
+    digests = {answer["grad_digest"] for answer in runs[layout]}
+    assert len(digests) == 1, f"{layout}: ranks hold different (full) gradients after the DP x CP sum"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "tp{}-cp{}-dp{}".format(*layout))
+def test_loss_curve_matches_unsharded(runs, layout) -> None:
+    ref, got = runs[REFERENCE][0]["losses"], runs[layout][0]["losses"]
+    assert got.keys() == ref.keys()
+    errors = {step: rel_err(got[step], ref[step]) for step in ref}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= CURVE_TOL, f"{layout}: step {worst} loss {got[worst]} vs {ref[worst]}"
+    assert all(answer["losses"] == got for answer in runs[layout]), "ranks logged different losses"
+    ref_norms, got_norms = runs[REFERENCE][0]["grad_norms"], runs[layout][0]["grad_norms"]
+    assert all(rel_err(got_norms[s], ref_norms[s]) <= CURVE_TOL for s in ref_norms), "global gradient norms differ"
+    ref_eval, got_eval = runs[REFERENCE][0]["eval_losses"], runs[layout][0]["eval_losses"]
+    assert sorted(ref_eval) == [10, 20] and got_eval.keys() == ref_eval.keys()
+    assert all(rel_err(got_eval[s], ref_eval[s]) <= CURVE_TOL for s in ref_eval), (got_eval, ref_eval)
+
+
+def test_nan_loss_stops_the_run_naming_the_step(spawn_world, corpus, tmp_path) -> None:
+    errors = spawn_world(2).run(run_with_parallel, (1, 2, 1), trainer_cases.train_until_nan, corpus, str(tmp_path), 3)
+    assert all(error.startswith("loss is nan at step 3: stopping the run") for error in errors), errors
+    assert all(error.endswith("(after 2 steps)") for error in errors), errors
+
+
+def test_per_rank_mean_reduction_is_caught(spawn_world, runs, corpus, tmp_path) -> None:
+    """Negative control: normalising by each rank's own token count moves the gradients far past 1e-6."""
+    got = spawn_world(2).run(run_with_parallel, (1, 2, 1), trainer_cases.train_with_per_rank_mean_loss, corpus,
+                             str(tmp_path))[0]
+    error, name = worst_grad_error(got["grads"], runs[REFERENCE][0]["grads"])
+    assert error > 100 * STEP1_TOL, f"the per-rank-mean bug went unnoticed ({name}: {error:.2e})"

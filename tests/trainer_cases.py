@@ -1,0 +1,219 @@
+"""Rank-side trainer runs for the layout-equivalence and checkpoint tests (spawned gloo worlds).
+
+Every function is called as ``run_with_parallel((tp, cp, dp), fn, ...)`` on every rank of a
+world of ``tp*cp*dp`` ranks. The data is a small synthetic corpus (``write_corpus``, test side)
+of learnable documents of random lengths, each ending with EOD, with the EOD inputs masked out
+of the loss, so CP ranks hold unequal numbers of loss tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from cp_train import trainer as trainer_module
+from cp_train.config import Config, build_config
+from cp_train.trainer import NonFiniteLossError, Trainer
+from data.indexed import IndexedDatasetWriter
+from parallel.state import ParallelState
+
+EOD, VOCAB = 2, 128
+TINY_MODEL = {"vocab_size": VOCAB, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+              "ffn_hidden_size": 64, "max_position_embeddings": 64, "seed": 7}
+SEQ_LEN, GLOBAL_BATCH, STEPS = 32, 4, 20
+
+
+def write_corpus(prefix: Path, num_docs: int = 600, seed: int = 0) -> str:
+    """Documents that are an arithmetic progression of ids in [4, VOCAB) of 1..16 tokens plus EOD, or (40%)
+    just EOD: runs of masked EOD inputs make the loss-token counts of CP ranks differ."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(num_docs):
+            length = 0 if rng.random() < 0.4 else int(rng.integers(1, 17))
+            start, stride = int(rng.integers(0, VOCAB - 4)), int(rng.integers(1, 6))
+            body = 4 + (start + stride * np.arange(length)) % (VOCAB - 4)
+            writer.add_document(np.append(body, EOD))
+    return str(prefix)
+
+
+def tiny_config(prefix: str, run_dir: str, sizes: tuple[int, int, int], **overrides: Any) -> Config:
+    """The tiny fp32 run on ``prefix`` at layout (tp, cp, dp); ``overrides`` are dotted keys."""
+    tp, cp, dp = sizes
+    values = {f"model.{k}": v for k, v in TINY_MODEL.items()}
+    values.update({
+        "parallel.tp": tp, "parallel.cp": cp, "parallel.dp": dp, "data.prefix": prefix, "data.eod_id": EOD,
+        "data.seq_len": SEQ_LEN, "data.valid_fraction": 0.1, "data.cache_dir": f"{run_dir}/index-cache",
+        "train.steps": STEPS, "train.micro_batch_size": 2, "train.global_batch_size": GLOBAL_BATCH,
+        "train.dtype": "fp32", "train.grad_bucket_mb": 0.01, "optimizer.lr": 3e-3, "optimizer.min_lr": 3e-4,
+        "schedule.warmup_steps": 3, "train.eval_interval": 10, "logging.dir": run_dir, "logging.interval": 1,
+        "logging.wandb": False, "logging.console": False})
+    values.update(overrides)
+    return build_config([("test", values)])
+
+
+def _gather_tp(tensor: torch.Tensor, param: torch.nn.Parameter, group: dist.ProcessGroup) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
+        return tensor.detach().clone()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def full_state(trainer: Trainer, what: str) -> dict[str, torch.Tensor]:
+    """Full-shape gradients (``what="grads"``), parameters (``"params"``) or Adam moments (``"optimizer"``)."""
+    group, out = trainer.state.tp.group, {}
+    for name, param in trainer.model.named_parameters():
+        if what == "grads":
+            out[name] = _gather_tp(param.grad, param, group)
+        elif what == "params":
+            out[name] = _gather_tp(param, param, group)
+        elif param in trainer.optimizer.state:  # a fresh optimizer has no state yet
+            entry = trainer.optimizer.state[param]
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{name}.{key}"] = _gather_tp(entry[key], param, group)
+            out[f"{name}.step"] = entry["step"].detach().clone()
+    return out
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    hasher = hashlib.sha256()
+    for name in sorted(tensors):
+        hasher.update(name.encode())
+        hasher.update(tensors[name].contiguous().numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def train_layout(state: ParallelState, prefix: str, run_dir: str, overrides: dict[str, Any] | None = None,
+                 until_step: int | None = None, want: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Train the tiny run on this layout. Returns the per-step losses, gradient norms and eval losses,
+    every rank's loss tokens in its first step, a digest of the first step's full gradients (equal on
+    every rank), rank 0's first-step full gradients, and rank 0's full ``want`` states ("params",
+    "optimizer") at the start (after any resume) and at the end."""
+    trainer = Trainer(tiny_config(prefix, run_dir, state.sizes, **(overrides or {})), state)
+    out: dict[str, Any] = {"start": {w: full_state(trainer, w) for w in want},
+                           "consumed_at_start": trainer.loader.consumed_samples, "step_at_start": trainer.step}
+    first: list[Any] = []
+    forward_backward = trainer.forward_backward
+
+    def recording_forward_backward(micro_batches: list[dict[str, torch.Tensor]]) -> Any:
+        result = forward_backward(micro_batches)
+        if not first:
+            first.append(result)
+        return result
+
+    def on_gradients(step: int) -> None:
+        if "grads" not in out:  # the first step of this run
+            grads = full_state(trainer, "grads")
+            out["grads"], out["grad_digest"] = grads, digest(grads)
+
+    trainer.forward_backward = recording_forward_backward  # type: ignore[method-assign]
+    trainer.grad_callback = on_gradients
+    result = trainer.train(until_step)
+    out.update({"losses": result.losses, "grad_norms": result.grad_norms, "eval_losses": result.eval_losses,
+                "messages": result.messages, "local_tokens": first[0].local_tokens,
+                "end": {w: full_state(trainer, w) for w in want}})
+    if state.rank != 0:  # keep the pickled answer small: only rank 0 sends full tensors
+        out.pop("grads", None)
+        out["start"], out["end"] = {}, {}
+    return out
+
+
+def _per_rank_mean_tokens(loss_masks: list[torch.Tensor], group: dist.ProcessGroup) -> float:
+    """The classic bug: each rank normalises by its OWN token count (times the group size, i.e. the
+    gradient becomes the mean over ranks of per-rank mean losses)."""
+    return float(sum(float(m.sum()) for m in loss_masks)) * dist.get_world_size(group)
+
+
+def train_with_per_rank_mean_loss(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]:
+    """``train_layout`` for one step with the per-rank-mean reduction patched in (negative control)."""
+    original = trainer_module.global_loss_tokens
+    trainer_module.global_loss_tokens = _per_rank_mean_tokens
+    try:
+        return train_layout(state, prefix, run_dir, until_step=1)
+    finally:
+        trainer_module.global_loss_tokens = original
+
+
+def train_until_nan(state: ParallelState, prefix: str, run_dir: str, nan_step: int) -> str:
+    """Train with the last rank's token losses turned to NaN at ``nan_step``; returns the error raised."""
+    trainer = Trainer(tiny_config(prefix, run_dir, state.sizes), state)
+    forward = trainer.model.forward
+
+    def poisoned_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        losses = forward(*args, **kwargs)
+        if trainer.step + 1 == nan_step and state.rank == state.world_size - 1:
+            losses = losses * float("nan")
+        return losses
+
+    trainer.model.forward = poisoned_forward  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    except NonFiniteLossError as error:
+        return f"{error} (after {len(trainer.result.losses)} steps)"
+    return "no error"
+
+
+def train_with_failing_save(state: ParallelState, prefix: str, run_dir: str, overrides: dict[str, Any],
+                            fail_at_step: int, failing_rank: int) -> str:
+    """Train with periodic saves; the save at ``fail_at_step`` dies part way: ``failing_rank`` fails while
+    writing its shards after the others wrote theirs. Returns the error every rank saw."""
+    writer = dcp.FileSystemWriter
+    original = writer.write_data
+    trainer = Trainer(tiny_config(prefix, run_dir, state.sizes, **overrides), state)
+
+    def failing_write_data(self: Any, plan: Any, planner: Any) -> Any:
+        if trainer.step == fail_at_step and state.rank == failing_rank:
+            raise OSError(f"simulated crash of rank {state.rank} while writing step {fail_at_step}")
+        return original(self, plan, planner)
+
+    writer.write_data = failing_write_data  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    except BaseException as error:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        return f"{type(error).__name__}: {error}"
+    finally:
+        writer.write_data = original  # type: ignore[method-assign]
+    return "no error"
+
+
+def reducer_sums_and_overlaps(bucket_mb: float) -> dict[str, Any]:
+    """``GradientReducer`` on the default group: a 6-layer MLP, two micro-batches (the first outside ``sync``).
+    Returns whether the first backward communicated, how many buckets were launched when the backward reached
+    the first layer, the bucket count, and the worst difference from a plain all-reduced SUM of the
+    accumulated local gradients of an identical model."""
+    from cp_train.grad_sync import GradientReducer
+
+    def make() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+
+    rank = dist.get_rank()
+    inputs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    reference = make()
+    for x in inputs:
+        reference(x).square().sum().backward()
+    expected = [p.grad.clone() for p in reference.parameters()]
+    for grad in expected:
+        dist.all_reduce(grad)
+
+    model = make()
+    reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, bucket_mb)
+    reducer.zero_grad()
+    model(inputs[0]).square().sum().backward()
+    communicated = reducer._next > 0 or any(b.work is not None for b in reducer.buckets)
+    launched_at_first_layer: list[int] = []
+    with reducer.sync():
+        hidden = model[0](inputs[1])
+        hidden.register_hook(lambda grad: launched_at_first_layer.append(reducer._next))
+        model[1:](hidden).square().sum().backward()
+    worst = max(float((p.grad - e).abs().max()) for p, e in zip(model.parameters(), expected, strict=True))
+    views = all(p.grad.data_ptr() == v.data_ptr() for b in reducer.buckets for p, v in zip(b.params, b.views,
+                                                                                            strict=True))
+    return {"communicated_outside_sync": communicated, "launched_at_first_layer": launched_at_first_layer[0],
+            "buckets": len(reducer.buckets), "worst_abs_diff": worst, "grads_are_bucket_views": views}
