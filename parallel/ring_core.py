@@ -7,7 +7,9 @@ The work runs over *head chunks* (groups of kv heads with their query heads)
 and, inside each chunk, over the ring steps. Exactly one K/V transfer is in
 flight at any time, always for the next step that needs remote data, so the
 transfer overlaps the current kernel call. Splitting by head chunks bounds
-the transient buffers (received K/V, travelling dK/dV) to one chunk's size.
+the transient buffers (received K/V, travelling dK/dV) to one chunk's size,
+and every hop carries only the prefix of rows that later ranks still use
+(``ring_schedule.needed_kv_rows`` / ``covered_kv_rows``); empty hops are skipped.
 
 Backward, per chunk: the local step first, written straight into dq/dk/dv;
 then the remote steps. The dK/dV accumulator of a block starts on the first
@@ -19,6 +21,8 @@ and buffers are dropped as soon as they are sent.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,11 +64,15 @@ def _pass_kv(comm: RingComm, held: list[torch.Tensor], like: torch.Tensor, rows:
     return comm.exchange(send, shapes, tag=KV_TAG, like=like)
 
 
+@dataclass(frozen=True)
 class _Plan:
-    """Row counts of the ring's transfers for one rank (from ring_schedule's pure rules)."""
+    """One rank's kernel calls and transfer sizes, from ring_schedule's pure rules."""
 
-    def __init__(self, layout: str, causal: bool, rank: int, world: int, n: int) -> None:
-        self.layout, self.causal, self.rank, self.world, self.n = layout, causal, rank, world, n
+    layout: str
+    causal: bool
+    rank: int
+    world: int
+    n: int
 
     def task(self, step: int) -> BlockTask | None:
         return block_task(self.layout, self.causal, self.rank, (self.rank - step) % self.world, self.n)
