@@ -227,11 +227,7 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
                 raise ConfigError(f"{source}: {error}") from None
             section, name = key.split(".", 1)
             setattr(getattr(config, section), name, coerce(key, value, kind))
-    model = config.model
-    if model.num_kv_heads is None:
-        model.num_kv_heads = model.num_heads
-    if model.ffn_hidden_size is None:
-        model.ffn_hidden_size = 64 * max(1, round(8 * model.hidden_size / 3 / 64))
+    config.model.resolve()
     return config
 
 

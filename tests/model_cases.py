@@ -16,6 +16,7 @@ import torch.distributed as dist
 from model import GPTModel, ModelConfig
 from parallel.layout import LAYOUTS, gather_sequence, shard_sequence
 from parallel.state import ParallelState
+from tests.numerics import rel_err
 
 TINY = {"vocab_size": 128, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
         "ffn_hidden_size": 64, "max_position_embeddings": 64, "seed": 7}
@@ -28,9 +29,6 @@ def tiny_config(**overrides: Any) -> ModelConfig:
     return ModelConfig(**{**TINY, **overrides})
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def global_batch(config: ModelConfig, seq: int = SEQ, batch: int = BATCH, seed: int = 0) -> Batch:

@@ -18,13 +18,12 @@ from parallel.ring_attention import (
     stripe_flash_attn_func,
     zigzag_ring_flash_attn_func,
 )
+from tests.numerics import rel_err
 
 API = {"contiguous": ring_flash_attn_func, "zigzag": zigzag_ring_flash_attn_func,
        "stripe": stripe_flash_attn_func}
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def full_inputs(seqlen: int, heads: int, kv_heads: int, dim: int, seed: int, batch: int = 2):

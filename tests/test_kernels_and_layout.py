@@ -7,10 +7,7 @@ import torch
 
 from parallel.kernels import flash_backward, flash_forward, select_backend
 from parallel.layout import LAYOUTS, check_layout, sequence_positions, shard_sequence, unshard_sequence
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+from tests.numerics import rel_err
 
 
 @pytest.mark.parametrize("causal", [False, True])

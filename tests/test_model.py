@@ -10,7 +10,8 @@ from model import GPTModel, ModelConfig, matmul_params, model_flops_per_token
 from model.mlp import MLP
 from model.rope import apply_rope, rope_tables
 from parallel.ring_attention import context_parallel_attention
-from tests.model_cases import global_batch, rel_err, step, tiny_config
+from tests.model_cases import global_batch, step, tiny_config
+from tests.numerics import rel_err
 
 
 @pytest.mark.parametrize("overrides,tp,cp,seq,message", [

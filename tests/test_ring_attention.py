@@ -9,6 +9,7 @@ from parallel.layout import LAYOUTS
 from parallel.ring_attention import context_parallel_attention, zigzag_ring_flash_attn_func
 from parallel.ring_schedule import covered_kv_rows, expected_kernel_calls, needed_kv_rows
 from tests import ring_cases
+from tests.numerics import rel_err
 
 TOL = 1e-5
 # (world, local chunk length) pairs: chunks 13 and 6 are not powers of two.
@@ -105,10 +106,10 @@ def test_single_process_is_the_local_kernel() -> None:
     out, lse, _ = zigzag_ring_flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
                                                            is_causal=True).transpose(1, 2)
-    assert ring_cases.rel_err(out, ref) < 1e-6 and lse.shape == (1, 2, 12)
+    assert rel_err(out, ref) < 1e-6 and lse.shape == (1, 2, 12)
     (dq,) = torch.autograd.grad(out.square().sum(), q)
     (dq_ref,) = torch.autograd.grad(ref.square().sum(), q)
-    assert ring_cases.rel_err(dq, dq_ref) < 1e-5
+    assert rel_err(dq, dq_ref) < 1e-5
 
 
 def test_transfers_carry_only_the_rows_still_needed() -> None:

@@ -10,13 +10,11 @@ from torch import nn
 
 from parallel import state as ps
 from parallel import tensor_parallel as tpl
+from tests.numerics import rel_err
 
 TOL = 1e-6  # relative error of fp32 TP layers against float64 references
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:

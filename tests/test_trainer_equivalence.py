@@ -13,6 +13,7 @@ import torch
 
 from parallel.state import run_with_parallel
 from tests import trainer_cases
+from tests.numerics import rel_err
 
 REFERENCE = (1, 1, 1)
 LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1)], 4: [(1, 4, 1), (2, 2, 1), (1, 2, 2)], 8: [(2, 2, 2)]}
@@ -20,9 +21,6 @@ LAYOUTS = [layout for layouts in LAYOUTS_BY_WORLD.values() for layout in layouts
 STEP1_TOL, CURVE_TOL = 1e-6, 1e-5
 
 
-def rel_err(x: torch.Tensor | float, ref: torch.Tensor | float) -> float:
-    x, ref = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(ref, dtype=torch.float64)
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def worst_grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
