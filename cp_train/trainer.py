@@ -243,9 +243,7 @@ class Trainer:
                       f"per rank), world {state.world_size} = tp {state.tp.size} x cp {state.cp.size} x dp "
                       f"{state.dp.size}, device {self.device}, run dir {self.run_dir}; peak {peak} TFLOP/s per "
                       f"device ({peak_source})")
-        for text in self._pending_messages:
-            sinks.message(text)
-        self._pending_messages.clear()
+        self._flush(sinks)
         meter = IntervalMeter(config.train.global_batch_size * config.data.seq_len,
                               model_flops_per_token(config.model, config.data.seq_len), state.world_size, peak)
         reset_peak_memory(self.device)

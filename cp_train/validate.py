@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from cp_train.config import Config, ConfigError
+from parallel.layout import check_layout
+from parallel.rank_groups import resolve_dp as resolve_layout_dp
 
 DTYPES = ("auto", "bf16", "fp32")
 DECAYS = ("cosine", "linear", "constant")
@@ -18,15 +20,10 @@ def resolve_dp(config: Config, world_size: int) -> int:
     for key, value in (("parallel.tp", tp), ("parallel.cp", cp), ("parallel.dp", dp)):
         if value is not None and value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
-    if dp is None:
-        if world_size % (tp * cp):
-            raise ConfigError(f"world size {world_size} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}; "
-                              f"choose parallel.tp and parallel.cp whose product divides {world_size}")
-        return world_size // (tp * cp)
-    if tp * cp * dp != world_size:
-        raise ConfigError(f"world size {world_size} != tp*cp*dp = {tp}*{cp}*{dp} = {tp * cp * dp}; "
-                          f"launch {tp * cp * dp} processes or change parallel.tp/cp/dp")
-    return dp
+    try:
+        return resolve_layout_dp(world_size, tp, cp, dp)
+    except ValueError as error:
+        raise ConfigError(f"{error} (parallel.tp/cp/dp)") from None
 
 
 def _positive(config: Config, keys: tuple[str, ...], minimum: float) -> None:
@@ -69,12 +66,11 @@ def validate(config: Config, world_size: int) -> int:
         raise ConfigError(f"train.global_batch_size {train.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_micro_step}; "
                           f"the global batch is micro batch * dp * gradient-accumulation steps")
-    layout = model.attention_layout
-    parts = 2 * cp if layout == "zigzag" and cp > 1 else cp
-    if data.seq_len % parts:
-        need = "2*cp" if layout == "zigzag" and cp > 1 else "cp"
-        raise ConfigError(f"data.seq_len {data.seq_len} is not divisible by {need} = {parts} for the {layout} "
-                          f"layout at cp={cp}; use a multiple of {parts}")
+    if cp > 1:
+        try:
+            check_layout(data.seq_len, cp, model.attention_layout, what="data.seq_len")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if data.seq_len > model.max_position_embeddings:
         raise ConfigError(f"data.seq_len {data.seq_len} exceeds model.max_position_embeddings "
                           f"{model.max_position_embeddings}")

@@ -6,7 +6,7 @@ import zlib
 from dataclasses import dataclass
 
 from parallel.kernels import BACKENDS
-from parallel.layout import LAYOUTS
+from parallel.layout import LAYOUTS, check_layout
 
 
 @dataclass
@@ -92,15 +92,8 @@ class ModelConfig:
 
     def check_sequence(self, seq_len: int, cp: int, layout: str | None = None) -> None:
         """Raise ``ValueError`` unless ``seq_len`` global tokens split evenly over ``cp`` ranks in ``layout``."""
-        layout = layout or self.attention_layout
-        parts = 2 * cp if layout == "zigzag" and cp > 1 else cp  # at cp = 1 every layout is the sequence
-        if seq_len < parts:
-            need = "2*cp" if layout == "zigzag" else "cp"
-            raise ValueError(f"sequence length {seq_len} is shorter than {need} = {parts} for the {layout} "
-                             f"layout at cp={cp}; use a longer sequence or a smaller cp")
-        if seq_len % parts != 0:
-            raise ValueError(f"sequence length {seq_len} is not divisible by {parts} for the {layout} layout "
-                             f"at cp={cp}; use a sequence length that is a multiple of {parts}")
+        if cp > 1:  # at cp = 1 every layout is the whole sequence
+            check_layout(seq_len, cp, layout or self.attention_layout)
         if seq_len > self.max_position_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.max_position_embeddings}; raise max_position_embeddings")

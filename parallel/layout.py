@@ -22,18 +22,23 @@ Layout = Literal["contiguous", "zigzag", "stripe"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "stripe")
 
 
-def check_layout(seqlen: int, world: int, layout: str) -> None:
-    """Raise ``ValueError`` (saying what to change) unless ``seqlen`` splits evenly."""
+def check_layout(seqlen: int, world: int, layout: str, what: str = "sequence length") -> None:
+    """Raise ``ValueError`` (saying what to change) unless ``seqlen`` splits evenly over ``world`` ranks.
+
+    ``what`` names the length in the message (a config key, say).
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if world < 1:
         raise ValueError(f"CP size must be >= 1, got {world}")
     parts = 2 * world if layout == "zigzag" else world
-    if seqlen % parts != 0 or seqlen == 0:
-        need = "2*cp" if layout == "zigzag" else "cp"
-        raise ValueError(
-            f"sequence length {seqlen} is not divisible by {need} = {parts} for the {layout} "
-            f"layout with cp={world}; use a sequence length that is a multiple of {parts}")
+    need = "2*cp" if layout == "zigzag" else "cp"
+    if seqlen < parts:
+        raise ValueError(f"{what} {seqlen} is shorter than {need} = {parts} for the {layout} layout at "
+                         f"cp={world}; use a longer sequence or a smaller cp")
+    if seqlen % parts != 0:
+        raise ValueError(f"{what} {seqlen} is not divisible by {need} = {parts} for the {layout} layout at "
+                         f"cp={world}; use a sequence length that is a multiple of {parts}")
 
 
 def sequence_positions(seqlen: int, rank: int, world: int, layout: str,

@@ -68,3 +68,18 @@ def rank_coordinates(rank: int, tp: int, cp: int, dp: int) -> tuple[int, int, in
     if not 0 <= rank < tp * cp * dp:
         raise ValueError(f"rank {rank} is outside the world of size tp*cp*dp = {tp * cp * dp}")
     return rank % tp, (rank // tp) % cp, rank // (tp * cp)
+
+
+def resolve_dp(world_size: int, tp: int, cp: int, dp: int | None) -> int:
+    """The DP size: ``dp``, or ``world_size // (tp * cp)`` when None.
+
+    ValueError (naming the numbers) when the layout does not fill the world.
+    """
+    check_sizes(tp, cp, 1 if dp is None else dp)
+    if dp is None:
+        if world_size % (tp * cp) != 0:
+            raise ValueError(f"world size {world_size} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}; "
+                             f"choose tp and cp whose product divides {world_size}")
+        dp = world_size // (tp * cp)
+    check_world(world_size, tp, cp, dp)
+    return dp

@@ -28,6 +28,7 @@ from parallel.rank_groups import (  # noqa: F401  (re-exported)
     check_world,
     compute_rank_groups,
     rank_coordinates,
+    resolve_dp,
 )
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -130,28 +131,18 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
                              f"was requested; pass backend=None or {existing!r}")
         backend = existing
     if world > 0:
-        dp = _resolve_dp(world, tp, cp, dp)
+        dp = resolve_dp(world, tp, cp, dp)
     timeout = timedelta(minutes=timeout_minutes)
     if created:
         _init_default_group(backend, timeout)
     try:
-        dp = _resolve_dp(dist.get_world_size(), tp, cp, dp)
+        dp = resolve_dp(dist.get_world_size(), tp, cp, dp)
         _STATE = _build_state(tp, cp, dp, backend, timeout, created)
     except BaseException:
         if created:
             dist.destroy_process_group()
         raise
     return _STATE
-
-
-def _resolve_dp(world: int, tp: int, cp: int, dp: int | None) -> int:
-    if dp is None:
-        if world % (tp * cp) != 0:
-            raise ValueError(f"world size {world} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}; "
-                             f"choose tp and cp whose product divides {world}")
-        dp = world // (tp * cp)
-    check_world(world, tp, cp, dp)
-    return dp
 
 
 def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, created: bool) -> ParallelState:

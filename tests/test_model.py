@@ -23,7 +23,7 @@ from tests.numerics import rel_err
     ({"vocab_size": 129}, 2, 1, None, "vocab_size 129 is not divisible by tp = 2; choose a tp that divides"),
     ({"ffn_hidden_size": 65}, 2, 1, None, "ffn_hidden_size 65 is not divisible by tp = 2"),
     ({}, 1, 4, 6, r"sequence length 6 is shorter than 2\*cp = 8 for the zigzag layout at cp=4"),
-    ({}, 1, 4, 12, "sequence length 12 is not divisible by 8 for the zigzag layout"),
+    ({}, 1, 4, 12, r"sequence length 12 is not divisible by 2\*cp = 8 for the zigzag layout"),
     ({"attention_layout": "contiguous"}, 1, 4, 3, "sequence length 3 is shorter than cp = 4"),
     ({}, 1, 1, 128, "sequence length 128 exceeds max_position_embeddings 64"),
     ({"attention_layout": "spiral"}, 1, 1, None, "unknown attention_layout 'spiral'"),

@@ -54,4 +54,4 @@ def test_local_positions_break_cp_and_bad_sequences_raise(spawn_world) -> None:
     for rank_messages in messages:
         assert len(rank_messages) == 2, rank_messages
         assert "sequence length 2 is shorter than 2*cp = 4 for the zigzag layout" in rank_messages[0]
-        assert "sequence length 6 is not divisible by 4 for the zigzag layout" in rank_messages[1]
+        assert "sequence length 6 is not divisible by 2*cp = 4 for the zigzag layout" in rank_messages[1]
