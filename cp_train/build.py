@@ -27,6 +27,13 @@ def select_device(state: ParallelState) -> torch.device:
     return torch.device("cpu")
 
 
+def use_deterministic_algorithms() -> None:
+    """Deterministic kernels from here on (cuBLAS needs its workspace setting before its first use);
+    the attention kernels follow it too (see parallel/kernels.py)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def _one_per_node_first(state: ParallelState, work) -> object:  # noqa: ANN001 - any callable
     """Run ``work()`` on local rank 0 first (it may write caches), then on the other ranks."""
     local_rank = int(os.environ.get("LOCAL_RANK", state.rank))
@@ -90,12 +97,18 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
     return _one_per_node_first(state, make)  # type: ignore[return-value]
 
 
-def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, consumed_samples: int) -> StepLoader:
-    """This rank's loader: DP rank's samples from ``consumed_samples`` on, CP slice in the model's layout."""
+def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, consumed_samples: int,
+                 device: torch.device) -> StepLoader:
+    """This rank's loader: DP rank's samples from ``consumed_samples`` on, CP slice in the model's layout.
+
+    On CUDA the batches are prefetched by worker processes (``data.num_workers``, default 2) into
+    pinned memory, so the trainer's non-blocking copy overlaps the GPU's work."""
+    cuda = device.type == "cuda"
+    workers = config.data.num_workers if config.data.num_workers is not None else (2 if cuda else 0)
     return build_data_loader(dataset, config.train.micro_batch_size, config.train.global_batch_size,
                              dp_rank=state.dp.rank, dp_size=state.dp.size, cp_rank=state.cp.rank,
                              cp_size=state.cp.size, layout=config.model.attention_layout,
-                             consumed_samples=consumed_samples, num_workers=config.data.num_workers)
+                             consumed_samples=consumed_samples, num_workers=workers, pin_memory=cuda)
 
 
 def build_model(config: Config, state: ParallelState, device: torch.device) -> GPTModel:

@@ -45,7 +45,7 @@ class DataConfig:
     mask_eod_loss: bool = True
     reset_position_ids: bool = False
     cache_dir: str | None = None  # sample-index cache; None: next to the data
-    num_workers: int = 0
+    num_workers: int | None = None  # loader worker processes; None: 2 on CUDA (prefetching), 0 on CPU
     seed: int = 1234  # document and sample shuffling
 
 
@@ -78,6 +78,7 @@ class TrainConfig:
     seed: int = 1234  # runtime RNG (torch, numpy, random), offset per rank
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size
+    deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)
 
 
 @dataclass

@@ -6,12 +6,16 @@
   the global tokens/s, divided by the world size.
 - MFU: TFLOP/s per device over the device's peak: ``logging.peak_tflops`` if set, else the dense
   bf16 tensor-core peak of the GPU found in ``PEAK_TFLOPS`` by name, else ``logging.cpu_peak_tflops`` on CPU.
-- peak memory: CUDA's max allocated bytes, or on CPU the process's peak RSS (``VmHWM``).
+  A GPU missing from the table has no known peak: MFU is NaN (one warning names ``logging.peak_tflops``).
+- peak memory: CUDA's max allocated bytes (and max reserved, the allocator's cache included), or on
+  CPU the process's peak RSS (``VmHWM``).
 """
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,7 @@ def gpu_peak_tflops(device_name: str) -> float | None:
 
 
 def peak_tflops(device: torch.device, override: float | None, cpu_peak: float) -> tuple[float, str]:
-    """Per-device peak TFLOP/s and where it came from."""
+    """Per-device peak TFLOP/s and where it came from; NaN (with a warning) for a GPU not in the table."""
     if override:
         return override, "logging.peak_tflops"
     if device.type == "cuda":
@@ -48,7 +52,9 @@ def peak_tflops(device: torch.device, override: float | None, cpu_peak: float) -
         found = gpu_peak_tflops(name)
         if found is not None:
             return found, f"table ({name})"
-        return cpu_peak, f"unknown GPU {name!r}: set logging.peak_tflops"
+        source = f"unknown GPU {name!r}: MFU is not reported; set logging.peak_tflops to its dense bf16 TFLOP/s"
+        warnings.warn(source, RuntimeWarning, stacklevel=2)
+        return math.nan, source
     return cpu_peak, "logging.cpu_peak_tflops"
 
 
@@ -61,6 +67,11 @@ def reset_peak_memory(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass  # not Linux, or not allowed: the peak then counts from the process start
+
+
+def peak_memory_reserved_gib(device: torch.device) -> float | None:
+    """Peak since ``reset_peak_memory`` of the CUDA caching allocator's reserved bytes; None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -102,7 +113,7 @@ class IntervalMeter:
         self.started += seconds
 
     def record(self, step: int, lr: float, grad_norm: float, consumed_samples: int, seq_len: int,
-               memory_gib: float) -> dict[str, Any]:
+               memory_gib: float, memory_reserved_gib: float | None = None) -> dict[str, Any]:
         """Metrics of the interval ending at ``step``; restarts the interval."""
         now = time.perf_counter()
         elapsed = max(now - self.started, 1e-9)
@@ -117,5 +128,7 @@ class IntervalMeter:
             "peak_memory_gib": memory_gib, "consumed_samples": consumed_samples,
             "consumed_tokens": consumed_samples * seq_len,
         }
+        if memory_reserved_gib is not None:
+            record["peak_memory_reserved_gib"] = memory_reserved_gib
         self.started, self.steps, self.loss_sum, self.step_time, self.data_time = now, 0, 0.0, 0.0, 0.0
         return record

@@ -51,12 +51,16 @@ def console_line(record: dict[str, Any], total_steps: int, started: float, first
                f"val ppl {record['perplexity']:.2f}"
     elapsed = time.perf_counter() - started
     eta = elapsed / max(step - first_step, 1) * (total_steps - step)
+    mfu = "n/a" if math.isnan(record["mfu"]) else f"{100 * record['mfu']:.1f}%"
+    memory = f"{record['peak_memory_gib']:.2f}"
+    if "peak_memory_reserved_gib" in record:
+        memory += f"/{record['peak_memory_reserved_gib']:.2f} reserved"
     return (f"step {step:>{len(str(total_steps))}}/{total_steps} {progress_bar(step, total_steps)} | "
             f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
             f"{_count(record['tokens_per_s'])} tok/s ({_count(record['tokens_per_s_per_device'])}/dev) | "
-            f"{record['tflops_per_device']:.3f} TFLOP/s/dev | MFU {100 * record['mfu']:.1f}% | "
+            f"{record['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu} | "
             f"step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s | "
-            f"mem {record['peak_memory_gib']:.2f} GiB | eta {_duration(eta)}")
+            f"mem {memory} GiB | eta {_duration(eta)}")
 
 
 class MetricsSinks:

@@ -24,7 +24,13 @@ from cp_train.checkpoint import ShardedState, find_checkpoint, load_checkpoint, 
 from cp_train.config import Config, dump_yaml
 from cp_train.grad_sync import GradientReducer
 from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
-from cp_train.metrics import IntervalMeter, peak_memory_gib, peak_tflops, reset_peak_memory
+from cp_train.metrics import (
+    IntervalMeter,
+    peak_memory_gib,
+    peak_memory_reserved_gib,
+    peak_tflops,
+    reset_peak_memory,
+)
 from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
 from cp_train.rng import derived_seed, restore_rng_state, seed_everything
 from cp_train.sinks import MetricsSinks
@@ -75,6 +81,8 @@ class Trainer:
             raise ValueError(f"config layout (tp, cp, dp) = ({config.parallel.tp}, {config.parallel.cp}, {self.dp}) "
                              f"differs from the parallel state's {state.sizes}")
         self.device = build.select_device(state)
+        if config.train.deterministic:
+            build.use_deterministic_algorithms()
         self.autocast_dtype = self._autocast_dtype()
         seed_everything(derived_seed(config.train.seed, state.rank))
         self.sources = build.resolve_data(config, state)
@@ -94,7 +102,7 @@ class Trainer:
         if resume is not None:
             consumed = self._load(resume)
         self.train_data, self.valid_data = build.build_datasets(config, self.sources, state)
-        self.loader = build.build_loader(config, self.train_data, state, consumed)
+        self.loader = build.build_loader(config, self.train_data, state, consumed, self.device)
         self.grad_callback: Callable[[int], None] | None = None  # called after the gradient sum (tests)
         self._last_saved = self.step if resume is not None else -1
 
@@ -194,7 +202,7 @@ class Trainer:
         """Mean loss over the validation batches (exact over DP x CP), or NaN without a validation split."""
         if self.valid_data is None:
             return float("nan")
-        loader = build.build_loader(self.config, self.valid_data, self.state, 0)
+        loader = build.build_loader(self.config, self.valid_data, self.state, 0, self.device)
         self.model.eval()
         local_sum, local_tokens = 0.0, 0.0
         for micro_batches in loader:
@@ -259,7 +267,8 @@ class Trainer:
                 self.result.grad_norms[self.step] = out.grad_norm
                 if self.step % config.logging.interval == 0 or self.step == last:
                     sinks.log(meter.record(self.step, out.lr, out.grad_norm, self.loader.consumed_samples,
-                                           config.data.seq_len, peak_memory_gib(self.device)))
+                                           config.data.seq_len, peak_memory_gib(self.device),
+                                           peak_memory_reserved_gib(self.device)))
                 paused = time.perf_counter()
                 if config.train.eval_interval and (self.step % config.train.eval_interval == 0 or self.step == last):
                     self._log_eval(sinks)

@@ -150,10 +150,12 @@ class StepLoader:
 def build_data_loader(dataset: Dataset, micro_batch_size: int, global_batch_size: int,
                       dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
                       layout: str = "zigzag", consumed_samples: int = 0,
-                      num_workers: int = 0) -> StepLoader:
+                      num_workers: int = 0, pin_memory: bool = False) -> StepLoader:
     """A ``StepLoader`` over ``dataset`` for one (DP rank, CP rank).
 
-    Micro-batch tensors are ``[micro_batch_size, seq_len // cp_size]`` (per-token keys).
+    Micro-batch tensors are ``[micro_batch_size, seq_len // cp_size]`` (per-token keys). With
+    ``num_workers`` > 0, worker processes prepare the next micro-batches while the current step
+    runs; ``pin_memory`` puts them in page-locked memory so the copy to a GPU can be asynchronous.
     Raises ``ValueError`` early when ``seq_len`` does not split over ``cp_size`` for ``layout``
     or the batch sizes do not divide.
     """
@@ -171,5 +173,5 @@ def build_data_loader(dataset: Dataset, micro_batch_size: int, global_batch_size
                                   consumed_samples)
     loader = DataLoader(dataset, batch_sampler=_MicroBatches(sampler), num_workers=num_workers,
                         collate_fn=CollateForContextParallel(cp_rank, cp_size, layout),
-                        persistent_workers=False)
+                        pin_memory=pin_memory, persistent_workers=False)
     return StepLoader(sampler, loader)

@@ -16,17 +16,23 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallel.kernels import BACKENDS
+from parallel.kernels import BACKENDS, KERNEL_CALLS, select_kernel
 from parallel.layout import LAYOUTS
 from parallel.ring_comm import RingComm
-from parallel.ring_core import ring_backward, ring_forward
+from parallel.ring_core import RingSpec, ring_backward, ring_forward
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def default_head_chunks(device: torch.device, kv_heads: int) -> int:
-    """One kv head per chunk on CPU (bounds ring buffers at no speed cost); one chunk on GPUs."""
-    return kv_heads if device.type == "cpu" else 1
+    """One kv head per chunk on CPU (bounds ring buffers at no speed cost); two on GPUs, so that the
+    backward's last dK/dV hop of one chunk travels during the next chunk's compute."""
+    return kv_heads if device.type == "cpu" else min(2, kv_heads)
+
+
+def default_overlap(device: torch.device) -> bool:
+    """The backward's overlap policy (see ``ring_core``): on for GPUs, off on CPU (memory first)."""
+    return device.type != "cpu"
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, world: int) -> None:
@@ -57,46 +63,65 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
 
 
 class _RingAttention(torch.autograd.Function):
+    """Ring attention with autograd; without a ring (cp = 1) one kernel call each way on all heads."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale, backend, head_chunks):
+    def forward(ctx, q, k, v, group, spec: RingSpec):
         comm = RingComm(group) if group is not None and dist.get_world_size(group) > 1 else None
-        out, lse = ring_forward(q, k, v, comm, layout, causal, scale, backend, head_chunks)
+        if comm is None:
+            KERNEL_CALLS["forward"] += 1
+            out, lse = spec.kernel.forward(q, k, v, spec.causal, spec.scale)  # lse [B, H, n]
+        else:
+            out, lse = ring_forward(q, k, v, comm, spec)
+            lse = lse.transpose(1, 2)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.options = comm, (layout, causal, scale, backend, head_chunks)
-        lse = lse.transpose(1, 2)
+        ctx.comm, ctx.spec = comm, spec
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.comm, *ctx.options)
+        spec = ctx.spec
+        if ctx.comm is None:
+            KERNEL_CALLS["backward"] += 1
+            dq, dk, dv = spec.kernel.backward(dout, q, k, v, out, lse, spec.causal, spec.scale)
+        else:
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse.transpose(1, 2), ctx.comm, spec)
         if dq.dtype != q.dtype:
             dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                group: dist.ProcessGroup | None, layout: str = "zigzag", causal: bool = True,
                                softmax_scale: float | None = None, backend: str | None = None,
-                               head_chunks: int | None = None, return_lse: bool = False):
+                               head_chunks: int | None = None, return_lse: bool = False,
+                               deterministic: bool | None = None, overlap: bool | None = None):
     """Exact attention of this rank's q on the whole sequence's k/v, over the CP ``group``.
 
     q [B, n, H, D]; k, v [B, n, Hk, D] (GQA when Hk < H), all in ``layout``. ``group`` None
     (or a group of one) means no context parallelism: the local kernel on this sequence.
     Returns out [B, n, H, D] in q's dtype (and lse [B, H, n] fp32 if ``return_lse``).
-    ``backend`` picks the kernel (see parallel/kernels.py); ``head_chunks``
-    bounds the ring's transient memory (default: see ``default_head_chunks``).
+    ``backend`` picks the kernel (see parallel/kernels.py; None: the best for the device and
+    dtype); ``deterministic`` (None: ``torch.are_deterministic_algorithms_enabled()``) asks the
+    kernels for a deterministic backward; ``head_chunks`` bounds the ring's transient memory and
+    ``overlap`` is the backward's overlap policy (defaults: ``default_head_chunks``, ``default_overlap``).
     """
     world = dist.get_world_size(group) if group is not None else 1
     check_inputs(q, k, v, layout, world)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if head_chunks is None:
-        head_chunks = default_head_chunks(q.device, k.shape[2])
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _RingAttention.apply(q, k, v, group, layout, causal, scale, backend, head_chunks)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    spec = RingSpec(
+        layout=layout, causal=causal,
+        scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        kernel=select_kernel(q.device, q.dtype, q.shape[-1], backend, deterministic),
+        head_chunks=head_chunks if head_chunks is not None else default_head_chunks(q.device, k.shape[2]),
+        overlap=default_overlap(q.device) if overlap is None else overlap)
+    out, lse = _RingAttention.apply(q, k, v, group, spec)
     return (out, lse) if return_lse else out
 
 
@@ -109,10 +134,11 @@ def _package_api(layout: str, q, k, v, dropout_p, softmax_scale, causal, window_
                                   "pass window_size=(-1, -1)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not supported yet; pass alibi_slopes=None")
-    del deterministic  # the ring is deterministic: every rank adds its blocks in a fixed order
     if group is None and dist.is_initialized():  # these functions' None is the default group
         group = dist.group.WORLD
-    out, lse = context_parallel_attention(q, k, v, group, layout, causal, softmax_scale, return_lse=True)
+    # the ring adds its blocks in a fixed order; ``deterministic`` reaches the kernels' backward
+    out, lse = context_parallel_attention(q, k, v, group, layout, causal, softmax_scale, return_lse=True,
+                                          deterministic=deterministic or None)
     return (out, lse, None) if return_attn_probs else out
 
 

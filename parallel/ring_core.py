@@ -15,9 +15,15 @@ Backward, per chunk: the local step first, written straight into dq/dk/dv;
 then the remote steps. The dK/dV accumulator of a block starts on the first
 rank that uses it, travels the ring with the K/V and arrives home at the
 block's owner, which adds it to its own share. dQ stays local. Nothing saved
-is recomputed. To keep the peak low, the first remote K/V transfer of each
-chunk starts after the chunk's local step (the only transfer not overlapped),
-and buffers are dropped as soon as they are sent.
+is recomputed. Buffers are dropped as soon as they are sent.
+
+Overlap policy (``RingSpec.overlap``, chosen by device in ``ring_attention``): two hops of each
+chunk's backward have no kernel call of their own chunk to hide behind, the first K/V hop and the
+dK/dV accumulator's last hop home. With ``overlap`` (GPUs) the first K/V hop is posted before the
+chunk's local step and the last dK/dV hop lands after the *next* chunk's local step, so both
+travel during compute, at the price of one more K/V and one more dK/dV buffer alive at a time.
+Without it (CPU, where memory is the tighter budget and the ring is compute-bound) each waits
+in place.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from parallel.kernels import flash_backward, flash_forward
+from parallel.kernels import KERNEL_CALLS, AttentionKernel
 from parallel.ring_comm import RingComm, Transfer
 from parallel.ring_schedule import BlockTask, block_task, covered_kv_rows, needed_kv_rows
 
@@ -65,6 +71,19 @@ def _pass_kv(comm: RingComm, held: list[torch.Tensor], like: torch.Tensor, rows:
 
 
 @dataclass(frozen=True)
+class RingSpec:
+    """How one ring attention call runs (decided once per call site): CP ``layout``, ``causal``, softmax
+    ``scale``, the block ``kernel``, the number of kv-head chunks and the overlap policy (above)."""
+
+    layout: str
+    causal: bool
+    scale: float
+    kernel: AttentionKernel
+    head_chunks: int
+    overlap: bool
+
+
+@dataclass(frozen=True)
 class _Plan:
     """One rank's kernel calls and transfer sizes, from ring_schedule's pure rules."""
 
@@ -90,18 +109,17 @@ class _Plan:
                 covered_kv_rows(self.layout, self.causal, arriving, step, self.world, self.n))
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, layout: str,
-                 causal: bool, scale: float, backend: str | None, head_chunks: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None,
+                 spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the ring: returns out [B, n, H, D] (accumulator dtype) and lse [B, n, H]."""
     batch, n, heads, dim = q.shape
     group_size = heads // k.shape[2]
     world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
-    plan = _Plan(layout, causal, rank, world, n)
+    plan = _Plan(spec.layout, spec.causal, rank, world, n)
     acc = accumulator_dtype(q.dtype)
     out = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
     lse = torch.empty(batch, n, heads, dtype=acc, device=q.device)
-    for k0, k1 in head_chunk_bounds(k.shape[2], head_chunks):
+    for k0, k1 in head_chunk_bounds(k.shape[2], spec.head_chunks):
         qs = slice(k0 * group_size, k1 * group_size)
         q_c, out_c, lse_c = q[:, :, qs], out[:, :, qs], lse[:, :, qs]
         k_chunk = k[:, :, k0:k1]
@@ -111,8 +129,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
             transfer = _pass_kv(comm, held, k_chunk, plan.kv_rows(step)) if step + 1 < world else None
             task = plan.task(step)
             if task is not None:
-                block_out, block_lse = flash_forward(q_c[:, task.q_rows], held[0][:, task.kv_rows],
-                                                     held[1][:, task.kv_rows], task.causal, scale, backend)
+                KERNEL_CALLS["forward"] += 1
+                block_out, block_lse = spec.kernel.forward(q_c[:, task.q_rows], held[0][:, task.kv_rows],
+                                                           held[1][:, task.kv_rows], task.causal, spec.scale)
                 block_lse = block_lse.transpose(1, 2)
                 if step == 0:  # the local step always covers every row
                     out_c.copy_(block_out)
@@ -125,7 +144,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
 
 
 def _block_grads(task: BlockTask | None, rows: tuple[torch.Tensor, ...], k_block: torch.Tensor,
-                 v_block: torch.Tensor, dq: torch.Tensor, scale: float, backend: str | None
+                 v_block: torch.Tensor, dq: torch.Tensor, spec: RingSpec
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One block's backward: adds its dq share into ``dq``; returns (dk, dv) for ``task.kv_rows``.
 
@@ -134,44 +153,58 @@ def _block_grads(task: BlockTask | None, rows: tuple[torch.Tensor, ...], k_block
     if task is None:
         return None, None
     dout, q, out, lse = (x[:, task.q_rows] for x in rows)
-    dq_b, dk_b, dv_b = flash_backward(dout, q, k_block[:, task.kv_rows], v_block[:, task.kv_rows], out,
-                                      lse.transpose(1, 2), task.causal, scale, backend)
+    KERNEL_CALLS["backward"] += 1
+    dq_b, dk_b, dv_b = spec.kernel.backward(dout, q, k_block[:, task.kv_rows], v_block[:, task.kv_rows], out,
+                                            lse.transpose(1, 2), task.causal, spec.scale)
     dq[:, task.q_rows] += dq_b
     return dk_b, dv_b
 
 
+def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]]) -> None:
+    """Wait for each chunk's dK/dV accumulator arriving home and add it to the chunk's own (dk, dv)."""
+    for transfer, dk_c, dv_c in homecoming:
+        home = transfer.wait()
+        if home:
+            dk_c[:, :home[0].shape[1]] += home[0]
+            dv_c[:, :home[1].shape[1]] += home[1]
+    homecoming.clear()
+
+
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, comm: RingComm | None, layout: str, causal: bool, scale: float,
-                  backend: str | None, head_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor, comm: RingComm | None, spec: RingSpec
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype."""
     batch, n, heads, dim = q.shape
     kv_heads = k.shape[2]
     group_size = heads // kv_heads
     world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
-    plan = _Plan(layout, causal, rank, world, n)
+    plan = _Plan(spec.layout, spec.causal, rank, world, n)
     acc = accumulator_dtype(q.dtype)
     dq = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
     dk = torch.empty(batch, n, kv_heads, dim, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
-    for k0, k1 in head_chunk_bounds(kv_heads, head_chunks):
+    homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []  # dK/dV hops still travelling home
+    for k0, k1 in head_chunk_bounds(kv_heads, spec.head_chunks):
         qs = slice(k0 * group_size, k1 * group_size)
         rows = (dout[:, :, qs], q[:, :, qs], out[:, :, qs], lse[:, :, qs])
         k_c, v_c, dq_c, dk_c, dv_c = k[:, :, k0:k1], v[:, :, k0:k1], dq[:, :, qs], dk[:, :, k0:k1], dv[:, :, k0:k1]
+        kv_transfer = _pass_kv(comm, [k_c, v_c], k_c, plan.kv_rows(0)) if comm is not None and spec.overlap else None
         dq_c.zero_()
-        dk_b, dv_b = _block_grads(plan.task(0), rows, k_c, v_c, dq_c, scale, backend)
+        dk_b, dv_b = _block_grads(plan.task(0), rows, k_c, v_c, dq_c, spec)
         dk_c.copy_(dk_b)
         dv_c.copy_(dv_b)
         del dk_b, dv_b
+        _land(homecoming)  # the previous chunk's last hop travelled during this local step
         if comm is None:
             continue
-        # the chunk's first hop starts after its local step, so the two never hold memory at once
-        kv_transfer = _pass_kv(comm, [k_c, v_c], k_c, plan.kv_rows(0))
+        if kv_transfer is None:  # posted only now, so the local step and the hop never hold memory at once
+            kv_transfer = _pass_kv(comm, [k_c, v_c], k_c, plan.kv_rows(0))
         grad_transfer = None
         for step in range(1, world):
             held = kv_transfer.wait()
             kv_transfer = _pass_kv(comm, held, k_c, plan.kv_rows(step)) if step + 1 < world else None
             task = plan.task(step)
-            dk_b, dv_b = _block_grads(task, rows, *held, dq_c, scale, backend) if held else (None, None)
+            dk_b, dv_b = _block_grads(task, rows, *held, dq_c, spec) if held else (None, None)
             del held
             arriving = grad_transfer.wait() if grad_transfer is not None else []
             send_rows, recv_rows = plan.grad_rows(step)
@@ -181,11 +214,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             shapes = [(batch, recv_rows, k1 - k0, dim)] * 2 if recv_rows else []
             grad_transfer = comm.exchange(grads, shapes, tag=GRAD_TAG, like=dk_c)
             del grads
-        home = grad_transfer.wait()
-        if home:
-            dk_c[:, :home[0].shape[1]] += home[0]
-            dv_c[:, :home[1].shape[1]] += home[1]
-        del home, grad_transfer
+        homecoming.append((grad_transfer, dk_c, dv_c))
+        if not spec.overlap:
+            _land(homecoming)
+    _land(homecoming)
     return dq, dk, dv
 
 

@@ -82,7 +82,9 @@ def _axis(mesh: DeviceMesh) -> AxisGroup:
 
 
 def _subgroup_override(backend: str, timeout: timedelta) -> tuple[str, Any] | None:
-    """(backend, options carrying ``timeout``) for subgroups; None where the backend has no options."""
+    """(backend, a NEW options object carrying ``timeout``) for one mesh dimension's groups; None where
+    the backend has no options. Call it once per dimension: c10d writes each group's ranks and name
+    into its options object, so an object shared by several groups would be overwritten."""
     names = {"gloo": ("ProcessGroupGloo", "_Options"), "nccl": ("ProcessGroupNCCL", "Options")}
     try:
         options = getattr(getattr(dist, names[backend][0]), names[backend][1])()
@@ -147,12 +149,11 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
 
 def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, created: bool) -> ParallelState:
     device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    override = _subgroup_override(backend, timeout)
-    per_dim = {name: override for name in ("dp", "cp", "tp")} if override else None
+    per_dim = {name: _subgroup_override(backend, timeout) for name in ("dp", "cp", "tp")}
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"),
-                            backend_override=per_dim)
-    dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=override)
-    tp_cp_mesh = mesh["cp", "tp"]._flatten("tp_cp", backend_override=override)
+                            backend_override=per_dim if per_dim["dp"] else None)
+    dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=_subgroup_override(backend, timeout))
+    tp_cp_mesh = mesh["cp", "tp"]._flatten("tp_cp", backend_override=_subgroup_override(backend, timeout))
     cp_axis = _axis(mesh["cp"])
     return ParallelState(
         world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,

@@ -24,8 +24,6 @@ API = {"contiguous": ring_flash_attn_func, "zigzag": zigzag_ring_flash_attn_func
        "stripe": stripe_flash_attn_func}
 
 
-
-
 def full_inputs(seqlen: int, heads: int, kv_heads: int, dim: int, seed: int, batch: int = 2):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seqlen, heads, dim, generator=gen)
@@ -41,7 +39,8 @@ def reference(q, k, v, dout, causal: bool):
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def run_ring(q, k, v, dout, layout: str, causal: bool, use_api: bool, head_chunks: int | None = None):
+def run_ring(q, k, v, dout, layout: str, causal: bool, use_api: bool, head_chunks: int | None = None,
+             overlap: bool | None = None):
     """Shard, run fwd+bwd on this rank, gather; returns the full-sequence results."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local = [shard_sequence(x, rank, world, layout).requires_grad_(x is not dout) for x in (q, k, v, dout)]
@@ -51,7 +50,7 @@ def run_ring(q, k, v, dout, layout: str, causal: bool, use_api: bool, head_chunk
         assert none is None
     else:
         out, lse = context_parallel_attention(ql, kl, vl, dist.group.WORLD, layout, causal, head_chunks=head_chunks,
-                                              return_lse=True)
+                                              return_lse=True, overlap=overlap)
     out.backward(dl)
     got = {"out": out.detach(), "lse": lse.transpose(1, 2).contiguous(), "dq": ql.grad, "dk": kl.grad,
            "dv": vl.grad}
@@ -61,11 +60,12 @@ def run_ring(q, k, v, dout, layout: str, causal: bool, use_api: bool, head_chunk
 
 
 def check_fp32(seqlen: int, heads: int, kv_heads: int, layout: str, causal: bool, use_api: bool,
-               head_chunks: int | None = None, dim: int = 16, seed: int = 0) -> dict[str, float]:
+               head_chunks: int | None = None, dim: int = 16, seed: int = 0,
+               overlap: bool | None = None) -> dict[str, float]:
     """Relative errors of out, lse, dq, dk, dv (fp32 ring vs float64 reference)."""
     q, k, v, dout = full_inputs(seqlen, heads, kv_heads, dim, seed)
     ref = reference(q, k, v, dout, causal)
-    got = run_ring(q, k, v, dout, layout, causal, use_api, head_chunks)
+    got = run_ring(q, k, v, dout, layout, causal, use_api, head_chunks, overlap)
     for name, x in got.items():
         assert x.dtype == torch.float32 and x.shape == ref[name].shape, (name, x.dtype, x.shape)
     return {name: rel_err(got[name], ref[name]) for name in ref}

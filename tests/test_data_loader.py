@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from cp_train import build
+from cp_train.config import build_config
 from data.gpt_dataset import PER_TOKEN_KEYS, GPTDataset
 from data.loader import DataParallelSampler, build_data_loader, slice_for_context_parallel
 from parallel.layout import LAYOUTS, gather_sequence, sequence_positions, unshard_sequence
@@ -175,3 +178,20 @@ def _cp_ranks_read_one_global_sample(dataset: GPTDataset) -> bool:
 
 def test_spawned_cp_ranks_gather_the_global_sample(dataset, spawn_world):
     assert spawn_world(2).run(_cp_ranks_read_one_global_sample, dataset) == [True, True]
+
+
+def test_gpu_runs_prefetch_into_pinned_memory(dataset):
+    """On CUDA the trainer's loader prefetches with worker processes into pinned memory (non-blocking
+    copies); on CPU it loads in the training process; an explicit data.num_workers wins."""
+
+
+    axis = SimpleNamespace(rank=0, size=1)
+    state = SimpleNamespace(dp=axis, cp=axis)
+    config = build_config([("test", {"data.seq_len": 16, "train.micro_batch_size": 2, "train.global_batch_size": 4,
+                                     "model.attention_layout": "zigzag"})])
+    on_gpu = build.build_loader(config, dataset, state, 0, torch.device("cuda", 0)).loader
+    on_cpu = build.build_loader(config, dataset, state, 0, torch.device("cpu")).loader
+    assert (on_gpu.num_workers, on_gpu.pin_memory, on_gpu.prefetch_factor) == (2, True, 2)
+    assert (on_cpu.num_workers, on_cpu.pin_memory) == (0, False)
+    config.data.num_workers = 1
+    assert build.build_loader(config, dataset, state, 0, torch.device("cuda", 0)).loader.num_workers == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.kernels import flash_backward, flash_forward, select_backend
+from parallel.kernels import flash_backward, flash_forward
 from parallel.layout import LAYOUTS, check_layout, sequence_positions, shard_sequence, unshard_sequence
 from tests.numerics import rel_err
 
@@ -34,14 +34,6 @@ def test_explicit_scale_is_used() -> None:
     out_a, lse_a = flash_forward(q, k, v, softmax_scale=0.5)
     out_b, lse_b = flash_forward(q * 0.5 * 8**0.5, k, v)
     assert rel_err(out_a, out_b) < 1e-5 and rel_err(lse_a, lse_b) < 1e-5
-
-
-def test_backend_selection_errors() -> None:
-    assert select_backend(torch.device("cpu")) == "torch"
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        select_backend(torch.device("cpu"), "xformers")
-    with pytest.raises(ValueError, match="flash-attn package and CUDA"):
-        select_backend(torch.device("cpu"), "flash_attn")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

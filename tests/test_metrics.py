@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 
 import numpy as np
 import pytest
@@ -33,6 +34,22 @@ def test_peak_sources() -> None:
     assert gpu_peak_tflops("Some Future Accelerator") is None
     assert peak_tflops(torch.device("cpu"), None, 0.25) == (0.25, "logging.cpu_peak_tflops")
     assert peak_tflops(torch.device("cpu"), 500.0, 0.25) == (500.0, "logging.peak_tflops")
+
+
+def test_unknown_gpu_reports_nan_mfu_with_one_warning(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Future X1")
+    with pytest.warns(RuntimeWarning, match="unknown GPU 'NVIDIA Future X1'.*set logging.peak_tflops"):
+        peak, source = peak_tflops(torch.device("cuda", 0), None, 0.2)
+    assert math.isnan(peak) and "logging.peak_tflops" in source
+    assert peak_tflops(torch.device("cuda", 0), 750.0, 0.2) == (750.0, "logging.peak_tflops")
+    meter = IntervalMeter(tokens_per_step=4096, flops_per_token=1e9, world_size=1, peak_tflops=peak)
+    meter.add(loss=2.0, step_time=0.5, data_time=0.1)
+    record = meter.record(step=1, lr=1e-3, grad_norm=0.5, consumed_samples=8, seq_len=512, memory_gib=1.5,
+                          memory_reserved_gib=2.0)
+    assert math.isnan(record["mfu"]) and record["tflops_per_device"] > 0
+    assert record["peak_memory_reserved_gib"] == 2.0
+    line = console_line(record, 10, 0.0, 0)
+    assert "MFU n/a" in line and "mem 1.50/2.00 reserved GiB" in line
 
 
 def test_interval_meter_throughput_flops_and_mfu() -> None:

@@ -120,8 +120,12 @@ def test_initialize_from_torchrun_env_owns_and_destroys_default_group(monkeypatc
     with pytest.raises(ValueError, match=r"world size 1 != tp\*cp\*dp = 1\*1\*2 = 2"):
         initialize_parallel(dp=2, backend="gloo")
     assert not dist.is_initialized(), "a size error must be raised before the default group is created"
+    made = []  # every options object handed to DeviceMesh: c10d writes each group's ranks into its own
+    original = ps._subgroup_override
+    monkeypatch.setattr(ps, "_subgroup_override", lambda *args: made.append(original(*args)) or made[-1])
     try:
         state = initialize_parallel(backend="gloo", timeout_minutes=3)
+        assert len(made) == 5 and len({id(options) for _, options in made}) == 5, "options objects are shared"
         assert state.owns_default_group and state.sizes == (1, 1, 1) and state.backend == "gloo"
         for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp):
             timeout = axis.group._get_backend(torch.device("cpu")).options._timeout

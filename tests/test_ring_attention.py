@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel.kernels import MathKernel, select_kernel
 from parallel.layout import LAYOUTS
 from parallel.ring_attention import context_parallel_attention, zigzag_ring_flash_attn_func
+from parallel.ring_core import RingSpec
 from parallel.ring_schedule import covered_kv_rows, expected_kernel_calls, needed_kv_rows
 from tests import ring_cases
 from tests.numerics import rel_err
+from tests.ring_threads import run_threaded_ring
 
 TOL = 1e-5
 # (world, local chunk length) pairs: chunks 13 and 6 are not powers of two.
@@ -36,6 +39,17 @@ def test_ring_fp32_matches_float64_reference(spawn_world, world, layout, causal,
 def test_head_chunking_is_exact(spawn_world, head_chunks: int) -> None:
     errors = spawn_world(2).run(ring_cases.check_fp32, 24, 6, 3, "zigzag", True, False, head_chunks)
     assert max(max(e.values()) for e in errors) <= TOL
+
+
+@pytest.mark.parametrize("world,layout,head_chunks", [(2, "zigzag", 1), (2, "zigzag", 3), (4, "contiguous", 2),
+                                                      (4, "stripe", 3), (3, "zigzag", 2)])
+def test_gpu_overlap_policy_is_exact(spawn_world, world: int, layout: str, head_chunks: int) -> None:
+    """The GPU policy (first K/V hop before the local step, last dK/dV hop landing after the next chunk's
+    local step) computes the same gradients, whatever the chunking."""
+    for causal in (True, False):
+        errors = spawn_world(world).run(ring_cases.check_fp32, 12 * world, 6, 3, layout, causal, False, head_chunks,
+                                        16, 4, True)
+        assert max(max(e.values()) for e in errors) <= TOL
 
 
 def test_error_does_not_grow_with_world_size(spawn_world) -> None:
@@ -127,3 +141,16 @@ def test_transfers_carry_only_the_rows_still_needed() -> None:
     assert covered_kv_rows("zigzag", True, 1, 1, world, n) == n // 2
     assert covered_kv_rows("zigzag", True, 1, 3, world, n) == n
     assert covered_kv_rows("contiguous", True, world - 1, world - 1, world, n) == 0
+
+
+@pytest.mark.parametrize("world,layout,overlap", [(2, "zigzag", True), (4, "stripe", False), (3, "contiguous", True)])
+def test_threaded_ring_harness_matches_the_reference(world: int, layout: str, overlap: bool) -> None:
+    """The thread-rank harness the GPU suite uses for the ring's CUDA path, checked here on CPU."""
+    q, k, v, dout = ring_cases.full_inputs(8 * world, 4, 2, 16, seed=6)
+    spec = RingSpec(layout, True, 0.25, select_kernel(q.device, q.dtype, 16), 2, overlap)
+    got = run_threaded_ring(q, k, v, dout, world, spec)
+    out, lse = MathKernel().forward(q, k, v, True, 0.25)
+    ref = dict(zip(("dq", "dk", "dv"), MathKernel().backward(dout, q, k, v, out, lse, True, 0.25), strict=True))
+    ref.update(out=out, lse=lse)
+    for name, value in ref.items():
+        assert rel_err(got[name], value) <= TOL, name

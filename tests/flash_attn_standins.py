@@ -1,0 +1,186 @@
+"""Stand-ins for the flash-attn packages' private functions, with their exact signatures and returns.
+
+``flash_attn_interface(version)`` returns a module object like ``flash_attn.flash_attn_interface`` of
+that release: 2.5.x and 2.6.x plain functions (lse at index 5 of 8 values), 2.7.x and 2.8.x
+``torch.library.custom_op`` objects (signature ``(*args, **kwargs)``, lse at index 1, the backward
+mutating dq/dk/dv). ``fa3_interface(form)`` returns FA3's ``flash_attn_interface``: ``"custom_op"``
+(2025-07 and later) or ``"plain"`` (2025-03 to 2025-07: every argument positional, ``window_size``
+tuple, ``causal`` in the backward). The signatures were copied from the packages' sources at those
+tags; the bodies compute attention with the float64 math kernel on any device, so a call that binds
+or unpacks wrongly fails loudly or numerically. ``CALLS`` records each call's keyword arguments.
+"""
+
+import types
+from typing import Optional  # noqa: UP035 - torch.library.custom_op reads these annotations
+
+import torch
+
+from parallel.kernels import MathKernel, _math_scores
+from parallel.torch_kernels import expand_kv, reduce_kv_grad
+
+CALLS: list[dict] = []
+_MATH = MathKernel()
+
+
+def _attention(q, k, v, softmax_scale, causal):
+    out, lse = _MATH.forward(q, k, v, causal, softmax_scale)
+    return out.to(q.dtype), lse.float()
+
+
+def _grads(dout, q, k, v, softmax_scale, causal, dq, dk, dv):
+    """Closed-form float64 gradients (custom ops run below autograd, so no autograd here)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    q64, do64 = q.double(), dout.double()
+    k64, v64 = (expand_kv(x, heads).double() for x in (k, v))
+    probs = torch.softmax(_math_scores(q, k, causal, softmax_scale), dim=-1).nan_to_num(0.0)  # [B, H, Sq, Sk]
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v64)
+    dprobs = torch.einsum("bqhd,bkhd->bhqk", do64, v64)
+    dscores = probs * (dprobs - (do64 * out).sum(-1).transpose(1, 2)[..., None])
+    dq.copy_(torch.einsum("bhqk,bkhd->bqhd", dscores, k64) * softmax_scale)
+    dk.copy_(reduce_kv_grad(torch.einsum("bhqk,bqhd->bkhd", dscores, q64) * softmax_scale, kv_heads))
+    dv.copy_(reduce_kv_grad(torch.einsum("bhqk,bqhd->bkhd", probs, do64), kv_heads))
+
+
+def _check_window(window_size):
+    assert isinstance(window_size, tuple) and len(window_size) == 2, f"window_size must be a tuple: {window_size!r}"
+
+
+# ----------------------------------------------------------------------------------- 2.5.x
+def _fwd_25(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
+    CALLS.append({"fn": "fwd", "dropout_p": dropout_p, "window_size": window_size, "alibi_slopes": alibi_slopes})
+    _check_window(window_size)
+    out, lse = _attention(q, k, v, softmax_scale, causal)
+    return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
+
+
+def _bwd_25(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+            alibi_slopes, deterministic, rng_state=None):
+    CALLS.append({"fn": "bwd", "deterministic": deterministic, "lse_contiguous": softmax_lse.is_contiguous()})
+    _check_window(window_size)
+    _grads(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
+    return dq, dk, dv, softmax_lse.clone()
+
+
+# ----------------------------------------------------------------------------------- 2.6.x
+def _fwd_26(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
+    assert softcap == 0.0
+    return _fwd_25(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax)
+
+
+def _bwd_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size, softcap,
+            alibi_slopes, deterministic, rng_state=None):
+    assert softcap == 0.0
+    return _bwd_25(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+                   alibi_slopes, deterministic, rng_state)
+
+
+# ------------------------------------------------------------------------- 2.7.x and 2.8.x
+def _custom_op_interface(namespace: str) -> tuple:
+    @torch.library.custom_op(f"{namespace}::_flash_attn_forward", mutates_args=())
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+                causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                alibi_slopes: Optional[torch.Tensor], return_softmax: bool  # noqa: UP045
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        CALLS.append({"fn": "fwd", "window": (window_size_left, window_size_right), "softcap": softcap})
+        out, lse = _attention(q, k, v, softmax_scale, causal)
+        return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
+
+    @torch.library.custom_op(f"{namespace}::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+    def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],  # noqa: UP045
+                 dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,  # noqa: UP045
+                 window_size_left: int, window_size_right: int, softcap: float,
+                 alibi_slopes: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
+                 rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
+        CALLS.append({"fn": "bwd", "deterministic": deterministic, "lse_contiguous": softmax_lse.is_contiguous()})
+        _grads(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
+        return softmax_lse.clone()
+
+    return forward, backward
+
+
+_CUSTOM_OPS: dict[str, tuple] = {}
+
+
+def flash_attn_interface(version: str) -> types.ModuleType:
+    """A stand-in ``flash_attn.flash_attn_interface`` of ``version`` (2.5.x-2.8.x)."""
+    module = types.ModuleType("flash_attn.flash_attn_interface")
+    minor = int(version.split(".")[1])
+    if minor == 5:
+        module._flash_attn_forward, module._flash_attn_backward = _fwd_25, _bwd_25
+    elif minor == 6:
+        module._flash_attn_forward, module._flash_attn_backward = _fwd_26, _bwd_26
+    else:
+        namespace = f"cptrain_standin_fa2{minor}"
+        if namespace not in _CUSTOM_OPS:
+            _CUSTOM_OPS[namespace] = _custom_op_interface(namespace)
+        module._flash_attn_forward, module._flash_attn_backward = _CUSTOM_OPS[namespace]
+    return module
+
+
+# --------------------------------------------------------------------------------------- FA3
+def _fa3_plain_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
+                       seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos,
+                       rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal,
+                       window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                       scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
+    assert all(x is None for x in (k_new, v_new, qv, out, cu_seqlens_q, page_table, q_descale))
+    _check_window(window_size)
+    CALLS.append({"fn": "fwd"})
+    out, lse = _attention(q, k, v, softmax_scale, causal)
+    return out, lse, None, None
+
+
+def _fa3_plain_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                        max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
+                        softcap=0.0, deterministic=False, sm_margin=0):
+    assert cu_seqlens_q is None and max_seqlen_q is None
+    _check_window(window_size)
+    CALLS.append({"fn": "bwd", "deterministic": deterministic, "lse_contiguous": softmax_lse.is_contiguous()})
+    _grads(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
+    return dq, dk, dv, softmax_lse.clone()
+
+
+def _fa3_custom_op_interface() -> tuple:
+    T, OptT = torch.Tensor, Optional[torch.Tensor]  # noqa: N806, UP045
+
+    @torch.library.custom_op("cptrain_standin_fa3::_flash_attn_forward", mutates_args=())
+    def forward(q: T, k: T, v: T, k_new: OptT = None, v_new: OptT = None, qv: OptT = None, out_: OptT = None,
+                cu_seqlens_q: OptT = None, cu_seqlens_k: OptT = None, cu_seqlens_k_new: OptT = None,
+                seqused_q: OptT = None, seqused_k: OptT = None, max_seqlen_q: Optional[int] = None,  # noqa: UP045
+                max_seqlen_k: Optional[int] = None, page_table: OptT = None, kv_batch_idx: OptT = None,  # noqa: UP045
+                leftpad_k: OptT = None, rotary_cos: OptT = None, rotary_sin: OptT = None,
+                seqlens_rotary: OptT = None, q_descale: OptT = None, k_descale: OptT = None,
+                v_descale: OptT = None, softmax_scale: Optional[float] = None, causal: bool = False,  # noqa: UP045
+                window_size_left: int = -1, window_size_right: int = -1, attention_chunk: int = 0,
+                softcap: float = 0.0, rotary_interleaved: bool = True, scheduler_metadata: OptT = None,
+                num_splits: int = 1, pack_gqa: Optional[bool] = None, sm_margin: int = 0  # noqa: UP045
+                ) -> tuple[T, T, T, T]:
+        CALLS.append({"fn": "fwd", "window": (window_size_left, window_size_right)})
+        out, lse = _attention(q, k, v, softmax_scale, causal)
+        return out, lse, torch.empty(0), torch.empty(0)
+
+    @torch.library.custom_op("cptrain_standin_fa3::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+    def backward(dout: T, q: T, k: T, v: T, out: T, softmax_lse: T, cu_seqlens_q: OptT = None,
+                 cu_seqlens_k: OptT = None, sequed_q: OptT = None, sequed_k: OptT = None,
+                 max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,  # noqa: UP045
+                 dq: OptT = None, dk: OptT = None, dv: OptT = None, softmax_scale: Optional[float] = None,  # noqa: UP045
+                 is_causal: bool = False, window_size_left: int = -1, window_size_right: int = -1,
+                 softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0) -> T:
+        CALLS.append({"fn": "bwd", "deterministic": deterministic, "lse_contiguous": softmax_lse.is_contiguous()})
+        _grads(dout, q, k, v, softmax_scale, is_causal, dq, dk, dv)
+        return softmax_lse.clone()
+
+    return forward, backward
+
+
+def fa3_interface(form: str) -> types.ModuleType:
+    """A stand-in FA3 ``flash_attn_interface``: ``"custom_op"`` (current) or ``"plain"`` (early 2025)."""
+    module = types.ModuleType("flash_attn_interface")
+    if form == "plain":
+        module._flash_attn_forward, module._flash_attn_backward = _fa3_plain_forward, _fa3_plain_backward
+    else:
+        if "fa3" not in _CUSTOM_OPS:
+            _CUSTOM_OPS["fa3"] = _fa3_custom_op_interface()
+        module._flash_attn_forward, module._flash_attn_backward = _CUSTOM_OPS["fa3"]
+    return module

@@ -1,0 +1,83 @@
+"""Every attention backend present on this GPU against the float64 math kernel on CUDA.
+
+out, lse, dq, dk, dv; bf16, fp16 and fp32; causal and non-causal; square and the ring's rectangular
+blocks; GQA; batch 2; row-sliced views as the ring passes them. The reference is computed in float64
+from the same (rounded) inputs, so the tolerances measure the kernel alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel import kernels
+from tests.numerics import rel_err
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# relative error bounds (out and lse, gradients) per input dtype
+TOL = {torch.bfloat16: (2e-2, 5e-2), torch.float16: (4e-3, 1e-2), torch.float32: (2e-5, 1e-4)}
+SHAPES = [(256, 256, True), (256, 256, False), (128, 256, False), (256, 128, False), (200, 200, True)]
+
+
+def _available(backend: str, dtype: torch.dtype, head_dim: int):
+    try:
+        return kernels.select_kernel(torch.device("cuda"), dtype, head_dim, backend)
+    except kernels.KernelUnavailable as error:
+        pytest.skip(str(error))
+
+
+def _inputs(sq: int, sk: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda s, h: torch.randn(2, s, h, head_dim, generator=gen, device="cuda").to(dtype)  # noqa: E731
+    q = torch.cat([make(sq, heads), make(sq, heads)], dim=1)[:, ::2]  # a strided, row-sliced view
+    return q, make(sk, kv_heads), make(sk, kv_heads), make(sq, heads)
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch_efficient", "flash_attn", "fa3"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("sq,sk,causal", SHAPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 128)])
+def test_backend_matches_float64(backend, dtype_name, sq, sk, causal, heads, kv_heads, head_dim) -> None:
+    dtype = DTYPES[dtype_name]
+    kernel = _available(backend, dtype, head_dim)
+    if causal and sq != sk:
+        pytest.skip("the ring uses causal masks on square blocks only")
+    q, k, v, dout = _inputs(sq, sk, heads, kv_heads, head_dim, dtype, seed=sq + sk)
+    scale = head_dim ** -0.5
+    math = kernels.MathKernel()
+    ref_out, ref_lse = math.forward(q, k, v, causal, scale)
+    ref_grads = math.backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
+    out, lse = kernel.forward(q, k, v, causal, scale)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (2, heads, sq) and lse.dtype == torch.float32
+    tol_out, tol_grad = TOL[dtype]
+    assert rel_err(out, ref_out) < tol_out, f"out {rel_err(out, ref_out):.2e}"
+    assert rel_err(lse, ref_lse) < tol_out, f"lse {rel_err(lse, ref_lse):.2e}"
+    # the ring hands the backward its merged lse as a [B, H, n] view of a [B, n, H] buffer
+    ring_lse = ref_lse.float().transpose(1, 2).contiguous().transpose(1, 2)
+    grads = kernel.backward(dout, q, k, v, ref_out.to(dtype), ring_lse, causal, scale)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert got.shape == ref.shape, name
+        assert rel_err(got, ref) < tol_grad, f"{name} {rel_err(got, ref):.2e}"
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.bfloat16), ("torch_efficient", torch.float32),
+                                           ("flash_attn", torch.bfloat16), ("fa3", torch.bfloat16)])
+def test_deterministic_backward_is_bitwise_repeatable(backend: str, dtype: torch.dtype) -> None:
+    try:
+        kernel = kernels.select_kernel(torch.device("cuda"), dtype, 64, backend, True)
+    except kernels.KernelUnavailable as error:
+        pytest.skip(str(error))
+    q, k, v, dout = _inputs(1024, 1024, 8, 2, 64, dtype, seed=1)
+    out, lse = kernel.forward(q, k, v, True, 0.125)
+    first = kernel.backward(dout, q, k, v, out, lse, True, 0.125)
+    for _ in range(3):
+        again = kernel.backward(dout, q, k, v, out, lse, True, 0.125)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_automatic_choice_on_this_gpu() -> None:
+    cuda = torch.device("cuda")
+    assert kernels.select_kernel(cuda, torch.float32, 64).name == "torch efficient"
+    assert kernels.select_kernel(cuda, torch.float64, 64).name == "math"
+    assert kernels.select_kernel(cuda, torch.bfloat16, 64).name in ("fa3", "torch cuda flash") or \
+        kernels.select_kernel(cuda, torch.bfloat16, 64).name.startswith("flash_attn")

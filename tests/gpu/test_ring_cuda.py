@@ -1,0 +1,56 @@
+"""The ring's CUDA code path on one GPU, its ranks as threads (see tests/ring_threads.py).
+
+Exact in fp32 (efficient attention) against the float64 reference; in bf16 within twice the error of
+the same kernel on the whole sequence; with both overlap policies. NCCL itself is exercised by
+``torchrun --nproc-per-node N -m tests.gpu.ring_nccl`` on a multi-GPU node.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel import kernels
+from parallel.layout import LAYOUTS
+from parallel.ring_core import RingSpec
+from tests.numerics import rel_err
+from tests.ring_threads import run_threaded_ring
+
+
+def _full(seqlen: int, dtype: torch.dtype, heads: int = 8, kv_heads: int = 2, head_dim: int = 64):
+    gen = torch.Generator(device="cuda").manual_seed(seqlen)
+    make = lambda h: torch.randn(2, seqlen, h, head_dim, generator=gen, device="cuda").to(dtype)  # noqa: E731
+    return make(heads), make(kv_heads), make(kv_heads), make(heads)
+
+
+def _reference(q, k, v, dout, causal: bool, scale: float) -> dict[str, torch.Tensor]:
+    math = kernels.MathKernel()
+    out, lse = math.forward(q, k, v, causal, scale)
+    grads = math.backward(dout, q, k, v, out, lse, causal, scale)
+    return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fp32_ring_on_cuda_is_exact(world: int, layout: str, causal: bool, overlap: bool) -> None:
+    q, k, v, dout = _full(64 * world, torch.float32)
+    kernel = kernels.select_kernel(q.device, q.dtype, 64)
+    got = run_threaded_ring(q, k, v, dout, world, RingSpec(layout, causal, 0.125, kernel, 2, overlap))
+    ref = _reference(q, k, v, dout, causal, 0.125)
+    for name, value in ref.items():
+        assert rel_err(got[name], value) < 2e-5, f"{name}: {rel_err(got[name], value):.2e}"
+
+
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (4, "zigzag"), (4, "stripe"), (2, "contiguous")])
+def test_bf16_ring_on_cuda_within_twice_the_local_kernel(world: int, layout: str) -> None:
+    q, k, v, dout = _full(256 * world, torch.bfloat16)
+    kernel = kernels.select_kernel(q.device, q.dtype, 64)
+    ref = _reference(q, k, v, dout, True, 0.125)
+    local = run_threaded_ring(q, k, v, dout, 1, RingSpec(layout, True, 0.125, kernel, 2, True))
+    ring = run_threaded_ring(q, k, v, dout, world, RingSpec(layout, True, 0.125, kernel, 2, True))
+    for name in ("out", "dq", "dk", "dv"):
+        ring_error = rel_err(ring[name].to(q.dtype), ref[name])
+        local_error = rel_err(local[name].to(q.dtype), ref[name])
+        assert ring_error <= 2 * local_error + 1e-4, f"{name}: ring {ring_error:.2e} vs local {local_error:.2e}"

@@ -1,0 +1,38 @@
+"""``train.py`` on one GPU: bf16 autocast, a checkpoint, and a resume whose losses equal the uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from parallel.spawn import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, SAVE_AT = 12, 6
+
+
+def _train(tmp_path: Path, name: str, *flags: str) -> dict[int, float]:
+    run_dir = tmp_path / name
+    env = {**os.environ, "CP_TRAIN_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+               str(free_port()), "train.py", "--config", "launch/configs/cpu-tiny.yaml", "--cp-size", "1",
+               "--train-steps", str(STEPS), "--set", "train.deterministic=true", "--set", "logging.wandb=false",
+               "--set", "logging.interval=1", "--set", "train.eval_interval=0", "--set", f"logging.dir={run_dir}",
+               *flags]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "device cuda" in done.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+
+
+def test_train_save_and_exact_resume_on_one_gpu(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    full = _train(tmp_path, "full", "--save", str(checkpoints), "--save-interval", str(SAVE_AT))
+    assert full[STEPS] < full[1] - 0.5, full
+    resumed = _train(tmp_path, "resumed", "--load", str(checkpoints / f"step_{SAVE_AT:08d}"))
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+    assert all(resumed[step] == full[step] for step in resumed), {s: (full[s], resumed[s]) for s in resumed}

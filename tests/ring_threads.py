@@ -1,0 +1,71 @@
+"""The ring's code path with ``world`` ranks as threads of one process, on any device.
+
+One GPU cannot hold two NCCL ranks, so the GPU suite runs the ring's CUDA code (kernels, merges,
+accumulators, transfer trimming, the overlap policy) with every rank a thread and the point-to-point
+exchange replaced by queues. The same harness runs on CPU in the default suite, which keeps it honest.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from parallel.layout import shard_sequence, unshard_sequence
+from parallel.ring_core import RingSpec, ring_backward, ring_forward
+
+
+@dataclass
+class _Transfer:
+    """What ``RingComm.exchange`` returns: ``wait()`` hands over the received tensors."""
+
+    inbox: queue.Queue | None
+    count: int
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.inbox.get(timeout=120) if self.count else []
+
+
+class ThreadRingComm:
+    """Rank ``rank`` of a ring of ``world`` threads: sends are copies put in the next rank's inbox."""
+
+    def __init__(self, rank: int, world: int, inboxes: dict[tuple[int, int], queue.Queue]) -> None:
+        self.rank, self.world, self.inboxes = rank, world, inboxes
+
+    def exchange(self, send: list[torch.Tensor], recv_shapes=None, tag: int = 0, like=None) -> _Transfer:
+        if send:
+            self.inboxes[(self.rank + 1) % self.world, tag].put([x.clone() for x in send])
+        expected = len(recv_shapes) if recv_shapes is not None else len(send)
+        return _Transfer(self.inboxes[self.rank, tag], expected)
+
+
+def run_threaded_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, world: int,
+                      spec: RingSpec) -> dict[str, torch.Tensor]:
+    """Forward and backward of the full-sequence inputs over ``world`` thread ranks in ``spec.layout``;
+    returns out, lse ([B, H, S]), dq, dk, dv of the whole sequence (accumulator dtype)."""
+    inboxes = {(rank, tag): queue.Queue() for rank in range(world) for tag in (0, 1)}
+    results: list[dict | BaseException] = [{} for _ in range(world)]
+
+    def rank_main(rank: int) -> None:
+        try:
+            local = [shard_sequence(x, rank, world, spec.layout) for x in (q, k, v, dout)]
+            comm = ThreadRingComm(rank, world, inboxes) if world > 1 else None
+            out, lse = ring_forward(*local[:3], comm, spec)
+            dq, dk, dv = ring_backward(local[3], *local[:3], out.to(q.dtype), lse, comm, spec)
+            results[rank] = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+            results[rank] = error
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    full = {name: unshard_sequence([r[name] for r in results], spec.layout) for name in results[0]}
+    full["lse"] = full["lse"].transpose(1, 2)
+    return full
