@@ -173,6 +173,8 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         kind = next(a for a in args if a is not type(None))
     if is_null:
         raise ConfigError(f"{key} must not be null (expects {kind.__name__})")
+    if typing.get_origin(kind) is dict:
+        return _mapping(key, value)
     text = str(value).strip()
     try:
         if kind is bool:
@@ -194,6 +196,18 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
     except ValueError:
         raise ConfigError(f"{key} expects {kind.__name__}, got {value!r}") from None
     raise ConfigError(f"{key} has an unsupported type {kind}")
+
+
+def _mapping(key: str, value: Any) -> dict[str, Any]:
+    """A mapping value: a dict (YAML) or its YAML/JSON text (flags, ``--set``)."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} expects a mapping such as {{rope_type: llama3, factor: 8.0}}, got {value!r}")
+    return dict(value)
 
 
 def flatten(tree: dict[str, Any], source: str) -> dict[str, Any]:
