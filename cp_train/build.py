@@ -15,7 +15,7 @@ from data.gpt_dataset import GPTDataset, train_valid_split
 from data.indexed import IndexedDataset
 from data.loader import StepLoader, build_data_loader
 from data.prepare_default import prepare_default_corpus
-from data.tokenizer import Tokenizer, padded_vocab_size
+from data.tokenizer import load_tokenizer, padded_vocab_size
 from model import GPTModel
 from parallel.state import ParallelState
 
@@ -53,10 +53,13 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
         prefix, tokenizer_path = str(corpus.data_prefix), tokenizer_path or str(corpus.tokenizer_model)
     eod, pad, vocab = config.data.eod_id, None, config.model.vocab_size
     if tokenizer_path is not None:
-        tokenizer = Tokenizer(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path)
         eod = tokenizer.eod if eod is None else eod
         pad = tokenizer.pad
         vocab = vocab or padded_vocab_size(tokenizer.vocab_size)
+        if tokenizer.vocab_size > vocab:
+            raise ValueError(f"tokenizer {tokenizer_path} produces ids up to {tokenizer.vocab_size - 1} but "
+                             f"model.vocab_size is {vocab}; use the model's tokenizer or a larger vocab_size")
     if vocab is None or eod is None:
         raise ValueError("set data.tokenizer, or model.vocab_size and data.eod_id")
     config.model.vocab_size = vocab

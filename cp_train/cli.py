@@ -22,7 +22,7 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--eval-interval": ("train.eval_interval", int, "steps between evaluations (0: off)", ()),
     "--seed": ("train.seed", int, "runtime RNG seed", ()),
     "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix (default: the embedded corpus)", ()),
-    "--tokenizer-model": ("data.tokenizer", str, "SentencePiece model", ()),
+    "--tokenizer-model": ("data.tokenizer", str, "SentencePiece .model, or a HF tokenizer.json or its directory", ()),
     "--save": ("checkpoint.save", str, "checkpoint directory", ()),
     "--load": ("checkpoint.load", str, "checkpoint to resume from", ()),
     "--save-interval": ("checkpoint.interval", int, "steps between checkpoints (0: off)", ()),
