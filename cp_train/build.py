@@ -17,6 +17,7 @@ from data.loader import StepLoader, build_data_loader
 from data.prepare_default import prepare_default_corpus
 from data.tokenizer import load_tokenizer, padded_vocab_size
 from model import GPTModel
+from model.hf import empty_model, load_llama_weights
 from parallel.state import ParallelState
 
 
@@ -101,10 +102,15 @@ def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, cons
                              consumed_samples=consumed_samples, num_workers=config.data.num_workers)
 
 
-def build_model(config: Config, state: ParallelState, device: torch.device) -> GPTModel:
-    """The GPT on this rank's TP and CP groups, fp32 parameters (autocast handles bf16)."""
+def build_model(config: Config, state: ParallelState, device: torch.device, hf_dir: str | None = None) -> GPTModel:
+    """The GPT on this rank's TP and CP groups, fp32 parameters (autocast handles bf16): initialised from the
+    seed, or with ``hf_dir`` this rank's shards of the Hugging Face Llama weights there."""
     config.model.validate(state.tp.size, state.cp.size, config.data.seq_len)
-    return GPTModel(config.model, state.tp.group, state.cp.group, device=device)
+    if hf_dir is None:
+        return GPTModel(config.model, state.tp.group, state.cp.group, device=device)
+    model = empty_model(config.model, state.tp.group, state.cp.group, device=device)
+    load_llama_weights(model, hf_dir)
+    return model
 
 
 def describe(model: torch.nn.Module, state: ParallelState) -> dict[str, int]:

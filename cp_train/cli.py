@@ -25,6 +25,7 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--tokenizer-model": ("data.tokenizer", str, "SentencePiece .model, or a HF tokenizer.json or its directory", ()),
     "--save": ("checkpoint.save", str, "checkpoint directory", ()),
     "--load": ("checkpoint.load", str, "checkpoint to resume from", ()),
+    "--init-from-hf": ("checkpoint.init_from_hf", str, "Hugging Face Llama directory to start from", ()),
     "--save-interval": ("checkpoint.interval", int, "steps between checkpoints (0: off)", ()),
     "--log-interval": ("logging.interval", int, "steps between metric records", ()),
     "--run-dir": ("logging.dir", str, "run directory (JSONL, wandb, config)", ()),

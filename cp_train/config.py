@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -38,7 +38,7 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     prefix: str | None = None  # Megatron .bin/.idx prefix; None: the embedded default corpus
-    tokenizer: str | None = None  # SentencePiece model; None: the default corpus's
+    tokenizer: str | None = None  # SentencePiece .model, HF tokenizer.json or its directory; None: the default's
     seq_len: int = 256
     valid_fraction: float = 0.02  # last fraction of the documents, held out for evaluation
     eod_id: int | None = None  # None: the tokenizer's
@@ -86,6 +86,7 @@ class CheckpointConfig:
     load: str | None = None  # checkpoint directory (its `latest`) or one step_XXXXXXXX/ directory
     interval: int = 0  # steps between saves; 0: off (a final save still happens when save is set)
     auto_resume: bool = True  # with no load, resume from save's `latest` when there is one
+    init_from_hf: str | None = None  # HF Llama directory: model shape from its config.json, weights unless resuming
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    explicit_keys: ClassVar[frozenset[str]] = frozenset()  # dotted keys a layer set (per instance, build_config)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -242,6 +244,10 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
             section, name = key.split(".", 1)
             setattr(getattr(config, section), name, coerce(key, value, kind))
     config.model.resolve()
+    config.explicit_keys = frozenset(key for _, values in layers for key in values)
+    if config.checkpoint.init_from_hf:
+        from cp_train.hf_init import apply_hf_model  # the model's shape comes from the HF config.json
+        apply_hf_model(config)
     return config
 
 
