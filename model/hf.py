@@ -14,7 +14,7 @@ read block. ``save_llama`` gathers each tensor over the model's TP group, one at
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +115,11 @@ def _full_tensor(model: GPTModel, name: str) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)  # type: ignore[attr-defined]
 
 
-def hf_tensor_stream(config: ModelConfig, full: Any, dtype: torch.dtype | None = None):  # noqa: ANN201
+FullTensor = Callable[[str], torch.Tensor]  # model parameter name -> its full (unsharded) tensor
+Producer = Callable[[Iterable[str]], Iterator[tuple[str, torch.Tensor]]]
+
+
+def hf_tensor_stream(config: ModelConfig, full: FullTensor, dtype: torch.dtype | None = None) -> Producer:
     """``produce(names)`` for ``write_weights``: yields ``(hf_name, tensor)`` from ``full(param_name)``, the full
     model parameter (called once per parameter, in HF order), cast to ``dtype`` (None: as it is) on the CPU."""
     entries = {entry.name: entry for entry in hf_tensors(config)}
@@ -134,7 +138,7 @@ def hf_tensor_stream(config: ModelConfig, full: Any, dtype: torch.dtype | None =
     return produce
 
 
-def write_hf_model(config: ModelConfig, path: str | Path, full: Any, dtype: torch.dtype, write: bool = True,
+def write_hf_model(config: ModelConfig, path: str | Path, full: FullTensor, dtype: torch.dtype, write: bool = True,
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_config: dict[str, Any] | None = None) -> Path:
     """Write ``config.json`` and the weights given by ``full(param_name) -> full tensor`` (see ``hf_tensor_stream``)."""
     path = Path(path)

@@ -134,8 +134,9 @@ def plan_shards(tensors: list[tuple[str, int]], max_shard_bytes: int) -> list[li
     return shards
 
 
-def write_weights(path: Path, sizes: list[tuple[str, int]], produce: Callable[[Iterable[str]], Iterator[
-        tuple[str, torch.Tensor]]], max_shard_bytes: int, write: bool) -> None:
+def write_weights(path: Path, sizes: list[tuple[str, int]],
+                  produce: Callable[[Iterable[str]], Iterator[tuple[str, torch.Tensor]]], max_shard_bytes: int,
+                  write: bool) -> None:
     """Write ``produce(names)`` (the tensors of each shard, in order) as ``model.safetensors``, or as shards and
     an index when the total exceeds ``max_shard_bytes``. Every caller runs ``produce`` (it may be collective);
     only ``write`` callers touch the files."""
@@ -144,9 +145,12 @@ def write_weights(path: Path, sizes: list[tuple[str, int]], produce: Callable[[I
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(names, shards, strict=True):
+        if not write:  # take part in the (collective) production, keep nothing
+            for _ in produce(shard):
+                pass
+            continue
         tensors = {name: tensor.contiguous() for name, tensor in produce(shard)}
-        if write:
-            save_file(tensors, str(path / file), metadata={"format": "pt"})
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
     if write and len(shards) > 1:
