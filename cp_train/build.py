@@ -15,8 +15,9 @@ from data.gpt_dataset import GPTDataset, train_valid_split
 from data.indexed import IndexedDataset
 from data.loader import StepLoader, build_data_loader
 from data.prepare_default import prepare_default_corpus
-from data.tokenizer import Tokenizer, padded_vocab_size
+from data.tokenizer import load_tokenizer, padded_vocab_size
 from model import GPTModel
+from model.hf import empty_model, load_llama_weights
 from parallel.state import ParallelState
 
 
@@ -60,10 +61,13 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
         prefix, tokenizer_path = str(corpus.data_prefix), tokenizer_path or str(corpus.tokenizer_model)
     eod, pad, vocab = config.data.eod_id, None, config.model.vocab_size
     if tokenizer_path is not None:
-        tokenizer = Tokenizer(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path)
         eod = tokenizer.eod if eod is None else eod
         pad = tokenizer.pad
         vocab = vocab or padded_vocab_size(tokenizer.vocab_size)
+        if tokenizer.vocab_size > vocab:
+            raise ValueError(f"tokenizer {tokenizer_path} produces ids up to {tokenizer.vocab_size - 1} but "
+                             f"model.vocab_size is {vocab}; use the model's tokenizer or a larger vocab_size")
     if vocab is None or eod is None:
         raise ValueError("set data.tokenizer, or model.vocab_size and data.eod_id")
     config.model.vocab_size = vocab
@@ -111,10 +115,15 @@ def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, cons
                              consumed_samples=consumed_samples, num_workers=workers, pin_memory=cuda)
 
 
-def build_model(config: Config, state: ParallelState, device: torch.device) -> GPTModel:
-    """The GPT on this rank's TP and CP groups, fp32 parameters (autocast handles bf16)."""
+def build_model(config: Config, state: ParallelState, device: torch.device, hf_dir: str | None = None) -> GPTModel:
+    """The GPT on this rank's TP and CP groups, fp32 parameters (autocast handles bf16): initialised from the
+    seed, or with ``hf_dir`` this rank's shards of the Hugging Face Llama weights there."""
     config.model.validate(state.tp.size, state.cp.size, config.data.seq_len)
-    return GPTModel(config.model, state.tp.group, state.cp.group, device=device)
+    if hf_dir is None:
+        return GPTModel(config.model, state.tp.group, state.cp.group, device=device)
+    model = empty_model(config.model, state.tp.group, state.cp.group, device=device)
+    load_llama_weights(model, hf_dir)
+    return model
 
 
 def describe(model: torch.nn.Module, state: ParallelState) -> dict[str, int]:

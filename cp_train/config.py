@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -38,7 +38,7 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     prefix: str | None = None  # Megatron .bin/.idx prefix; None: the embedded default corpus
-    tokenizer: str | None = None  # SentencePiece model; None: the default corpus's
+    tokenizer: str | None = None  # SentencePiece .model, HF tokenizer.json or its directory; None: the default's
     seq_len: int = 256
     valid_fraction: float = 0.02  # last fraction of the documents, held out for evaluation
     eod_id: int | None = None  # None: the tokenizer's
@@ -87,6 +87,7 @@ class CheckpointConfig:
     load: str | None = None  # checkpoint directory (its `latest`) or one step_XXXXXXXX/ directory
     interval: int = 0  # steps between saves; 0: off (a final save still happens when save is set)
     auto_resume: bool = True  # with no load, resume from save's `latest` when there is one
+    init_from_hf: str | None = None  # HF Llama directory: model shape from its config.json, weights unless resuming
 
 
 @dataclass
@@ -120,6 +121,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    explicit_keys: ClassVar[frozenset[str]] = frozenset()  # dotted keys a layer set (per instance, build_config)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -174,6 +176,8 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         kind = next(a for a in args if a is not type(None))
     if is_null:
         raise ConfigError(f"{key} must not be null (expects {kind.__name__})")
+    if typing.get_origin(kind) is dict:
+        return _mapping(key, value)
     text = str(value).strip()
     try:
         if kind is bool:
@@ -195,6 +199,18 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
     except ValueError:
         raise ConfigError(f"{key} expects {kind.__name__}, got {value!r}") from None
     raise ConfigError(f"{key} has an unsupported type {kind}")
+
+
+def _mapping(key: str, value: Any) -> dict[str, Any]:
+    """A mapping value: a dict (YAML) or its YAML/JSON text (flags, ``--set``)."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} expects a mapping such as {{rope_type: llama3, factor: 8.0}}, got {value!r}")
+    return dict(value)
 
 
 def flatten(tree: dict[str, Any], source: str) -> dict[str, Any]:
@@ -229,6 +245,10 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
             section, name = key.split(".", 1)
             setattr(getattr(config, section), name, coerce(key, value, kind))
     config.model.resolve()
+    config.explicit_keys = frozenset(key for _, values in layers for key in values)
+    if config.checkpoint.init_from_hf:
+        from cp_train.hf_init import apply_hf_model  # the model's shape comes from the HF config.json
+        apply_hf_model(config)
     return config
 
 

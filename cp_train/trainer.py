@@ -23,6 +23,7 @@ from cp_train import build
 from cp_train.checkpoint import ShardedState, find_checkpoint, load_checkpoint, save_checkpoint
 from cp_train.config import Config, dump_yaml
 from cp_train.grad_sync import GradientReducer
+from cp_train.hf_init import hf_init_message
 from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
 from cp_train.metrics import (
     IntervalMeter,
@@ -86,7 +87,9 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         seed_everything(derived_seed(config.train.seed, state.rank))
         self.sources = build.resolve_data(config, state)
-        self.model = build.build_model(config, state, self.device)
+        resume = self._resume_path()
+        hf_dir = None if resume is not None else config.checkpoint.init_from_hf
+        self.model = build.build_model(config, state, self.device, hf_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.schedule = LRSchedule(config.optimizer, config.schedule, config.train.steps)
@@ -98,7 +101,8 @@ class Trainer:
         self.result.run_dir = str(self.run_dir)
         self.step, consumed = 0, 0
         self._pending_messages: list[str] = []
-        resume = self._resume_path()
+        if hf_dir is not None:
+            self._note(hf_init_message(config))
         if resume is not None:
             consumed = self._load(resume)
         self.train_data, self.valid_data = build.build_datasets(config, self.sources, state)

@@ -5,7 +5,8 @@
 
 Inputs: text files (one document per file), ``.jsonl``/``.json`` files (one JSON object per line,
 the document is ``obj[json_key]``) and directories (searched recursively for ``--glob``, sorted).
-Every document gets the tokenizer's EOD id appended; empty documents are skipped. Writes
+``--tokenizer`` is a SentencePiece ``.model`` or a Hugging Face ``tokenizer.json`` (or its directory; EOD =
+its eos). Every document gets the tokenizer's EOD id appended; empty documents are skipped. Writes
 ``PREFIX.bin`` and ``PREFIX.idx``, uint16 when the vocab fits, else int32.
 """
 
@@ -24,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data.indexed import IndexedDatasetWriter, data_path, index_path, token_dtype_for_vocab
-from data.tokenizer import Tokenizer
+from data.tokenizer import Tokenizer, load_tokenizer
 
 PathLike = str | os.PathLike
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -90,7 +91,7 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(model_path: str) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(model_path)
+    _worker_tokenizer = load_tokenizer(model_path)
 
 
 def _encode(text: str) -> list[int]:
@@ -104,7 +105,7 @@ def preprocess(documents: Iterable[str], tokenizer_model: PathLike, output_prefi
 
     ``workers > 1`` tokenizes in that many processes; the output is identical either way.
     """
-    tokenizer = Tokenizer(tokenizer_model)
+    tokenizer = load_tokenizer(tokenizer_model)
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -140,7 +141,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True,
                         help="text files, .jsonl files or directories")
-    parser.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
+    parser.add_argument("--tokenizer", required=True,
+                        help="SentencePiece .model file, or a HF tokenizer.json or a directory holding one")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     parser.add_argument("--json-key", default="text", help="field holding the text in .jsonl")

@@ -1,5 +1,8 @@
 """SentencePiece tokenizer: a thin wrapper for the trainer and a deterministic trainer for models.
 
+``load_tokenizer(path)`` opens either kind: SentencePiece ``.model`` files here, Hugging Face
+``tokenizer.json`` files (or their directories) in ``data.hf_tokenizer``.
+
 Models made by ``train_tokenizer`` keep text byte-exact (identity normalization, whitespace kept,
 byte fallback for characters outside the vocab), so ``decode(encode(text)) == text`` for any
 Python source. Special ids: unk 0, bos 1, eos 2 (= eod, appended after every document), pad 3.
@@ -84,6 +87,19 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (any iterable of ints: list, numpy array, 1-D tensor)."""
         return self._sp.decode([int(i) for i in ids])
+
+
+def load_tokenizer(path: PathLike) -> Tokenizer:
+    """The tokenizer at ``path``: a Hugging Face ``tokenizer.json`` (or a directory holding one) through the
+    ``tokenizers`` library (``data.hf_tokenizer.HFTokenizer``), otherwise a SentencePiece model."""
+    path = Path(path)
+    if not path.exists() and path.suffix != ".model":
+        raise FileNotFoundError(f"tokenizer {path} is missing: pass a SentencePiece .model file, a Hugging Face "
+                                f"tokenizer.json, or a directory holding tokenizer.json")
+    if path.is_dir() or path.suffix == ".json":
+        from data.hf_tokenizer import HFTokenizer  # imports the tokenizers library only when needed
+        return HFTokenizer(path)  # type: ignore[return-value]  # the same interface
+    return Tokenizer(path)
 
 
 def _lines(paths: Sequence[Path]) -> Iterator[str]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
+from model.rope import resolve_rope_scaling
 from parallel.kernels import BACKENDS
 from parallel.layout import LAYOUTS, check_layout
 
@@ -18,7 +20,9 @@ class ModelConfig:
     each block in the backward. ``attention_layout``: the CP layout of the sequence
     (``contiguous``, ``zigzag`` or ``stripe``). ``attention_backend``: kernel for the ring
     (None: the best available, see parallel/kernels.py; also used without a CP group).
-    ``seed`` alone fixes the initial weights, whatever the layout.
+    ``seed`` alone fixes the initial weights, whatever the layout. ``rope_scaling``: RoPE scaling
+    with Hugging Face's fields and semantics (``linear``, ``llama3``, ``yarn``; see model/rope.py),
+    None for none; ``norm_eps`` is HF's ``rms_norm_eps``.
     """
 
     vocab_size: int = 32000
@@ -29,6 +33,7 @@ class ModelConfig:
     ffn_hidden_size: int | None = None  # None: the multiple of 64 nearest 8/3 * hidden
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     mlp_chunks: int = 1
@@ -66,6 +71,9 @@ class ModelConfig:
         for name, size in (("tp", tp), ("cp", cp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+        if not self.rope_theta > 1:
+            raise ValueError(f"rope_theta must be > 1, got {self.rope_theta}")
+        resolve_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.hidden_size % heads != 0:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {heads}; "

@@ -90,7 +90,9 @@ class GPTModel(nn.Module):
         if position_ids is None:
             position_ids = self.local_positions(n, tokens.device)
         position_ids = position_ids.expand(batch, n)
-        cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta)
+        config = self.config
+        cos, sin = rope_tables(position_ids, config.head_dim, config.rope_theta, scaling=config.rope_scaling,
+                               max_position_embeddings=config.max_position_embeddings)
         x = self.embedding(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)

@@ -1,0 +1,171 @@
+"""Load a Hugging Face Llama into a ``GPTModel`` (any TP x CP layout) and save one back; no transformers needed.
+
+    model = load_llama("Llama-3.2-1B", tp_group=state.tp.group, cp_group=state.cp.group)
+    save_llama(model, "out/")          # every rank calls it; global rank 0 writes
+
+``load_llama`` builds the ``ModelConfig`` from ``config.json`` (``model.hf_config``), creates the
+model without initialising it (meta device) and fills each parameter with this rank's TP shard,
+read slice by slice from the safetensors files: a rank never holds more than its shard plus one
+read block. ``save_llama`` gathers each tensor over the model's TP group, one at a time, and writes
+``config.json`` plus ``model.safetensors`` (or shards and an index) that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads as the same function.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from model.config import ModelConfig
+from model.gpt import GPTModel
+from model.hf_config import hf_config, model_fields, read_hf_config
+from model.hf_weights import HFTensor, WeightFiles, hf_tensors, split_qkv, write_weights
+from parallel.tensor_parallel import group_size_and_rank
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+__all__ = ["empty_model", "load_llama", "load_llama_weights", "save_llama"]
+
+
+def empty_model(config: ModelConfig, tp_group: dist.ProcessGroup | None = None,
+                cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> GPTModel:
+    """A ``GPTModel`` with allocated but uninitialised parameters (no random init: built on the meta device)."""
+    with torch.device("meta"):
+        model = GPTModel(config, tp_group, cp_group, cp_layout, dtype=dtype)
+    partitioned = {name: p.partition_dim for name, p in model.named_parameters()
+                   if getattr(p, "tensor_model_parallel", False)}
+    model.to_empty(device=device or "cpu")
+    for name, dim in partitioned.items():  # to_empty makes new Parameters: restore the TP attributes
+        param = model.get_parameter(name)
+        param.tensor_model_parallel, param.partition_dim = True, dim  # type: ignore[attr-defined]
+    return model
+
+
+def _by_param(config: ModelConfig) -> dict[str, list[HFTensor]]:
+    grouped: dict[str, list[HFTensor]] = {}
+    for entry in hf_tensors(config):
+        grouped.setdefault(entry.param, []).append(entry)
+    return grouped
+
+
+@torch.no_grad()
+def load_llama_weights(model: GPTModel, path: str | Path) -> None:
+    """Fill every parameter of ``model`` with its TP shard of the HF weights in directory ``path``.
+
+    The weights' shapes must be those ``model.config`` implies (errors name the tensor and file).
+    """
+    files = WeightFiles(path)
+    config = model.config
+    _, tp_rank = group_size_and_rank(model.tp_group)
+    for name, entries in _by_param(config).items():
+        param = model.get_parameter(name)
+        for entry in entries:
+            if entry.name not in files.files:
+                why = " (config.json says tie_word_embeddings = false)" if entry.name == "lm_head.weight" else ""
+                raise ValueError(f"tensor {entry.name} is missing from the weights in {path}{why}")
+        if entries[0].part is not None:
+            _load_qkv(files, entries, param, config, tp_rank)
+            continue
+        entry, dim = entries[0], getattr(param, "partition_dim", 0)
+        start = tp_rank * param.shape[dim] if getattr(param, "tensor_model_parallel", False) else 0
+        files.read_rows(entry.name, entry.shape, param.data, dim, start)
+
+
+def _load_qkv(files: WeightFiles, entries: list[HFTensor], param: torch.Tensor, config: ModelConfig,
+              tp_rank: int) -> None:
+    """The fused QKV shard: for each of this rank's kv heads g, its query heads' rows, then k_g, then v_g."""
+    group, d = config.num_heads // config.num_kv_heads, config.head_dim
+    local = param.data.view(-1, group + 2, d, param.shape[-1])  # [local kv heads, group + 2, d, hidden]
+    parts = {entry.part: entry for entry in entries}
+    for j in range(local.shape[0]):
+        g = tp_rank * local.shape[0] + j
+        files.read_rows(parts["q"].name, parts["q"].shape, local[j, :group].view(group * d, -1), 0, g * group * d)
+        files.read_rows(parts["k"].name, parts["k"].shape, local[j, group], 0, g * d)
+        files.read_rows(parts["v"].name, parts["v"].shape, local[j, group + 1], 0, g * d)
+
+
+def load_llama(path: str | Path, tp_group: dist.ProcessGroup | None = None,
+               cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
+               dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> GPTModel:
+    """The HF Llama in directory ``path`` as a ``GPTModel`` on ``tp_group`` x ``cp_group`` (None: size 1).
+
+    ``dtype``: parameter dtype (None: torch's default, fp32; the stored weights are cast); ``device``:
+    where the parameters live (None: CPU). Each rank reads only its TP shard of every tensor.
+    """
+    config = ModelConfig(**model_fields(read_hf_config(path)))
+    model = empty_model(config, tp_group, cp_group, cp_layout, dtype, device)
+    load_llama_weights(model, path)
+    return model
+
+
+def _full_tensor(model: GPTModel, name: str) -> torch.Tensor:
+    """Parameter ``name`` of ``model`` at full shape (gathered over the TP group when sharded; collective)."""
+    param = model.get_parameter(name)
+    tp, _ = group_size_and_rank(model.tp_group)
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return param.detach()
+    parts = [torch.empty_like(param.detach()) for _ in range(tp)]
+    dist.all_gather(parts, param.detach().contiguous(), group=model.tp_group)
+    return torch.cat(parts, dim=param.partition_dim)  # type: ignore[attr-defined]
+
+
+FullTensor = Callable[[str], torch.Tensor]  # model parameter name -> its full (unsharded) tensor
+Producer = Callable[[Iterable[str]], Iterator[tuple[str, torch.Tensor]]]
+
+
+def hf_tensor_stream(config: ModelConfig, full: FullTensor, dtype: torch.dtype | None = None) -> Producer:
+    """``produce(names)`` for ``write_weights``: yields ``(hf_name, tensor)`` from ``full(param_name)``, the full
+    model parameter (called once per parameter, in HF order), cast to ``dtype`` (None: as it is) on the CPU."""
+    entries = {entry.name: entry for entry in hf_tensors(config)}
+    cached: dict[str, torch.Tensor] = {}
+
+    def produce(names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            entry = entries[name]
+            if entry.param not in cached:
+                cached.clear()
+                cached[entry.param] = full(entry.param)
+            tensor = cached[entry.param]
+            if entry.part is not None:
+                tensor = split_qkv(tensor, config)[entry.part]
+            yield name, tensor.to(device="cpu", dtype=dtype or tensor.dtype).clone()
+    return produce
+
+
+def write_hf_model(config: ModelConfig, path: str | Path, full: FullTensor, dtype: torch.dtype, write: bool = True,
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_config: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` and the weights given by ``full(param_name) -> full tensor`` (see ``hf_tensor_stream``)."""
+    path = Path(path)
+    if write:
+        path.mkdir(parents=True, exist_ok=True)
+    element = torch.empty((), dtype=dtype).element_size()
+    sizes = [(e.name, element * int(torch.Size(e.shape).numel())) for e in hf_tensors(config)]
+    write_weights(path, sizes, hf_tensor_stream(config, full, dtype), max_shard_bytes, write)
+    if write:
+        text = json.dumps(hf_config(config, str(dtype).removeprefix("torch."), extra_config), indent=2)
+        (path / "config.json").write_text(text + "\n")
+    return path
+
+
+def save_llama(model: GPTModel, path: str | Path, dtype: torch.dtype | None = None,
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_config: dict[str, Any] | None = None,
+               write: bool | None = None) -> Path:
+    """Write ``model`` as an HF Llama directory (``config.json`` + safetensors) at ``path``; returns ``path``.
+
+    Collective over ``model.tp_group`` when TP-sharded: every rank of the world calls it, one tensor
+    is gathered at a time. ``write`` (None: global rank 0, or every process without torch.distributed)
+    chooses the writer. ``dtype``: stored dtype (None: the parameters'). More than ``max_shard_bytes``
+    of weights are written as shards plus ``model.safetensors.index.json``. ``extra_config`` (e.g.
+    ``bos_token_id``/``eos_token_id``) goes into config.json.
+    """
+    if write is None:
+        write = not dist.is_initialized() or dist.get_rank() == 0
+    dtype = dtype or next(model.parameters()).dtype
+    return write_hf_model(model.config, path, lambda name: _full_tensor(model, name), dtype, write,
+                          max_shard_bytes, extra_config)

@@ -1,0 +1,55 @@
+"""The README's CPU demo of the long-context recipe, end to end (shortened to 2 steps): a tiny random HF Llama
+(context 128) from cp_train.tiny_hf, its tokenizer.json in data.preprocess, 4 torchrun ranks at cp=4 with
+llama3 scaling to 512, export, and transformers loading the result as the same function at 512 tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from cp_train.export_hf import main as export_main
+from cp_train.tiny_hf import main as tiny_hf_main
+from data.preprocess import main as preprocess_main
+from model.hf import load_llama
+from parallel.spawn import free_port
+from tests.numerics import rel_err
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_cpu_recipe(tmp_path) -> None:
+    tiny = tiny_hf_main([str(tmp_path / "tiny-llama")])
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    preprocess_main(["--input", str(stdlib / "email"), str(stdlib / "json"), "--glob", "*.py", "--tokenizer",
+                     str(tiny), "--output-prefix", str(tmp_path / "data"), "--quiet"])
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+               str(free_port()), "train.py", "--config", "launch/configs/cpu-hf-extend.yaml", "--init-from-hf",
+               str(tiny), "--tokenizer-model", str(tiny), "--data-path", str(tmp_path / "data"), "--train-steps", "2",
+               "--eval-interval", "0", "--set", f"logging.dir={run_dir}", "--set", "logging.wandb=false",
+               "--set", f"checkpoint.save={run_dir}/checkpoints", "--set", "checkpoint.interval=0"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "world 4 = tp 1 x cp 4 x dp 1" in done.stdout and "step 2/2" in done.stdout
+    assert f"initialised from the Hugging Face model {tiny}" in done.stdout
+
+    out = export_main([str(run_dir / "checkpoints"), str(tmp_path / "tiny-llama-512")])
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 512 and config["eos_token_id"] == 1
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+    assert (out / "tokenizer.json").read_bytes() == (tiny / "tokenizer.json").read_bytes()
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, config["vocab_size"], (1, 512), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(tokens).logits
+        got = load_llama(out)(tokens)
+    assert rel_err(got, expected) < 1e-5

@@ -1,0 +1,109 @@
+"""Training from a Hugging Face Llama and exporting back: ``--init-from-hf``, DCP resume, ``cp_train.export_hf``.
+
+A tp=2 x cp=2 run starts from a random transformers model (its exact weights), trains and saves a DCP
+checkpoint; the export of that checkpoint, loaded by transformers, must give the trained model's logits.
+Resuming the run (in another layout) uses the DCP checkpoint, not the HF weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cp_train.cli import parse_config
+from cp_train.config import ConfigError
+from cp_train.export_hf import export_checkpoint
+from cp_train.export_hf import main as export_main
+from model.config import ModelConfig
+from model.gpt import GPTModel
+from model.hf import load_llama, save_llama
+from parallel.state import run_with_parallel
+from tests import hf_cases, trainer_cases
+from tests.numerics import rel_err
+
+TOL = 1e-5
+
+
+def test_init_from_hf_train_export_resume(spawn_world, tmp_path) -> None:
+    corpus = trainer_cases.write_corpus(tmp_path / "docs")
+    hf_dir = tmp_path / "hf"
+    hf_cases.make_hf_llama(hf_dir, seed=5, **hf_cases.TRAINER_SHAPE)
+    checkpoints = tmp_path / "checkpoints"
+    tokens = torch.randint(0, trainer_cases.VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    overrides = {"checkpoint.init_from_hf": str(hf_dir), "checkpoint.save": str(checkpoints), "train.steps": 3}
+    world = spawn_world(4)
+    first = world.run(run_with_parallel, (2, 2, 1), hf_cases.train_from_hf_on_rank, corpus, str(tmp_path / "run"),
+                      overrides, tokens)
+    reference = dict(load_llama(hf_dir).named_parameters())
+    start = first[0]["start"]
+    assert start.keys() == reference.keys()
+    assert all(torch.equal(start[name], p.detach()) for name, p in reference.items()), "not the HF weights"
+    assert any("initialised from the Hugging Face model" in m for m in first[0]["messages"]), first[0]["messages"]
+
+    out = export_main([str(checkpoints), str(tmp_path / "exported")])
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = exported(tokens).logits
+    error = rel_err(logits, first[0]["logits"])
+    print(f"tp=2 x cp=2 DCP checkpoint -> export -> transformers: logits relative error {error:.3g}")
+    assert error <= TOL
+    assert rel_err(logits, hf_cases.hf_reference(load_hf(hf_dir), tokens)["logits"]) > 1e-3, "it trained"
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == trainer_cases.EOD and config["rms_norm_eps"] == 1e-6  # from the HF source
+
+    resumed = world.run(run_with_parallel, (1, 2, 2), hf_cases.train_from_hf_on_rank, corpus,
+                        str(tmp_path / "run2"), {**overrides, "train.steps": 4}, tokens)[0]
+    assert any("resumed from" in m for m in resumed["messages"]), resumed["messages"]
+    assert not any("initialised from the Hugging Face" in m for m in resumed["messages"])
+    assert list(resumed["losses"]) == [4]
+
+
+def load_hf(path):  # noqa: ANN001, ANN201 - transformers' model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def small_hf(tmp_path_factory):  # noqa: ANN201
+    path = tmp_path_factory.mktemp("small-hf")
+    save_llama(GPTModel(ModelConfig(vocab_size=128, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                                    ffn_hidden_size=64, max_position_embeddings=64, norm_eps=1e-6)), path)
+    return path
+
+
+def test_model_shape_comes_from_the_hf_config(small_hf) -> None:
+    config = parse_config(["--init-from-hf", str(small_hf), "--set", "model.mlp_chunks=2",
+                           "--set", "model.hidden_size=32", "--set", "model.vocab_size=null"])
+    model = config.model
+    assert (model.vocab_size, model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads,
+            model.ffn_hidden_size, model.norm_eps, model.tie_embeddings) == (128, 2, 32, 4, 2, 64, 1e-6, False)
+    assert model.mlp_chunks == 2 and model.max_position_embeddings == 64 and model.rope_scaling is None
+    extended = parse_config(["--init-from-hf", str(small_hf), "--set", "model.max_position_embeddings=256",
+                             "--set", "model.rope_scaling={rope_type: llama3, factor: 4.0, low_freq_factor: 1.0, "
+                                      "high_freq_factor: 4.0}", "--set", "model.rope_theta=50000"])
+    assert extended.model.max_position_embeddings == 256 and extended.model.rope_theta == 50000
+    assert extended.model.rope_scaling["original_max_position_embeddings"] == 64  # the HF model's context
+
+
+def test_conflicting_model_keys_are_listed(small_hf, tmp_path) -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config(["--init-from-hf", str(small_hf), "--set", "model.hidden_size=48", "--set",
+                      "model.num_layers=2", "--set", "model.norm_eps=1e-5", "--set", "model.tie_embeddings=true"])
+    text = str(error.value)
+    assert f"checkpoint.init_from_hf={small_hf} takes the model's shape from {small_hf}/config.json" in text
+    for conflict in ("model.hidden_size=48 (config.json hidden_size: 32)", "model.norm_eps=1e-05 (config.json "
+                     "rms_norm_eps: 1e-06)", "model.tie_embeddings=True (config.json tie_word_embeddings: False)"):
+        assert conflict in text
+    assert "num_layers" not in text  # set to the HF value: no conflict
+    with pytest.raises(ConfigError, match="checkpoint.init_from_hf: .*nowhere is not a directory"):
+        parse_config(["--init-from-hf", str(tmp_path / "nowhere")])
+
+
+def test_export_needs_a_checkpoint(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        export_checkpoint(tmp_path, tmp_path / "out")
