@@ -31,6 +31,7 @@ from cp_train.config import load_config
 from cp_train.metrics import gpu_peak_tflops
 from model import GPTModel, model_flops_per_token
 from parallel import kernels
+from parallel.attention_plan import plan_for_layout
 from parallel.ring_attention import context_parallel_attention, default_head_chunks, default_overlap
 from parallel.ring_core import RingSpec, ring_backward, ring_forward
 
@@ -71,9 +72,11 @@ def attention_cases(q, k, v, dout, device: torch.device) -> dict[str, Callable[[
     spec = RingSpec("contiguous", True, scale, kernels.select_kernel(device, q.dtype, q.shape[-1]),
                     default_head_chunks(device, k.shape[2]), default_overlap(device))
 
+    plan = plan_for_layout("contiguous", True, 1, 0, q.shape[1])
+
     def ring_blocks() -> None:  # the ring's block machinery (head chunks, fp32 accumulators), one rank
-        out, lse = ring_forward(q, k, v, None, spec)
-        ring_backward(dout, q, k, v, out.to(q.dtype), lse, None, spec)
+        out, lse = ring_forward(q, k, v, None, spec, plan)
+        ring_backward(dout, q, k, v, out.to(q.dtype), lse, None, spec, plan)
 
     cases: dict[str, Callable[[], object]] = {"sdpa_flash": sdpa, "ring_path": ring_path, "ring_blocks": ring_blocks}
     for backend in kernels.BACKENDS:

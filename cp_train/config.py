@@ -44,6 +44,7 @@ class DataConfig:
     eod_id: int | None = None  # None: the tokenizer's
     mask_eod_loss: bool = True
     reset_position_ids: bool = False
+    document_mask: bool = True  # attention stays inside each packed document (the loader's document_ids)
     cache_dir: str | None = None  # sample-index cache; None: next to the data
     num_workers: int | None = None  # loader worker processes; None: 2 on CUDA (prefetching), 0 on CPU
     seed: int = 1234  # document and sample shuffling

@@ -7,6 +7,8 @@
 - MFU: TFLOP/s per device over the device's peak: ``logging.peak_tflops`` if set, else the dense
   bf16 tensor-core peak of the GPU found in ``PEAK_TFLOPS`` by name, else ``logging.cpu_peak_tflops`` on CPU.
   A GPU missing from the table has no known peak: MFU is NaN (one warning names ``logging.peak_tflops``).
+- attention imbalance: the busiest CP rank's attention work (query-key pairs under the mask) over the
+  mean, per global batch, averaged over the interval (1.0: balanced; see the ``balanced`` CP layout).
 - peak memory: CUDA's max allocated bytes (and max reserved, the allocator's cache included), or on
   CPU the process's peak RSS (``VmHWM``).
 """
@@ -100,13 +102,14 @@ class IntervalMeter:
     loss_sum: float = 0.0
     step_time: float = 0.0
     data_time: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+    imbalance_sum: float = 0.0
 
-    def add(self, loss: float, step_time: float, data_time: float) -> None:
+    def add(self, loss: float, step_time: float, data_time: float, imbalance: float = 1.0) -> None:
         self.steps += 1
         self.loss_sum += loss
         self.step_time += step_time
         self.data_time += data_time
+        self.imbalance_sum += imbalance
 
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` (evaluation, checkpointing) out of the interval's wall time."""
@@ -126,9 +129,10 @@ class IntervalMeter:
             "tflops_per_device": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else 0.0,
             "step_time_s": self.step_time / steps, "data_time_s": self.data_time / steps,
             "peak_memory_gib": memory_gib, "consumed_samples": consumed_samples,
-            "consumed_tokens": consumed_samples * seq_len,
+            "consumed_tokens": consumed_samples * seq_len, "attention_imbalance": self.imbalance_sum / steps,
         }
         if memory_reserved_gib is not None:
             record["peak_memory_reserved_gib"] = memory_reserved_gib
         self.started, self.steps, self.loss_sum, self.step_time, self.data_time = now, 0, 0.0, 0.0, 0.0
+        self.imbalance_sum = 0.0
         return record

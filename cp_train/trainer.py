@@ -37,6 +37,7 @@ from cp_train.rng import derived_seed, restore_rng_state, seed_everything
 from cp_train.sinks import MetricsSinks
 from cp_train.validate import validate
 from model import model_flops_per_token
+from parallel.attention_plan import RankPlan
 from parallel.state import ParallelState
 
 MicroBatch = dict[str, torch.Tensor]
@@ -51,6 +52,7 @@ class BatchLoss(NamedTuple):
     tokens: float  # loss tokens of the global batch
     local_tokens: float  # loss tokens of this rank's micro-batches
     local_loss_sum: float  # this rank's summed token losses
+    imbalance: float  # attention work of the busiest CP rank over the mean (1.0: balanced)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class StepResult:
     lr: float
     loss_tokens: float  # of the global batch
     local_loss_tokens: float  # of this rank
+    imbalance: float = 1.0  # attention work, busiest CP rank / mean
 
 
 @dataclass
@@ -161,6 +164,14 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _losses(self, mb: MicroBatch) -> tuple[torch.Tensor, RankPlan | None]:
+        """Per-token losses of one micro-batch (attention per document when ``data.document_mask``) and the
+        attention plan they used (None without a ring)."""
+        documents = mb["document_ids"] if self.config.data.document_mask else None
+        plan = self.model.attention_plan(mb["tokens"].shape[1], documents, mb["position_ids"])
+        losses = self.model(mb["tokens"], mb["position_ids"], labels=mb["labels"], document_ids=documents, plan=plan)
+        return losses, plan
+
     def forward_backward(self, micro_batches: list[MicroBatch]) -> BatchLoss:
         """Accumulate the gradients of one global batch (this rank's micro-batches).
 
@@ -171,21 +182,25 @@ class Trainer:
         masks = [mb["loss_mask"] for mb in micro_batches]
         tokens = global_loss_tokens(masks, group)
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        areas = [0] * self.state.cp.size  # attention work per CP rank over the micro-batches
         for index, mb in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             with self.reducer.sync() if last else contextlib.nullcontext():
                 with self._autocast():
-                    token_losses = self.model(mb["tokens"], mb["position_ids"], labels=mb["labels"])
+                    token_losses, plan = self._losses(mb)
                 loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])
                 (loss_sum / tokens).backward()
             local_sum += loss_sum.detach().double()
+            if plan is not None:
+                areas = [a + b for a, b in zip(areas, plan.areas, strict=True)]
         local_tokens = float(sum(float(m.sum()) for m in masks))
-        return BatchLoss(reduce_loss(local_sum, tokens, group), tokens, local_tokens, float(local_sum))
+        imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
+        return BatchLoss(reduce_loss(local_sum, tokens, group), tokens, local_tokens, float(local_sum), imbalance)
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step on one global batch (this rank's micro-batches, already CP-sliced)."""
         lr = self.schedule.apply(self.optimizer, self.step)
-        loss, tokens, local_tokens, _ = self.forward_backward(self._to_device(micro_batches))
+        loss, tokens, local_tokens, _, imbalance = self.forward_backward(self._to_device(micro_batches))
         if not math.isfinite(loss):
             raise NonFiniteLossError(f"loss is {loss} at step {self.step + 1}: stopping the run (lower "
                                      f"optimizer.lr, check the data, or resume from an earlier checkpoint)")
@@ -198,7 +213,7 @@ class Trainer:
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
         self.optimizer.step()
         self.step += 1
-        return StepResult(loss, float(norm), lr, tokens, local_tokens)
+        return StepResult(loss, float(norm), lr, tokens, local_tokens, imbalance)
 
     # ------------------------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -212,7 +227,7 @@ class Trainer:
         for micro_batches in loader:
             for mb in self._to_device(micro_batches):
                 with self._autocast():
-                    token_losses = self.model(mb["tokens"], mb["position_ids"], labels=mb["labels"])
+                    token_losses, _ = self._losses(mb)
                 local_sum += float(masked_loss_sum(token_losses, mb["loss_mask"]))
                 local_tokens += float(mb["loss_mask"].sum())
         self.model.train()
@@ -266,7 +281,7 @@ class Trainer:
                 micro_batches = next(batches)
                 loaded = time.perf_counter()
                 out = self.train_step(micro_batches)
-                meter.add(out.loss, time.perf_counter() - started, loaded - started)
+                meter.add(out.loss, time.perf_counter() - started, loaded - started, out.imbalance)
                 self.result.losses[self.step] = out.loss
                 self.result.grad_norms[self.step] = out.grad_norm
                 if self.step % config.logging.interval == 0 or self.step == last:

@@ -71,6 +71,9 @@ def validate(config: Config, world_size: int) -> int:
             check_layout(data.seq_len, cp, model.attention_layout, what="data.seq_len")
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if model.attention_layout == "balanced" and not data.document_mask:
+            raise ConfigError("the balanced CP layout balances the per-document mask: set data.document_mask=true "
+                              "or choose another layout (zigzag, stripe, contiguous)")
     if data.seq_len > model.max_position_embeddings:
         raise ConfigError(f"data.seq_len {data.seq_len} exceeds model.max_position_embeddings "
                           f"{model.max_position_embeddings}")

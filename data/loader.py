@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from data.gpt_dataset import PER_TOKEN_KEYS
+from parallel.balanced_layout import balanced_positions
 from parallel.layout import LAYOUTS, check_layout, shard_sequence
 
 
@@ -28,9 +29,21 @@ def slice_for_context_parallel(batch: Mapping[str, Any], cp_rank: int, cp_size: 
     Per-token tensors (``PER_TOKEN_KEYS``: ``[seq_len]`` or ``[B, seq_len]``) keep the positions
     ``parallel.layout.sequence_positions`` gives this rank, along their last dimension; anything
     else is passed through. With ``cp_size > 1``, ``seq_len`` must split evenly
-    (``2*cp_size`` parts for zigzag, ``cp_size`` otherwise).
+    (``2*cp_size`` parts for zigzag, ``8*cp_size`` for balanced, ``cp_size`` otherwise). The
+    ``balanced`` layout picks each sample's positions from its ``document_ids`` (which it needs);
+    ``position_ids`` then carry the tokens' places to the model.
     """
     out = dict(batch)
+    if layout == "balanced" and cp_size > 1:  # each sample's own chunks, chosen from its documents
+        documents = out["document_ids"]
+        check_cp_split(documents.shape[-1], cp_size, layout)
+        rows = documents.reshape(-1, documents.shape[-1])
+        positions = torch.stack([balanced_positions(row, cp_size)[cp_rank] for row in rows])
+        positions = positions.reshape(*documents.shape[:-1], -1)
+        for key in PER_TOKEN_KEYS:
+            if key in out:
+                out[key] = torch.gather(out[key], -1, positions)
+        return out
     for key in PER_TOKEN_KEYS:
         if key in out:
             check_cp_split(out[key].shape[-1], cp_size, layout)

@@ -17,6 +17,7 @@ from torch import nn
 
 from model.config import ModelConfig, param_seed
 from model.rope import apply_rope
+from parallel.attention_plan import RankPlan
 from parallel.ring_attention import context_parallel_attention
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_and_rank
 
@@ -53,12 +54,15 @@ class Attention(nn.Module):
                                       init_std=config.init_std / math.sqrt(2 * config.num_layers),
                                       dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, n, hidden]``; ``cos``/``sin`` from ``rope_tables`` of this rank's global positions."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                plan: RankPlan | None = None) -> torch.Tensor:
+        """``x`` ``[B, n, hidden]``; ``cos``/``sin`` from ``rope_tables`` of this rank's global positions;
+        ``plan`` the batch's ring plan (``parallel.ring_attention.attention_plan``; None: built here)."""
         batch, n, _ = x.shape
         qkv = self.qkv(x).view(batch, n, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, : self.group_size].reshape(batch, n, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, self.group_size], qkv[:, :, :, self.group_size + 1].contiguous()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = context_parallel_attention(q, k, v, self.cp_group, self.cp_layout, causal=True, backend=self.backend)
+        out = context_parallel_attention(q, k, v, self.cp_group, self.cp_layout, causal=True, backend=self.backend,
+                                         plan=plan)
         return self.proj(out.reshape(batch, n, self.local_heads * self.head_dim))

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 from model.attention import Attention
 from model.config import ModelConfig
 from model.mlp import MLP
+from parallel.attention_plan import RankPlan
 
 
 class Block(nn.Module):
@@ -30,12 +31,14 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
         self.mlp = MLP(config, layer, tp_group, dtype=dtype, device=device)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: RankPlan | None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, plan)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``cos``/``sin``: the RoPE tables of this rank's global positions (``model.rope.rope_tables``)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                plan: RankPlan | None = None) -> torch.Tensor:
+        """``cos``/``sin``: the RoPE tables of this rank's global positions (``model.rope.rope_tables``);
+        ``plan``: the attention's ring plan for this batch (``GPTModel.forward`` builds it once)."""
         if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, plan, use_reentrant=False)
+        return self._forward(x, cos, sin, plan)

@@ -19,7 +19,9 @@ from torch import nn
 from model.block import Block
 from model.config import ModelConfig, param_seed
 from model.rope import rope_tables
+from parallel.attention_plan import RankPlan
 from parallel.layout import LAYOUTS, sequence_positions
+from parallel.ring_attention import attention_plan
 from parallel.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -64,7 +66,7 @@ class GPTModel(nn.Module):
         return sequence_positions(local_len * self.cp_size, self.cp_rank, self.cp_size, layout, device)
 
     def _check_inputs(self, tokens: torch.Tensor, position_ids: torch.Tensor | None,
-                      labels: torch.Tensor | None) -> None:
+                      labels: torch.Tensor | None, document_ids: torch.Tensor | None) -> None:
         if tokens.dim() != 2 or not _is_int(tokens):
             raise ValueError(f"tokens must be an integer tensor [batch, local_seqlen], got {tokens.dtype} "
                              f"{tuple(tokens.shape)}")
@@ -74,19 +76,32 @@ class GPTModel(nn.Module):
                                          or tuple(position_ids.shape) not in ((batch, n), (n,))):
             raise ValueError(f"position_ids must be integer [batch, local_seqlen] = [{batch}, {n}] (or [{n}]), "
                              f"got {position_ids.dtype} {tuple(position_ids.shape)}")
-        if labels is not None and (not _is_int(labels) or labels.shape != tokens.shape):
-            raise ValueError(f"labels must be an integer tensor shaped like tokens {tuple(tokens.shape)}, got "
-                             f"{labels.dtype} {tuple(labels.shape)}")
+        for name, x in (("labels", labels), ("document_ids", document_ids)):
+            if x is not None and (not _is_int(x) or x.shape != tokens.shape):
+                raise ValueError(f"{name} must be an integer tensor shaped like tokens {tuple(tokens.shape)}, got "
+                                 f"{x.dtype} {tuple(x.shape)}")
+
+    def attention_plan(self, local_len: int, document_ids: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None) -> RankPlan | None:
+        """The attention's ring plan for a batch (every layer uses it): see ``forward``'s arguments."""
+        layout = self.cp_layout if self.cp_size > 1 else "contiguous"
+        return attention_plan(self.cp_group, layout, True, local_len, document_ids, position_ids)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                plan: RankPlan | None = None) -> torch.Tensor:
         """tokens ``[B, n]`` (this rank's slice in the CP layout); position_ids ``[B, n]`` global positions
-        (None: those of the layout); labels ``[B, n]`` global class ids (``-100``: ignored, loss 0).
+        (None: those of the layout; restarting at each document is fine); labels ``[B, n]`` global class ids
+        (``-100``: ignored, loss 0); document_ids ``[B, n]`` the tokens' documents, non-decreasing along each
+        sample (None: one document per sample): attention stays inside each document. ``plan``: this
+        batch's ``attention_plan`` when the caller built it already.
 
         Returns the per-token loss ``[B, n]`` (fp32) with labels, else logits ``[B, n, vocab/tp]``.
         """
-        self._check_inputs(tokens, position_ids, labels)
+        self._check_inputs(tokens, position_ids, labels, document_ids)
         batch, n = tokens.shape
+        if plan is None:
+            plan = self.attention_plan(n, document_ids, position_ids)
         if position_ids is None:
             position_ids = self.local_positions(n, tokens.device)
         position_ids = position_ids.expand(batch, n)
@@ -95,7 +110,7 @@ class GPTModel(nn.Module):
                                max_position_embeddings=config.max_position_embeddings)
         x = self.embedding(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, plan)
         x = copy_to_tensor_parallel_region(self.norm(x), self.tp_group)
         weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, weight)

@@ -1,5 +1,9 @@
 """The flash-attn packages' private forward/backward functions, bound once per installed version.
 
+The varlen functions (``_flash_attn_varlen_forward``/``_backward``) follow the same forms; besides,
+2.5.7-2.5.9 require a ``block_table`` argument (2.5.0-2.5.6 have none), and 2.5.x keep the varlen lse
+padded per sequence (``[sequences, H, max_seqlen]``) where 2.6 and later pack it (``[H, total]``).
+
 The ring needs each block's log-sum-exp and a backward that takes the rows' *final* ``out``/``lse``,
 which only the packages' private functions offer. Their signatures changed between releases
 (read from the sources at each tag):
@@ -33,6 +37,8 @@ from typing import Any
 
 import torch
 
+from parallel.varlen import lse_from_padded, lse_to_padded
+
 MIN_FLASH_ATTN = (2, 5)
 
 
@@ -43,6 +49,11 @@ def parse_version(version: str) -> tuple[int, int]:
         return int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
         raise ValueError(f"cannot read flash-attn version {version!r}") from None
+
+
+def _patch(version: str) -> int:
+    digits = "".join(c for c in (version.split(".") + ["0"])[2] if c.isdigit())
+    return int(digits or 0)
 
 
 def flash_attn_call_form(version: str) -> str:
@@ -84,8 +95,12 @@ class FlashAttn2:
     name: str
     fwd: Callable[..., Any]
     bwd: Callable[..., Any]
+    varlen_fwd: Callable[..., Any] | None
+    varlen_bwd: Callable[..., Any] | None
     options: dict[str, Any]
+    varlen_options: dict[str, Any]
     lse_index: int
+    padded_varlen_lse: bool
     deterministic: bool = False
 
     @classmethod
@@ -95,8 +110,11 @@ class FlashAttn2:
         options = {"dropout_p": 0.0, **_window(form), "alibi_slopes": None}
         if form != "2.5":
             options["softcap"] = 0.0
+        varlen_options = {**options, "block_table": None} if form == "2.5" and _patch(version) >= 7 else options
         return cls(f"flash_attn {version}", interface._flash_attn_forward, interface._flash_attn_backward,
-                   options, 1 if form == "2.7" else 5, deterministic)
+                   getattr(interface, "_flash_attn_varlen_forward", None),
+                   getattr(interface, "_flash_attn_varlen_backward", None), options, varlen_options,
+                   1 if form == "2.7" else 5, form == "2.5", deterministic)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +127,22 @@ class FlashAttn2:
         self.bwd(dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv,
                  softmax_scale=scale, causal=causal, deterministic=self.deterministic, rng_state=None,
                  **self.options)
+        return dq, dk, dv
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+        result = self.varlen_fwd(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                 max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_softmax=False,
+                                 **self.varlen_options)
+        lse = result[self.lse_index]
+        return result[0], lse_from_padded(lse, cu_q, q.shape[0]) if self.padded_varlen_lse else lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        lse = lse_to_padded(lse, cu_q, max_q) if self.padded_varlen_lse else lse.contiguous()
+        self.varlen_bwd(dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                        softmax_scale=scale, causal=causal, deterministic=self.deterministic, rng_state=None,
+                        **self.options)
         return dq, dk, dv
 
 
@@ -158,5 +192,18 @@ class FlashAttn3:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.bwd(**{**self.bwd_fixed, "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out,
                     "softmax_lse": lse.contiguous(), "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale,
+                    self.causal_name: causal})
+        return dq, dk, dv
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+        result = self.fwd(**{**self.fwd_fixed, "q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+                             "max_seqlen_q": max_q, "max_seqlen_k": max_k, "softmax_scale": scale, "causal": causal})
+        return result[0], result[1]
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        self.bwd(**{**self.bwd_fixed, "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out,
+                    "softmax_lse": lse.contiguous(), "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale,
+                    "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
                     self.causal_name: causal})
         return dq, dk, dv

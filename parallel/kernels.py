@@ -44,6 +44,7 @@ import torch
 
 from parallel.flash_attn_api import FlashAttn2, FlashAttn3
 from parallel.torch_kernels import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv
+from parallel.varlen import backward_by_segments, forward_by_segments
 
 BACKENDS: tuple[str, ...] = ("fa3", "flash_attn", "torch", "torch_efficient", "math")
 HALF = (torch.float16, torch.bfloat16)
@@ -58,6 +59,15 @@ class AttentionKernel(Protocol):
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                       cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...  # see parallel/varlen.py
+
+    def varlen_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+                        max_k: int, causal: bool, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class MathKernel:
@@ -79,6 +89,12 @@ class MathKernel:
             q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
             out64, _ = self.forward(q64, k64, v64, causal, scale)
             return torch.autograd.grad(out64, (q64, k64, v64), dout.double())
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+        return forward_by_segments(self, q, k, v, cu_q, cu_k, causal, scale)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+        return backward_by_segments(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:

@@ -6,6 +6,9 @@ Layouts (``world`` = CP size, ``S`` = global sequence length):
 - ``zigzag``: the sequence is cut into ``2*world`` equal chunks; rank r holds
   chunks r and ``2*world-1-r`` (in that order), which balances causal work.
 - ``stripe``: token t lives on rank ``t % world`` (local order = global order).
+- ``balanced``: each sample is cut into ``8*world`` chunks dealt to the ranks by their attention
+  work under the per-document mask (``parallel/balanced_layout.py``); which positions a rank holds
+  depends on the sample, so the loader passes them on as ``position_ids`` (no static positions).
 
 Every function takes the sequence dimension as ``dim`` (default 1, i.e.
 ``[batch, seqlen, ...]`` tensors).
@@ -18,8 +21,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-Layout = Literal["contiguous", "zigzag", "stripe"]
-LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "stripe")
+from parallel.balanced_layout import CHUNKS_PER_RANK
+
+Layout = Literal["contiguous", "zigzag", "stripe", "balanced"]
+STATIC_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "stripe")  # positions fixed by (rank, world, length)
+LAYOUTS: tuple[str, ...] = (*STATIC_LAYOUTS, "balanced")
 
 
 def check_layout(seqlen: int, world: int, layout: str, what: str = "sequence length") -> None:
@@ -31,8 +37,8 @@ def check_layout(seqlen: int, world: int, layout: str, what: str = "sequence len
         raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if world < 1:
         raise ValueError(f"CP size must be >= 1, got {world}")
-    parts = 2 * world if layout == "zigzag" else world
-    need = "2*cp" if layout == "zigzag" else "cp"
+    parts = {"zigzag": 2 * world, "balanced": CHUNKS_PER_RANK * world}.get(layout, world)
+    need = {"zigzag": "2*cp", "balanced": f"{CHUNKS_PER_RANK}*cp"}.get(layout, "cp")
     if seqlen < parts:
         raise ValueError(f"{what} {seqlen} is shorter than {need} = {parts} for the {layout} layout at "
                          f"cp={world}; use a longer sequence or a smaller cp")
@@ -47,6 +53,9 @@ def sequence_positions(seqlen: int, rank: int, world: int, layout: str,
     check_layout(seqlen, world, layout)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside the CP group of size {world}")
+    if layout not in STATIC_LAYOUTS:
+        raise ValueError(f"the {layout!r} layout places tokens per sample: use "
+                         f"parallel.balanced_layout.balanced_positions(document_ids, world)")
     local = seqlen // world
     if layout == "contiguous":
         return torch.arange(rank * local, (rank + 1) * local, device=device)

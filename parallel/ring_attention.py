@@ -16,8 +16,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from parallel.attention_plan import RankPlan, plan_for_documents, plan_for_layout
+from parallel.document_mask import gather_mask_inputs
 from parallel.kernels import BACKENDS, KERNEL_CALLS, select_kernel
-from parallel.layout import LAYOUTS
+from parallel.layout import LAYOUTS, STATIC_LAYOUTS
 from parallel.ring_comm import RingComm
 from parallel.ring_core import RingSpec, ring_backward, ring_forward
 
@@ -63,20 +65,20 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention with autograd; without a ring (cp = 1) one kernel call each way on all heads."""
+    """Ring attention with autograd; ``plan`` None (cp = 1, one document) is one kernel call each way."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, spec: RingSpec):
+    def forward(ctx, q, k, v, group, spec: RingSpec, plan: RankPlan | None):
         comm = RingComm(group) if group is not None and dist.get_world_size(group) > 1 else None
-        if comm is None:
+        if plan is None:
             KERNEL_CALLS["forward"] += 1
             out, lse = spec.kernel.forward(q, k, v, spec.causal, spec.scale)  # lse [B, H, n]
         else:
-            out, lse = ring_forward(q, k, v, comm, spec)
+            out, lse = ring_forward(q, k, v, comm, spec, plan)
             lse = lse.transpose(1, 2)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.spec = comm, spec
+        ctx.comm, ctx.spec, ctx.plan = comm, spec, plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -84,21 +86,43 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         spec = ctx.spec
-        if ctx.comm is None:
+        if ctx.plan is None:
             KERNEL_CALLS["backward"] += 1
             dq, dk, dv = spec.kernel.backward(dout, q, k, v, out, lse, spec.causal, spec.scale)
         else:
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse.transpose(1, 2), ctx.comm, spec)
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse.transpose(1, 2), ctx.comm, spec, ctx.plan)
         if dq.dtype != q.dtype:
             dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
+
+
+def attention_plan(group: dist.ProcessGroup | None, layout: str, causal: bool, local_len: int,
+                   document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+                   ) -> RankPlan | None:
+    """This rank's ring plan (None: cp = 1 and one document per sample, the plain local kernel).
+
+    With ``document_ids`` ([B, n], this rank's tokens' documents in the CP layout) the plan follows the
+    per-document mask; it gathers every rank's documents and positions over ``group`` (``position_ids``
+    [B, n] or [n], the tokens' positions; default: the layout's). Build it once per batch and pass it to
+    every layer (``context_parallel_attention(..., plan=...)``).
+    """
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    if document_ids is None and layout not in STATIC_LAYOUTS and world > 1:
+        raise ValueError(f"the {layout!r} layout places tokens by their documents: pass document_ids and "
+                         f"position_ids")
+    if document_ids is None:
+        return plan_for_layout(layout, causal, world, rank, local_len) if world > 1 else None
+    docs, positions = gather_mask_inputs(document_ids, position_ids, group, layout)
+    return plan_for_documents(docs, positions, rank, causal)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                group: dist.ProcessGroup | None, layout: str = "zigzag", causal: bool = True,
                                softmax_scale: float | None = None, backend: str | None = None,
                                head_chunks: int | None = None, return_lse: bool = False,
-                               deterministic: bool | None = None, overlap: bool | None = None):
+                               deterministic: bool | None = None, overlap: bool | None = None,
+                               document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                               plan: RankPlan | None = None):
     """Exact attention of this rank's q on the whole sequence's k/v, over the CP ``group``.
 
     q [B, n, H, D]; k, v [B, n, Hk, D] (GQA when Hk < H), all in ``layout``. ``group`` None
@@ -108,6 +132,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dtype); ``deterministic`` (None: ``torch.are_deterministic_algorithms_enabled()``) asks the
     kernels for a deterministic backward; ``head_chunks`` bounds the ring's transient memory and
     ``overlap`` is the backward's overlap policy (defaults: ``default_head_chunks``, ``default_overlap``).
+    ``document_ids`` [B, n] (this rank's tokens' documents, non-decreasing along each sample) restrict
+    attention to each token's own document; ``position_ids`` order tokens within a document (default:
+    the layout's positions; required for the ``balanced`` layout). ``plan`` (from ``attention_plan``,
+    for the same documents) saves rebuilding it in every layer.
     """
     world = dist.get_world_size(group) if group is not None else 1
     check_inputs(q, k, v, layout, world)
@@ -120,13 +148,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         kernel=select_kernel(q.device, q.dtype, q.shape[-1], backend, deterministic),
         head_chunks=head_chunks if head_chunks is not None else default_head_chunks(q.device, k.shape[2]),
-        overlap=default_overlap(q.device) if overlap is None else overlap)
-    out, lse = _RingAttention.apply(q, k, v, group, spec)
+        overlap=default_overlap(q.device) if overlap is None else overlap, varlen=q.device.type == "cuda")
+    if plan is None:
+        plan = attention_plan(group, layout, causal, q.shape[1], document_ids, position_ids)
+    out, lse = _RingAttention.apply(q, k, v, group, spec, plan)
     return (out, lse) if return_lse else out
 
 
-def _package_api(layout: str, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                 deterministic, return_attn_probs, group):
+def check_package_options(dropout_p: float, window_size: tuple[int, int], alibi_slopes: object) -> None:
+    """The ring-flash-attn arguments this ring does not implement must keep their defaults."""
     if dropout_p:
         raise NotImplementedError(f"dropout_p={dropout_p} is not supported yet; pass dropout_p=0.0")
     if tuple(window_size) != (-1, -1):
@@ -134,6 +164,11 @@ def _package_api(layout: str, q, k, v, dropout_p, softmax_scale, causal, window_
                                   "pass window_size=(-1, -1)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not supported yet; pass alibi_slopes=None")
+
+
+def _package_api(layout: str, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                 deterministic, return_attn_probs, group):
+    check_package_options(dropout_p, window_size, alibi_slopes)
     if group is None and dist.is_initialized():  # these functions' None is the default group
         group = dist.group.WORLD
     # the ring adds its blocks in a fixed order; ``deterministic`` reaches the kernels' backward

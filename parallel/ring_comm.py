@@ -8,10 +8,13 @@ must post its exchanges in the same order (the ring attention does).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+BYTES_SENT: Counter[int] = Counter()  # bytes this process sent, by tag (tests count them)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class RingComm:
         recv = [torch.empty(shape, dtype=like.dtype, device=like.device) for shape in shapes]
         if not send and not recv:
             return Transfer([], [])
+        BYTES_SENT[tag] += sum(x.numel() * x.element_size() for x in send)
         ops = [dist.P2POp(dist.isend, x, self.next, self.group, tag) for x in send]
         ops += [dist.P2POp(dist.irecv, x, self.prev, self.group, tag) for x in recv]
         return Transfer(recv, dist.batch_isend_irecv(ops))

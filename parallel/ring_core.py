@@ -1,29 +1,26 @@
 """Ring attention forward and backward pipelines (no autograd; see ring_attention.py).
 
-Shapes: q, dout, out ``[B, n, H, D]``; k, v ``[B, n, Hk, D]``; lse ``[B, n, H]``
-(float32 accumulator layout); ``n`` is the local sequence length of one CP rank.
+Shapes: q, dout, out ``[B, n, H, D]``; k, v ``[B, n, Hk, D]``; lse ``[B, n, H]`` (float32 accumulator
+layout); ``n`` is the local sequence length of one CP rank. What each step computes and sends comes
+from the rank's ``RankPlan`` (``attention_plan.py``); a packed plan views every tensor ``[1, B*n, ...]``.
 
-The work runs over *head chunks* (groups of kv heads with their query heads)
-and, inside each chunk, over the ring steps. Exactly one K/V transfer is in
-flight at any time, always for the next step that needs remote data, so the
-transfer overlaps the current kernel call. Splitting by head chunks bounds
-the transient buffers (received K/V, travelling dK/dV) to one chunk's size,
-and every hop carries only the prefix of rows that later ranks still use
-(``ring_schedule.needed_kv_rows`` / ``covered_kv_rows``); empty hops are skipped.
+The work runs over *head chunks* (groups of kv heads with their query heads) and, inside each chunk,
+over the ring steps. Exactly one K/V transfer is in flight at any time, always for the next step that
+needs remote data, so the transfer overlaps the current kernel calls. Splitting by head chunks bounds
+the transient buffers (received K/V, travelling dK/dV) to one chunk's size; every hop carries only the
+rows later ranks still use, and empty hops are skipped.
 
-Backward, per chunk: the local step first, written straight into dq/dk/dv;
-then the remote steps. The dK/dV accumulator of a block starts on the first
-rank that uses it, travels the ring with the K/V and arrives home at the
-block's owner, which adds it to its own share. dQ stays local. Nothing saved
-is recomputed. Buffers are dropped as soon as they are sent.
+Backward, per chunk: the local step first, written straight into dq/dk/dv; then the remote steps. The
+dK/dV accumulator of a block starts on the first rank that uses it, travels the ring with the K/V,
+grows by the rows each rank touches and arrives home at the block's owner, which adds it to its own
+share. dQ stays local. Nothing saved is recomputed. Buffers are dropped as soon as they are sent.
 
 Overlap policy (``RingSpec.overlap``, chosen by device in ``ring_attention``): two hops of each
 chunk's backward have no kernel call of their own chunk to hide behind, the first K/V hop and the
 dK/dV accumulator's last hop home. With ``overlap`` (GPUs) the first K/V hop is posted before the
-chunk's local step and the last dK/dV hop lands after the *next* chunk's local step, so both
-travel during compute, at the price of one more K/V and one more dK/dV buffer alive at a time.
-Without it (CPU, where memory is the tighter budget and the ring is compute-bound) each waits
-in place.
+chunk's local step and the last dK/dV hop lands after the *next* chunk's local step, so both travel
+during compute, at the price of one more K/V and one more dK/dV buffer alive at a time. Without it
+(CPU, where memory is the tighter budget and the ring is compute-bound) each waits in place.
 """
 
 from __future__ import annotations
@@ -31,13 +28,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from parallel import ring_varlen
+from parallel.attention_plan import RankPlan, Selector, StepPlan
 from parallel.kernels import KERNEL_CALLS, AttentionKernel
 from parallel.ring_comm import RingComm, Transfer
-from parallel.ring_schedule import BlockTask, block_task, covered_kv_rows, needed_kv_rows
+from parallel.ring_varlen import varlen_calls
+from parallel.varlen import merge_block
 
 KV_TAG, GRAD_TAG = 0, 1
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """How one ring attention call runs (decided once per call site): CP ``layout``, ``causal``, softmax
+    ``scale``, the block ``kernel``, the number of kv-head chunks and the overlap policy (above)."""
+
+    layout: str
+    causal: bool
+    scale: float
+    kernel: AttentionKernel
+    head_chunks: int
+    overlap: bool
+    varlen: bool = False  # steps of many segments as varlen calls (parallel/ring_varlen.py; GPUs)
 
 
 def head_chunk_bounds(kv_heads: int, chunks: int) -> list[tuple[int, int]]:
@@ -52,70 +65,41 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's (out [B, m, h, D], lse [B, m, h]) into the running (out, lse), in place, in fp32."""
-    weight = torch.sigmoid(block_lse - lse)
-    lse.sub_(F.logsigmoid(lse - block_lse))
-    out.lerp_(block_out.to(out.dtype), weight.unsqueeze(-1))
+def pick(x: torch.Tensor, rows: Selector) -> torch.Tensor:
+    """Rows ``rows`` (dim 1) of a compacted store: a view for a slice, a gathered copy for an index."""
+    if isinstance(rows, slice):
+        return x[:, rows]
+    return x.index_select(1, rows.to(x.device))
 
 
-def _pass_kv(comm: RingComm, held: list[torch.Tensor], like: torch.Tensor, rows: tuple[int, int]) -> Transfer:
-    """Send the first rows of the held [k, v] on; receive the next block's rows (``rows`` = (sent, received)).
+def add_rows(total: torch.Tensor, rows: Selector, part: torch.Tensor) -> None:
+    """``total[:, rows] += part`` for a slice or an index tensor."""
+    if isinstance(rows, slice):
+        total[:, rows] += part
+    else:
+        total.index_add_(1, rows.to(total.device), part)
 
-    ``like`` ([B, n, hk, D]) gives the shape of the other dims, dtype and device.
-    """
-    send_rows, recv_rows = rows
-    send = [x[:, :send_rows].contiguous() for x in held] if send_rows else []
+
+def _pass_kv(comm: RingComm, held: list[torch.Tensor], step: StepPlan, like: torch.Tensor) -> Transfer:
+    """Send the held [k, v] rows later ranks use; receive the next block's (``like``: [B, n, hk, D])."""
+    send_rows, recv_rows = step.kv_rows
+    send = [pick(x, step.kv_send).contiguous() for x in held] if send_rows else []
     shapes = [(like.shape[0], recv_rows, *like.shape[2:])] * 2 if recv_rows else []
     return comm.exchange(send, shapes, tag=KV_TAG, like=like)
 
 
-@dataclass(frozen=True)
-class RingSpec:
-    """How one ring attention call runs (decided once per call site): CP ``layout``, ``causal``, softmax
-    ``scale``, the block ``kernel``, the number of kv-head chunks and the overlap policy (above)."""
-
-    layout: str
-    causal: bool
-    scale: float
-    kernel: AttentionKernel
-    head_chunks: int
-    overlap: bool
+def _rows(x: torch.Tensor, plan: RankPlan) -> torch.Tensor:
+    """``x`` [B, n, ...] as the plan's rows: itself, or ``[1, B*n, ...]`` when the plan is packed."""
+    return x.reshape(1, -1, *x.shape[2:]) if plan.packed else x
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """One rank's kernel calls and transfer sizes, from ring_schedule's pure rules."""
-
-    layout: str
-    causal: bool
-    rank: int
-    world: int
-    n: int
-
-    def task(self, step: int) -> BlockTask | None:
-        return block_task(self.layout, self.causal, self.rank, (self.rank - step) % self.world, self.n)
-
-    def kv_rows(self, step: int) -> tuple[int, int]:
-        """(rows sent, rows received) when the K/V held at ``step`` moves on to hop ``step + 1``."""
-        held, arriving = (self.rank - step) % self.world, (self.rank - step - 1) % self.world
-        return (needed_kv_rows(self.layout, self.causal, held, step + 1, self.world, self.n),
-                needed_kv_rows(self.layout, self.causal, arriving, step + 1, self.world, self.n))
-
-    def grad_rows(self, step: int) -> tuple[int, int]:
-        """(rows sent, rows received) of the dK/dV accumulators passed on after ``step``."""
-        held, arriving = (self.rank - step) % self.world, (self.rank - step - 1) % self.world
-        return (covered_kv_rows(self.layout, self.causal, held, step, self.world, self.n),
-                covered_kv_rows(self.layout, self.causal, arriving, step, self.world, self.n))
-
-
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None,
-                 spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: RingSpec,
+                 plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the ring: returns out [B, n, H, D] (accumulator dtype) and lse [B, n, H]."""
+    shape = q.shape
+    q, k, v = _rows(q, plan), _rows(k, plan), _rows(v, plan)
     batch, n, heads, dim = q.shape
     group_size = heads // k.shape[2]
-    world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
-    plan = _Plan(spec.layout, spec.causal, rank, world, n)
     acc = accumulator_dtype(q.dtype)
     out = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
     lse = torch.empty(batch, n, heads, dtype=acc, device=q.device)
@@ -124,61 +108,112 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
         q_c, out_c, lse_c = q[:, :, qs], out[:, :, qs], lse[:, :, qs]
         k_chunk = k[:, :, k0:k1]
         held = [k_chunk, v[:, :, k0:k1]]
-        for step in range(world):
+        for index, step in enumerate(plan.steps):
             # the next block travels while this one computes
-            transfer = _pass_kv(comm, held, k_chunk, plan.kv_rows(step)) if step + 1 < world else None
-            task = plan.task(step)
-            if task is not None:
+            transfer = _pass_kv(comm, held, step, k_chunk) if index + 1 < plan.world else None
+            if _varlen(spec, step):
+                calls = varlen_calls(plan, index, batch, n, q.device)
+                ring_varlen.forward_step(spec.kernel, calls, q_c, held, out_c, lse_c, spec.scale, index == 0)
+                held = transfer.wait() if transfer is not None else []
+                continue
+            written = 0  # rows [0, written) of the local step hold a first value
+            for call, _ in step.calls:
                 KERNEL_CALLS["forward"] += 1
-                block_out, block_lse = spec.kernel.forward(q_c[:, task.q_rows], held[0][:, task.kv_rows],
-                                                           held[1][:, task.kv_rows], task.causal, spec.scale)
+                rows, keys = slice(*call.q), slice(*call.kv)
+                block_out, block_lse = spec.kernel.forward(q_c[:, rows], held[0][:, keys], held[1][:, keys],
+                                                           call.causal, spec.scale)
                 block_lse = block_lse.transpose(1, 2)
-                if step == 0:  # the local step always covers every row
-                    out_c.copy_(block_out)
-                    lse_c.copy_(block_lse)
+                if index == 0 and call.q[0] >= written:  # the local step covers every row: first write copies
+                    out_c[:, rows].copy_(block_out)
+                    lse_c[:, rows].copy_(block_lse)
+                    written = call.q[1]
                 else:
-                    merge_block(out_c[:, task.q_rows], lse_c[:, task.q_rows], block_out, block_lse)
+                    merge_block(out_c[:, rows], lse_c[:, rows], block_out, block_lse)
                 del block_out, block_lse
             held = transfer.wait() if transfer is not None else []
-    return out, lse
+    return out.view(*shape[:3], dim), lse.view(*shape[:3])
 
 
-def _block_grads(task: BlockTask | None, rows: tuple[torch.Tensor, ...], k_block: torch.Tensor,
-                 v_block: torch.Tensor, dq: torch.Tensor, spec: RingSpec
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One block's backward: adds its dq share into ``dq``; returns (dk, dv) for ``task.kv_rows``.
+Grads = list[tuple[torch.Tensor, torch.Tensor, "tuple[int, int] | torch.Tensor"]]
 
-    ``rows`` = (dout, q, out, lse) of the chunk's query heads; (None, None) when the block is skipped.
+
+def _add_grad(total: torch.Tensor, part: torch.Tensor, target: tuple[int, int] | torch.Tensor) -> None:
+    """Add one call's dK (or dV) to an accumulator: rows ``target`` (an interval of dim 1), or the rows of
+    the flattened ``[B*rows]`` accumulator a varlen call names (an index tensor)."""
+    if isinstance(target, tuple):
+        total[:, target[0]:target[1]] += part
+    else:
+        total.flatten(0, 1).index_add_(0, target, part.to(total.dtype))
+
+
+def _varlen(spec: RingSpec, step: StepPlan) -> bool:
+    """Varlen calls for steps of many segments (packed documents); dense views where a step is one or two
+    calls (the one-document layouts), which gathers nothing."""
+    return spec.varlen and len(step.calls) > 2
+
+
+def _covers(target: tuple[int, int] | torch.Tensor, rows: int) -> bool:
+    """Whether one call's gradient rows are all ``rows`` of the accumulator, in order."""
+    return isinstance(target, tuple) and target == (0, rows)
+
+
+def _step_grads(plan: RankPlan, index: int, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor],
+                dq: torch.Tensor, spec: RingSpec) -> Grads:
+    """One step's backward: adds its dq share into ``dq``; returns (dk, dv, accumulator rows) per call.
+
+    ``rows`` = (dout, q, out, lse) of the chunk's query heads; ``held`` the K/V store of the step.
     """
-    if task is None:
-        return None, None
-    dout, q, out, lse = (x[:, task.q_rows] for x in rows)
-    KERNEL_CALLS["backward"] += 1
-    dq_b, dk_b, dv_b = spec.kernel.backward(dout, q, k_block[:, task.kv_rows], v_block[:, task.kv_rows], out,
-                                            lse.transpose(1, 2), task.causal, spec.scale)
-    dq[:, task.q_rows] += dq_b
-    return dk_b, dv_b
+    step = plan.steps[index]
+    if _varlen(spec, step):
+        calls = varlen_calls(plan, index, rows[1].shape[0], rows[1].shape[1], dq.device)
+        return ring_varlen.backward_step(spec.kernel, calls, rows, held, dq, spec.scale)
+    grads = []
+    for call, grad_rows in step.calls:
+        q_rows, keys = slice(*call.q), slice(*call.kv)
+        dout, q, out, lse = (x[:, q_rows] for x in rows)
+        KERNEL_CALLS["backward"] += 1
+        dq_b, dk_b, dv_b = spec.kernel.backward(dout, q, held[0][:, keys], held[1][:, keys], out,
+                                                lse.transpose(1, 2), call.causal, spec.scale)
+        dq[:, q_rows] += dq_b
+        grads.append((dk_b, dv_b, grad_rows))
+    return grads
 
 
-def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]]) -> None:
+def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]], home: Selector) -> None:
     """Wait for each chunk's dK/dV accumulator arriving home and add it to the chunk's own (dk, dv)."""
     for transfer, dk_c, dv_c in homecoming:
-        home = transfer.wait()
-        if home:
-            dk_c[:, :home[0].shape[1]] += home[0]
-            dv_c[:, :home[1].shape[1]] += home[1]
+        arrived = transfer.wait()
+        if arrived:
+            add_rows(dk_c, home, arrived[0])
+            add_rows(dv_c, home, arrived[1])
     homecoming.clear()
 
 
+def _local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], dq_c: torch.Tensor,
+                 dk_c: torch.Tensor, dv_c: torch.Tensor, spec: RingSpec) -> None:
+    """The local step: dq, dk, dv of the chunk's own block, written straight into the outputs."""
+    dq_c.zero_()
+    grads = _step_grads(plan, 0, rows, held, dq_c, spec)
+    if len(grads) == 1 and _covers(grads[0][2], dk_c.shape[1]):  # one call over every row: copy, no zeroing
+        dk_c.copy_(grads[0][0])
+        dv_c.copy_(grads[0][1])
+        return
+    dk_c.zero_()
+    dv_c.zero_()
+    for dk_b, dv_b, target in grads:
+        _add_grad(dk_c, dk_b, target)
+        _add_grad(dv_c, dv_b, target)
+
+
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, comm: RingComm | None, spec: RingSpec
+                  lse: torch.Tensor, comm: RingComm | None, spec: RingSpec, plan: RankPlan
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype."""
+    q_shape, kv_shape = q.shape, k.shape
+    dout, q, k, v, out, lse = (_rows(x, plan) for x in (dout, q, k, v, out, lse))
     batch, n, heads, dim = q.shape
     kv_heads = k.shape[2]
     group_size = heads // kv_heads
-    world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
-    plan = _Plan(spec.layout, spec.causal, rank, world, n)
     acc = accumulator_dtype(q.dtype)
     dq = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
     dk = torch.empty(batch, n, kv_heads, dim, dtype=acc, device=q.device)
@@ -188,57 +223,55 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         qs = slice(k0 * group_size, k1 * group_size)
         rows = (dout[:, :, qs], q[:, :, qs], out[:, :, qs], lse[:, :, qs])
         k_c, v_c, dq_c, dk_c, dv_c = k[:, :, k0:k1], v[:, :, k0:k1], dq[:, :, qs], dk[:, :, k0:k1], dv[:, :, k0:k1]
-        kv_transfer = _pass_kv(comm, [k_c, v_c], k_c, plan.kv_rows(0)) if comm is not None and spec.overlap else None
-        dq_c.zero_()
-        dk_b, dv_b = _block_grads(plan.task(0), rows, k_c, v_c, dq_c, spec)
-        dk_c.copy_(dk_b)
-        dv_c.copy_(dv_b)
-        del dk_b, dv_b
-        _land(homecoming)  # the previous chunk's last hop travelled during this local step
+        first = plan.steps[0]
+        kv_transfer = _pass_kv(comm, [k_c, v_c], first, k_c) if comm is not None and spec.overlap else None
+        _local_grads(plan, rows, [k_c, v_c], dq_c, dk_c, dv_c, spec)
+        _land(homecoming, plan.home)  # the previous chunk's last hop travelled during this local step
         if comm is None:
             continue
         if kv_transfer is None:  # posted only now, so the local step and the hop never hold memory at once
-            kv_transfer = _pass_kv(comm, [k_c, v_c], k_c, plan.kv_rows(0))
+            kv_transfer = _pass_kv(comm, [k_c, v_c], first, k_c)
         grad_transfer = None
-        for step in range(1, world):
+        for index in range(1, plan.world):
+            step = plan.steps[index]
             held = kv_transfer.wait()
-            kv_transfer = _pass_kv(comm, held, k_c, plan.kv_rows(step)) if step + 1 < world else None
-            task = plan.task(step)
-            dk_b, dv_b = _block_grads(task, rows, *held, dq_c, spec) if held else (None, None)
+            kv_transfer = _pass_kv(comm, held, step, k_c) if index + 1 < plan.world else None
+            grads = _step_grads(plan, index, rows, held, dq_c, spec)
             del held
             arriving = grad_transfer.wait() if grad_transfer is not None else []
-            send_rows, recv_rows = plan.grad_rows(step)
-            grads = _accumulate(arriving, task, dk_b, dv_b, dk_c, send_rows)
-            del arriving, dk_b, dv_b
+            accumulator = _accumulate(arriving, step, grads, dk_c)
+            del arriving, grads
             # pass the accumulator on; after the last hop every accumulator arrives at its owner
+            recv_rows = step.grad_rows[1]
             shapes = [(batch, recv_rows, k1 - k0, dim)] * 2 if recv_rows else []
-            grad_transfer = comm.exchange(grads, shapes, tag=GRAD_TAG, like=dk_c)
-            del grads
+            grad_transfer = comm.exchange(accumulator, shapes, tag=GRAD_TAG, like=dk_c)
+            del accumulator
         homecoming.append((grad_transfer, dk_c, dv_c))
         if not spec.overlap:
-            _land(homecoming)
-    _land(homecoming)
-    return dq, dk, dv
+            _land(homecoming, plan.home)
+    _land(homecoming, plan.home)
+    return dq.view(q_shape[:3] + (dim,)), dk.view(kv_shape[:3] + (dim,)), dv.view(kv_shape[:3] + (dim,))
 
 
-def _accumulate(arriving: list[torch.Tensor], task: BlockTask | None, dk_b: torch.Tensor | None,
-                dv_b: torch.Tensor | None, like: torch.Tensor, rows: int) -> list[torch.Tensor]:
-    """The travelling [dk, dv] accumulator with this rank's share added: its first ``rows`` rows.
-
-    ``arriving`` holds the rows used by the earlier ranks (empty if none); ``like`` gives dtype/device.
-    """
+def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: Grads, like: torch.Tensor
+                ) -> list[torch.Tensor]:
+    """The travelling [dk, dv] accumulator after this step: the arriving one (rows of earlier ranks, placed by
+    ``step.grad_grow``) plus this rank's calls, in ``step.grad_rows[0]`` rows (empty: nothing to send).
+    ``like`` gives dtype and device."""
+    rows = step.grad_rows[0]
     if rows == 0:
         return []
-    if not arriving and task is not None and task.kv_rows == slice(0, rows) and dk_b.dtype == like.dtype:
-        return [dk_b, dv_b]  # the first contribution covers every row: send it as it is
+    if not arriving and len(grads) == 1 and _covers(grads[0][2], rows) and grads[0][0].dtype == like.dtype:
+        return [grads[0][0], grads[0][1]]  # the first contribution covers every row: send it as it is
     if arriving and arriving[0].shape[1] == rows:
-        grads = arriving
+        total = arriving
     else:
         shape = (like.shape[0], rows, *like.shape[2:])
-        grads = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
-        for total, part in zip(grads, arriving, strict=False):
-            total[:, :part.shape[1]] += part
-    if task is not None:
-        grads[0][:, task.kv_rows] += dk_b
-        grads[1][:, task.kv_rows] += dv_b
-    return grads
+        total = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
+        if arriving:
+            add_rows(total[0], step.grad_grow, arriving[0])
+            add_rows(total[1], step.grad_grow, arriving[1])
+    for dk_b, dv_b, target in grads:
+        _add_grad(total[0], dk_b, target)
+        _add_grad(total[1], dv_b, target)
+    return total

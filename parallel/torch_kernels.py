@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.varlen import backward_by_segments, forward_by_segments, lse_from_padded, lse_to_padded
+
 LSE_ROW_ALIGNMENT = 32  # the efficient kernels' lse rows are padded to this multiple
-CAUSAL_FROM_TOP_LEFT = 1  # the efficient kernels' custom_mask_type for a causal mask
+CAUSAL_FROM_TOP_LEFT, CAUSAL_FROM_BOTTOM_RIGHT = 1, 2  # the efficient kernels' custom_mask_type values
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -71,6 +73,12 @@ class TorchCpuFlash:
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
 
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+        return forward_by_segments(self, q, k, v, cu_q, cu_k, causal, scale)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+        return backward_by_segments(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+
 
 @contextlib.contextmanager
 def deterministic_algorithms(enabled: bool) -> Iterator[None]:
@@ -102,18 +110,33 @@ class TorchCudaFlash:
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], causal, scale)
+
+    def _backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
         rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout's RNG state: never read
         with deterministic_algorithms(self.deterministic):
             return torch.ops.aten._flash_attention_backward(
-                dout, q, k, v, out, lse.contiguous(), None, None, q.shape[1], k.shape[1], 0.0, causal,
-                rng_state, rng_state[0], scale=scale)
+                dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state,
+                rng_state[0], scale=scale)
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+        out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                           scale=scale)[:2]
+        return out, lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+        return self._backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+
+
+def aligned_rows(rows: int) -> int:
+    """``rows`` rounded up to the efficient kernels' lse alignment."""
+    return -(-rows // LSE_ROW_ALIGNMENT) * LSE_ROW_ALIGNMENT
 
 
 def padded_lse(lse: torch.Tensor) -> torch.Tensor:
     """A dense [B, H, rows] copy of ``lse`` with rows rounded up to ``LSE_ROW_ALIGNMENT`` (padding 0)."""
     batch, heads, rows = lse.shape
-    padded_rows = -(-rows // LSE_ROW_ALIGNMENT) * LSE_ROW_ALIGNMENT
-    dense = lse.new_zeros(batch, heads, padded_rows)
+    dense = lse.new_zeros(batch, heads, aligned_rows(rows))
     dense[:, :, :rows] = lse
     return dense
 
@@ -142,3 +165,20 @@ class TorchEfficient:
             k.shape[1], padded_lse(lse), 0.0, seed, seed, CAUSAL_FROM_TOP_LEFT if causal else 0, False,
             scale=scale, num_splits_key=1 if self.deterministic else None)
         return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+        heads = q.shape[1]
+        out, lse = torch.ops.aten._efficient_attention_forward(
+            q[None], expand_kv(k[None], heads), expand_kv(v[None], heads), None, cu_q, cu_k, max_q, max_k, 0.0,
+            CAUSAL_FROM_BOTTOM_RIGHT if causal else 0, True, scale=scale)[:2]
+        return out[0], lse_from_padded(lse, cu_q, q.shape[0])
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+        heads, kv_heads = q.shape[1], k.shape[1]
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            dout[None], q[None], expand_kv(k[None], heads), expand_kv(v[None], heads), None, out[None].contiguous(),
+            cu_q, cu_k, max_q, max_k, lse_to_padded(lse, cu_q, aligned_rows(max_q)), 0.0, seed, seed,
+            CAUSAL_FROM_BOTTOM_RIGHT if causal else 0, False, scale=scale,
+            num_splits_key=1 if self.deterministic else None)
+        return dq[0], reduce_kv_grad(dk, kv_heads)[0], reduce_kv_grad(dv, kv_heads)[0]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from model import GPTModel, ModelConfig
-from parallel.layout import LAYOUTS, gather_sequence, shard_sequence
+from parallel.layout import STATIC_LAYOUTS, gather_sequence, shard_sequence
 from parallel.state import ParallelState
 from tests.numerics import rel_err
 
@@ -27,8 +27,6 @@ Result = dict[str, Any]
 
 def tiny_config(**overrides: Any) -> ModelConfig:
     return ModelConfig(**{**TINY, **overrides})
-
-
 
 
 def global_batch(config: ModelConfig, seq: int = SEQ, batch: int = BATCH, seed: int = 0) -> Batch:
@@ -113,7 +111,7 @@ def check_layouts_on_rank(state: ParallelState, variants: list[dict[str, Any]]) 
         ref_config = tiny_config(**overrides)
         data = global_batch(ref_config)
         ref = step(GPTModel(ref_config), data)
-        for layout in LAYOUTS:
+        for layout in STATIC_LAYOUTS:
             config = tiny_config(attention_layout=layout, **overrides)
             got = run_sharded(state, config, data, variant.get("positions", False))
             errors[f"{layout} {variant}"] = compare(got, ref)
@@ -142,3 +140,33 @@ def bad_sequence_messages_on_rank(state: ParallelState) -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
+
+
+def packed_documents_on_rank(state: ParallelState, reset_positions: bool, layout: str = "zigzag",
+                             masked: bool = True) -> float:
+    """Worst relative error between a packed batch's per-token losses (documents masked unless ``masked`` is
+    False, this rank's (tp, cp) groups) and each document run alone through the unsharded model, with the
+    same positions."""
+    config = tiny_config(attention_layout=layout)
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=gen)
+    starts = torch.rand(BATCH, SEQ, generator=gen) < 0.15
+    starts[:, 0] = False
+    docs = torch.cumsum(starts.long(), 1)
+    first = torch.cummax(torch.where(starts, torch.arange(SEQ), 0), dim=1).values
+    positions = torch.arange(SEQ) - first if reset_positions else torch.arange(SEQ).expand(BATCH, SEQ)
+    alone = torch.empty(BATCH, SEQ)
+    reference = GPTModel(config)
+    with torch.no_grad():
+        for b in range(BATCH):
+            for doc in docs[b].unique():
+                rows = (docs[b] == doc).nonzero().squeeze(1)
+                alone[b, rows] = reference(tokens[b, rows][None], positions[b, rows][None], labels[b, rows][None])[0]
+    model = GPTModel(config, state.tp.group, state.cp.group)
+    local = {name: shard_sequence(x, state.cp.rank, state.cp.size, layout)
+             for name, x in (("tokens", tokens), ("labels", labels), ("docs", docs), ("positions", positions))}
+    with torch.no_grad():
+        losses = model(local["tokens"], local["positions"], local["labels"],
+                       document_ids=local["docs"] if masked else None)
+    return rel_err(gather_sequence(losses, state.cp.group, layout), alone)

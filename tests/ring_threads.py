@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.layout import shard_sequence, unshard_sequence
+from parallel.attention_plan import plan_for_documents, plan_for_layout
+from parallel.layout import sequence_positions, shard_sequence, unshard_sequence
 from parallel.ring_core import RingSpec, ring_backward, ring_forward
 
 
@@ -42,9 +43,15 @@ class ThreadRingComm:
 
 
 def run_threaded_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, world: int,
-                      spec: RingSpec) -> dict[str, torch.Tensor]:
-    """Forward and backward of the full-sequence inputs over ``world`` thread ranks in ``spec.layout``;
-    returns out, lse ([B, H, S]), dq, dk, dv of the whole sequence (accumulator dtype)."""
+                      spec: RingSpec, documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Forward and backward of the full-sequence inputs over ``world`` thread ranks in ``spec.layout``
+    (``documents`` [B, S]: per-document masks); returns out, lse ([B, H, S]), dq, dk, dv of the whole
+    sequence (accumulator dtype)."""
+    seqlen = q.shape[1]
+    if documents is not None:
+        docs = torch.stack([shard_sequence(documents, r, world, spec.layout) for r in range(world)])
+        positions = torch.stack([sequence_positions(seqlen, r, world, spec.layout) for r in range(world)])
+        positions = positions[:, None].expand_as(docs)
     inboxes = {(rank, tag): queue.Queue() for rank in range(world) for tag in (0, 1)}
     results: list[dict | BaseException] = [{} for _ in range(world)]
 
@@ -52,8 +59,12 @@ def run_threaded_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
         try:
             local = [shard_sequence(x, rank, world, spec.layout) for x in (q, k, v, dout)]
             comm = ThreadRingComm(rank, world, inboxes) if world > 1 else None
-            out, lse = ring_forward(*local[:3], comm, spec)
-            dq, dk, dv = ring_backward(local[3], *local[:3], out.to(q.dtype), lse, comm, spec)
+            if documents is None:
+                plan = plan_for_layout(spec.layout, spec.causal, world, rank, seqlen // world)
+            else:
+                plan = plan_for_documents(docs, positions, rank, spec.causal)
+            out, lse = ring_forward(*local[:3], comm, spec, plan)
+            dq, dk, dv = ring_backward(local[3], *local[:3], out.to(q.dtype), lse, comm, spec, plan)
             results[rank] = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller
             results[rank] = error

@@ -14,7 +14,8 @@ from cp_train import build
 from cp_train.config import build_config
 from data.gpt_dataset import PER_TOKEN_KEYS, GPTDataset
 from data.loader import DataParallelSampler, build_data_loader, slice_for_context_parallel
-from parallel.layout import LAYOUTS, gather_sequence, sequence_positions, unshard_sequence
+from parallel.balanced_layout import balanced_positions
+from parallel.layout import STATIC_LAYOUTS, gather_sequence, sequence_positions, unshard_sequence
 from tests.test_data_gpt_dataset import EOD, make_indexed
 
 
@@ -80,7 +81,7 @@ def test_sampler_errors():
         DataParallelSampler(50, 2, 8, 0, 2, consumed_samples=60)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", STATIC_LAYOUTS)
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_cp_slices_gather_back_to_the_sample(dataset, layout, cp):
     sample = dataset[3]
@@ -95,6 +96,22 @@ def test_cp_slices_gather_back_to_the_sample(dataset, layout, cp):
         local = slice_for_context_parallel(sample, rank, cp, layout)
         for key in PER_TOKEN_KEYS:
             assert torch.equal(local[key], sample[key][positions])
+
+
+def test_balanced_slices_follow_each_samples_documents(dataset):
+    """The balanced layout deals each sample's chunks by attention work; every per-token tensor (positions,
+    labels, loss mask, document ids) follows the tokens, and the ranks together hold each sample once."""
+    batch = default_collate([dataset[i] for i in range(3)])
+    slices = [slice_for_context_parallel(batch, r, 2, "balanced") for r in range(2)]
+    for b in range(3):
+        expected = balanced_positions(batch["document_ids"][b], 2)
+        for rank in range(2):
+            for key in PER_TOKEN_KEYS:
+                assert torch.equal(slices[rank][key][b], batch[key][b][expected[rank]]), key
+        held = torch.cat([expected[0], expected[1]]).sort().values
+        assert torch.equal(held, torch.arange(16))
+    with pytest.raises(ValueError, match=r"shorter than 8\*cp = 32 for the balanced layout"):
+        slice_for_context_parallel(batch, 0, 4, "balanced")
 
 
 def test_cp_slice_of_plain_positions_is_the_layout(dataset):
@@ -119,7 +136,7 @@ def test_seq_len_must_split_over_cp(dataset):
 
 def test_cp_size_one_takes_any_seq_len():
     odd = {"tokens": torch.arange(7), "labels": torch.arange(1, 8)}
-    for layout in LAYOUTS:
+    for layout in STATIC_LAYOUTS:
         assert torch.equal(slice_for_context_parallel(odd, 0, 1, layout)["tokens"], odd["tokens"])
 
 

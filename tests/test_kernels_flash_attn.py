@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from parallel import kernels
+from parallel.attention_plan import plan_for_layout
 from parallel.flash_attn_api import FlashAttn2, FlashAttn3, flash_attn_call_form, parameter_names
 from parallel.ring_core import RingSpec, ring_backward, ring_forward
 from tests import flash_attn_standins as standins
@@ -98,8 +99,9 @@ def test_ring_runs_through_the_flash_attn_call_forms(version: str) -> None:
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = _blocks(gen, 32, 32)
     spec = RingSpec("zigzag", True, 0.25, FlashAttn2.load(standins.flash_attn_interface(version), version), 2, False)
-    out, lse = ring_forward(q, k, v, None, spec)
-    grads = ring_backward(dout, q, k, v, out.to(q.dtype), lse, None, spec)
+    plan = plan_for_layout("zigzag", True, 1, 0, 32)
+    out, lse = ring_forward(q, k, v, None, spec, plan)
+    grads = ring_backward(dout, q, k, v, out.to(q.dtype), lse, None, spec, plan)
     ref_out, ref_lse = MATH.forward(q, k, v, True, 0.25)
     assert rel_err(out, ref_out) < 1e-6 and rel_err(lse.transpose(1, 2), ref_lse) < 1e-6
     for got, ref in zip(grads, MATH.backward(dout, q, k, v, None, None, True, 0.25), strict=True):

@@ -55,3 +55,17 @@ def test_local_positions_break_cp_and_bad_sequences_raise(spawn_world) -> None:
         assert len(rank_messages) == 2, rank_messages
         assert "sequence length 2 is shorter than 2*cp = 4 for the zigzag layout" in rank_messages[0]
         assert "sequence length 6 is not divisible by 2*cp = 4 for the zigzag layout" in rank_messages[1]
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 1), (1, 2), (2, 2), (1, 4)])
+def test_packed_documents_equal_each_document_alone(spawn_world, tp: int, cp: int) -> None:
+    """With document_ids, a packed sample's per-token losses are those of its documents run one by one."""
+    for reset in (True, False):
+        for layout in ("zigzag", "stripe"):
+            errors = spawn_world(WORLD).run(run_with_parallel, (tp, cp, None), model_cases.packed_documents_on_rank,
+                                            reset, layout)
+            assert max(errors) <= TOL, f"reset_positions={reset} {layout}: {errors}"
+    if (tp, cp) == (1, 2):  # negative control: without the documents attention crosses them
+        errors = spawn_world(WORLD).run(run_with_parallel, (tp, cp, None), model_cases.packed_documents_on_rank,
+                                        False, "zigzag", False)
+        assert min(errors) > 1e-3, errors

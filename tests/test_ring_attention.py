@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel.attention_plan import plan_for_layout
 from parallel.kernels import MathKernel, select_kernel
-from parallel.layout import LAYOUTS
+from parallel.layout import STATIC_LAYOUTS
 from parallel.ring_attention import context_parallel_attention, zigzag_ring_flash_attn_func
 from parallel.ring_core import RingSpec
-from parallel.ring_schedule import covered_kv_rows, expected_kernel_calls, needed_kv_rows
 from tests import ring_cases
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
@@ -18,7 +18,7 @@ TOL = 1e-5
 # (world, local chunk length) pairs: chunks 13 and 6 are not powers of two.
 CASES = [(w, layout, causal, heads, chunk)
          for w in (1, 2, 3, 4)
-         for layout in LAYOUTS
+         for layout in STATIC_LAYOUTS
          for causal in (True, False)
          for heads in ((4, 4), (4, 2))
          for chunk in ((13,) if w == 3 else (8, 13))]
@@ -72,13 +72,13 @@ def test_bf16_within_twice_the_local_kernel_error(spawn_world, world: int, layou
         assert ring <= 2.0 * local, f"{name}: ring bf16 error {ring:.2e} vs local kernel {local:.2e}"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", STATIC_LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_causal_blocks_are_skipped(spawn_world, layout: str, causal: bool) -> None:
     world, chunks = 4, 2
     counts = spawn_world(world).run(ring_cases.count_kernel_calls, 32, 4, 2, layout, causal, chunks)
     for rank, got in enumerate(counts):
-        per_pass = chunks * expected_kernel_calls(layout, causal, rank, world, 32 // world)
+        per_pass = chunks * sum(len(step.calls) for step in plan_for_layout(layout, causal, world, rank, 8).steps)
         assert got == {"forward": per_pass, "backward": per_pass}, (rank, got)
     total = sum(c["forward"] for c in counts)
     if causal and layout == "contiguous":
@@ -128,19 +128,25 @@ def test_single_process_is_the_local_kernel() -> None:
 
 def test_transfers_carry_only_the_rows_still_needed() -> None:
     n, world = 8, 4
+
+    def sent(layout: str, causal: bool, rank: int) -> list[int]:  # K/V rows sent after each step
+        return [step.kv_rows[0] for step in plan_for_layout(layout, causal, world, rank, n).steps]
+
+    def carried(layout: str, causal: bool, rank: int) -> list[int]:  # dK/dV rows sent after each step
+        return [step.grad_rows[0] for step in plan_for_layout(layout, causal, world, rank, n).steps]
+
     # zigzag: block 0 only ever meets higher ranks, which read its first half
-    assert needed_kv_rows("zigzag", True, 0, 1, world, n) == n // 2
-    assert needed_kv_rows("zigzag", True, 2, 1, world, n) == n  # rank 3 reads half, ranks 0, 1 all of it
-    assert needed_kv_rows("zigzag", True, 2, 2, world, n) == n
+    assert sent("zigzag", True, 0)[0] == n // 2
+    assert sent("zigzag", True, 2)[:2] == [n, n]  # rank 3 reads half, ranks 0, 1 all of it
     # contiguous causal: nobody after the last rank needs its block, so that hop is skipped
-    assert needed_kv_rows("contiguous", True, world - 1, 1, world, n) == 0
-    assert needed_kv_rows("contiguous", True, 0, world - 1, world, n) == n
-    assert needed_kv_rows("stripe", True, 3, 1, world, n) == n - 1
-    assert needed_kv_rows("zigzag", False, 0, 1, world, n) == n
-    # the travelling dK/dV covers the rows used so far
-    assert covered_kv_rows("zigzag", True, 1, 1, world, n) == n // 2
-    assert covered_kv_rows("zigzag", True, 1, 3, world, n) == n
-    assert covered_kv_rows("contiguous", True, world - 1, world - 1, world, n) == 0
+    assert sent("contiguous", True, world - 1)[0] == 0
+    assert sent("contiguous", True, 0)[0] == n and sent("contiguous", True, 1)[1] == n
+    assert sent("stripe", True, 3)[0] == n - 1
+    assert sent("zigzag", False, 0)[0] == n
+    # the travelling dK/dV covers the rows used so far: block 1 after rank 2 (half), after ranks 2, 3, 0 (all)
+    assert carried("zigzag", True, 2)[1] == n // 2 and carried("zigzag", True, 0)[3] == n
+    assert carried("contiguous", True, 0)[1] == 0  # block 3 is used by nobody after rank 3
+
 
 
 @pytest.mark.parametrize("world,layout,overlap", [(2, "zigzag", True), (4, "stripe", False), (3, "contiguous", True)])

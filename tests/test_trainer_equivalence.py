@@ -16,11 +16,14 @@ from tests import trainer_cases
 from tests.numerics import rel_err
 
 REFERENCE = (1, 1, 1)
-LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1)], 4: [(1, 4, 1), (2, 2, 1), (1, 2, 2)], 8: [(2, 2, 2)]}
+BALANCED = (1, 2, 1, "balanced")  # the balanced CP layout (the others run zigzag)
+LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1), BALANCED], 4: [(1, 4, 1), (2, 2, 1), (1, 2, 2)], 8: [(2, 2, 2)]}
 LAYOUTS = [layout for layouts in LAYOUTS_BY_WORLD.values() for layout in layouts if layout != REFERENCE]
 STEP1_TOL, CURVE_TOL = 1e-6, 1e-5
 
 
+def _name(layout: tuple) -> str:
+    return "tp{}-cp{}-dp{}".format(*layout[:3]) + "".join(f"-{extra}" for extra in layout[3:])
 
 
 def worst_grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -41,9 +44,10 @@ def runs(spawn_world, corpus, tmp_path_factory) -> dict[tuple[int, int, int], li
     out = {}
     for world, layouts in LAYOUTS_BY_WORLD.items():
         for layout in layouts:
-            run_dir = str(tmp_path_factory.mktemp("run-tp{}-cp{}-dp{}".format(*layout)))
-            out[layout] = spawn_world(world).run(run_with_parallel, layout, trainer_cases.train_layout, corpus,
-                                                 run_dir)
+            run_dir = str(tmp_path_factory.mktemp(f"run-{_name(layout)}"))
+            overrides = {"model.attention_layout": layout[3]} if len(layout) > 3 else None
+            out[layout] = spawn_world(world).run(run_with_parallel, layout[:3], trainer_cases.train_layout, corpus,
+                                                 run_dir, overrides)
     return out
 
 
@@ -65,7 +69,7 @@ def test_cp_ranks_hold_unequal_loss_tokens(runs) -> None:
     assert total < trainer_cases.GLOBAL_BATCH * trainer_cases.SEQ_LEN * 0.9, "too few masked tokens"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "tp{}-cp{}-dp{}".format(*layout))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_name)
 def test_step1_loss_and_gradients_match_unsharded(runs, layout) -> None:
     ref, got = runs[REFERENCE][0], runs[layout][0]
     loss_error = rel_err(got["losses"][1], ref["losses"][1])
@@ -76,7 +80,7 @@ def test_step1_loss_and_gradients_match_unsharded(runs, layout) -> None:
     assert len(digests) == 1, f"{layout}: ranks hold different (full) gradients after the DP x CP sum"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "tp{}-cp{}-dp{}".format(*layout))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_name)
 def test_loss_curve_matches_unsharded(runs, layout) -> None:
     ref, got = runs[REFERENCE][0]["losses"], runs[layout][0]["losses"]
     assert got.keys() == ref.keys()
@@ -89,6 +93,13 @@ def test_loss_curve_matches_unsharded(runs, layout) -> None:
     ref_eval, got_eval = runs[REFERENCE][0]["eval_losses"], runs[layout][0]["eval_losses"]
     assert sorted(ref_eval) == [10, 20] and got_eval.keys() == ref_eval.keys()
     assert all(rel_err(got_eval[s], ref_eval[s]) <= CURVE_TOL for s in ref_eval), (got_eval, ref_eval)
+
+
+def test_document_mask_changes_the_run(spawn_world, runs, corpus, tmp_path) -> None:
+    """Negative control: the runs above mask attention per document; without the mask the loss differs."""
+    got = spawn_world(1).run(run_with_parallel, REFERENCE, trainer_cases.train_layout, corpus, str(tmp_path),
+                             {"data.document_mask": False}, 1)[0]
+    assert rel_err(got["losses"][1], runs[REFERENCE][0]["losses"][1]) > 1e-4
 
 
 def test_nan_loss_stops_the_run_naming_the_step(spawn_world, corpus, tmp_path) -> None:

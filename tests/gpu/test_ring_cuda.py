@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from parallel import kernels
-from parallel.layout import LAYOUTS
+from parallel.layout import STATIC_LAYOUTS
 from parallel.ring_core import RingSpec
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
@@ -31,7 +31,7 @@ def _reference(q, k, v, dout, causal: bool, scale: float) -> dict[str, torch.Ten
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", STATIC_LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_fp32_ring_on_cuda_is_exact(world: int, layout: str, causal: bool, overlap: bool) -> None:

@@ -1,0 +1,149 @@
+"""The attention mask between two CP ranks' tokens as a few kernel-sized segments (pure functions).
+
+A token attends to the tokens of its own document that come earlier-or-equal (causal) or to its
+whole document (not causal). Each rank's tokens are given by ``keys``: one int64 per token,
+``(document, position)`` packed so that the order of keys is the order along the sequence; every
+rank holds its tokens in increasing key order (true of every CP layout here). A query's visible keys
+in another rank's block are then one interval of that block's rows, found by binary search, and the
+query rows cut into *runs*: consecutive rows seeing the same interval (a full rectangle) or an interval
+growing by one key per row (a causal rectangle, aligned bottom-right). Rows that see nothing are in
+no run. Intervals of rows are ``(start, stop)`` pairs; row sets are sorted lists of disjoint intervals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Interval = tuple[int, int]
+NONE, FLAT, DIAG = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Query rows ``q`` attend to rows ``kv`` of a K/V block. ``causal``: query row ``q[0] + t`` sees the
+    first ``len(kv) - len(q) + t + 1`` keys (bottom-right aligned; ``len(kv) >= len(q)``); else all keys."""
+
+    q: Interval
+    kv: Interval
+    causal: bool
+
+    @property
+    def rows(self) -> int:
+        return self.q[1] - self.q[0]
+
+    @property
+    def keys(self) -> int:
+        return self.kv[1] - self.kv[0]
+
+    @property
+    def area(self) -> int:
+        """Query-key pairs computed."""
+        if not self.causal:
+            return self.rows * self.keys
+        return self.rows * (self.keys - self.rows) + self.rows * (self.rows + 1) // 2
+
+    def dense_calls(self) -> list[Segment]:
+        """The same pairs as calls of a dense kernel whose causal masks are square: a causal rectangle
+        wider than tall is a full rectangle plus a causal square."""
+        if not self.causal or self.keys == self.rows:
+            return [self]
+        split = self.kv[1] - self.rows
+        return [Segment(self.q, (self.kv[0], split), False), Segment(self.q, (split, self.kv[1]), True)]
+
+
+def pack_keys(documents: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(int64 keys ordering tokens by (document, position), the key stride per document ``span``):
+    ``documents`` are dense numbers >= 0, ``positions`` >= 0."""
+    span = int(positions.max()) + 2 if positions.numel() else 2
+    return documents.to(torch.int64) * span + positions.to(torch.int64) + 1, span
+
+
+def visible_intervals(q_keys: torch.Tensor, q_docs: torch.Tensor, kv_keys: torch.Tensor, span: int,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query key, the rows ``[start, stop)`` of the sorted ``kv_keys`` it may see.
+
+    ``q_docs`` are the queries' documents and ``span`` the key stride per document (``pack_keys``).
+    """
+    first = q_docs.to(torch.int64) * span
+    start = torch.searchsorted(kv_keys, first, right=False)
+    last = q_keys if causal else first + (span - 1)
+    stop = torch.searchsorted(kv_keys, last, right=True)
+    return start, stop
+
+
+def runs(start: torch.Tensor, stop: torch.Tensor) -> list[Segment]:
+    """Cut query rows into runs (see the module docstring) and return one ``Segment`` per run.
+
+    ``link[j]`` says how row j+1 continues row j (same interval, one key more, or neither); the loop
+    visits stretches of equal links, not rows, so its cost follows the number of runs.
+    """
+    start_np, stop_np = start.numpy(), stop.numpy()
+    valid = stop_np > start_np
+    if not valid.any():
+        return []
+    same = (start_np[1:] == start_np[:-1]) & valid[1:] & valid[:-1]
+    link = np.where(same & (stop_np[1:] == stop_np[:-1]), FLAT,
+                    np.where(same & (stop_np[1:] == stop_np[:-1] + 1), DIAG, NONE))
+    found: list[tuple[int, int, int]] = []  # (first row, last row, kind) of each closed run
+    current = (0, 0, NONE) if valid[0] else None  # the run holding the last row visited
+    edges = np.flatnonzero(np.diff(link)) + 1
+    for lo, hi in zip(np.concatenate(([0], edges)), np.concatenate((edges, [len(link)])), strict=True):
+        lo, hi = int(lo), int(hi)  # links lo..hi-1 join rows lo..hi
+        kind = int(link[lo]) if hi > lo else NONE
+        if hi == lo:
+            continue
+        if kind == NONE:  # rows lo+1..hi each stand alone
+            if current is not None:
+                found.append(current)
+            found.extend((int(r), int(r), NONE) for r in np.flatnonzero(valid[lo + 1: hi + 1]) + lo + 1)
+            current = found.pop() if found and found[-1][0] == hi else None
+        elif current is not None and current[2] in (NONE, kind):
+            current = (current[0], hi, kind)
+        else:
+            if current is not None:
+                found.append(current)
+            current = (lo + 1, hi, kind if hi > lo + 1 else NONE)
+    if current is not None:
+        found.append(current)
+    return [Segment((first, last + 1), (int(start_np[first]), int(stop_np[last])), kind == DIAG and last > first)
+            for first, last, kind in found]
+
+
+def union(intervals: list[Interval]) -> list[Interval]:
+    """The sorted, disjoint, non-empty intervals covering ``intervals``."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def size(rows: list[Interval]) -> int:
+    return sum(hi - lo for lo, hi in rows)
+
+
+def locate(rows: list[Interval], part: Interval) -> Interval:
+    """Where ``part`` (inside one interval of ``rows``) lies in the compacted storage of ``rows``."""
+    offset = 0
+    for lo, hi in rows:
+        if lo <= part[0] and part[1] <= hi:
+            begin = offset + part[0] - lo
+            return begin, begin + part[1] - part[0]
+        offset += hi - lo
+    raise ValueError(f"rows {part} are not stored in {rows}")
+
+
+def selector(rows: list[Interval], within: list[Interval]) -> slice | torch.Tensor:
+    """Pick the compacted ``rows`` out of the compacted ``within`` (a superset): a slice when they form
+    one stretch of it, else an index tensor."""
+    located = [locate(within, part) for part in rows]
+    if not located:
+        return slice(0, 0)
+    if all(located[i][1] == located[i + 1][0] for i in range(len(located) - 1)):
+        return slice(located[0][0], located[-1][1])
+    return torch.cat([torch.arange(lo, hi) for lo, hi in located])
