@@ -1,101 +1,54 @@
-"""Ring attention throughput and memory on CPU, against the local kernel on the whole sequence.
+"""Context-parallel attention time and memory on CPU, against the local kernel on the same mask.
 
     python -m bench.attention --seqlens 8192 --worlds 2 4 --layouts zigzag
+    python -m bench.attention --worlds 2 4 --layouts zigzag balanced --documents 1 512 corpus
+    python -m bench.attention --worlds 2 --layouts zigzag --torch-cp
 
-For each (seqlen, world, layout, fwd_only) the ranks run in spawned gloo
-processes with ``threads // world`` threads each; the baseline is PyTorch's
-local flash kernel (``scaled_dot_product_attention``, fwd+bwd through
-autograd) on the whole sequence in one process with all ``threads``, timed in
-the same command. Memory is the per-rank RSS peak minus the RSS just before
-the call. Prints one JSON line per configuration, then a table; ``ratio`` is
-ring time / local time and ``mem_ratio`` ring added memory / local added memory.
+For each (seqlen, documents, fwd_only) the baseline ``local`` runs the whole sequence in one process with
+all ``--threads`` (PyTorch's SDPA for one document; the local kernel on the same per-document mask for
+``--documents`` other than 1); each case then runs on ``world`` spawned gloo ranks with ``threads // world``
+threads each, in the same command. ``--documents``: ``1`` (one document per sample), a mean document
+length (random lengths), or ``corpus`` (the embedded corpus packed as the trainer packs it).
+``--torch-cp`` adds PyTorch's own ring attention (all-to-all rotation) on one document.
+
+Columns: ``ratio`` is time over the local run's; ``mem_ratio`` added memory per rank (peak RSS minus the
+RSS before the call) over the local run's; ``vs_1doc`` time over the same case with one document;
+``imbalance`` the busiest rank's share of the mask over the mean (see ``bench/balance.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 
-import torch
-import torch.distributed as dist
-
-from bench.common import emit, median, peak_memory_mb, reset_peak_memory
-from parallel.layout import shard_sequence
-from parallel.ring_attention import context_parallel_attention
+from bench.attention_cases import DTYPES, time_case
+from bench.common import emit, median
+from parallel.layout import LAYOUTS
 from parallel.spawn import SpawnedWorld
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-
-def attention_flops(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool, fwd_only: bool) -> float:
-    """Matmul FLOPs of attention on the whole sequence: 4*B*S^2*H*D forward, x3.5 with the backward, /2 causal."""
-    flops = 4.0 * batch * seqlen * seqlen * heads * head_dim * (1.0 if fwd_only else 3.5)
-    return flops / 2 if causal else flops
-
-
-def time_attention(batch: int, seqlen: int, heads: int, kv_heads: int, head_dim: int, dtype: str, causal: bool,
-                   layout: str | None, fwd_only: bool, warmup: int, repeats: int) -> dict:
-    """Run on every rank: ``layout=None`` is the local kernel on the whole sequence (world of one)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    gen = torch.Generator().manual_seed(0)
-    full = [torch.randn(batch, seqlen, h, head_dim, generator=gen, dtype=DTYPES[dtype])
-            for h in (heads, kv_heads, kv_heads, heads)]
-    local = full if layout is None else [shard_sequence(x, rank, world, layout) for x in full]
-    del full
-    q, k, v, dout = local
-    for x in (q, k, v):
-        x.requires_grad_(not fwd_only)
-
-    def step() -> None:
-        with torch.set_grad_enabled(not fwd_only):
-            if layout is None:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-                    enable_gqa=heads != kv_heads).transpose(1, 2)
-            else:
-                out = context_parallel_attention(q, k, v, dist.group.WORLD, layout, causal)
-            if not fwd_only:
-                out.backward(dout)
-        for x in (q, k, v):
-            x.grad = None
-
-    times, added = [], []
-    for index in range(warmup + repeats):
-        if world > 1:
-            dist.barrier()
-        base = reset_peak_memory()
-        start = time.perf_counter()
-        step()
-        elapsed = time.perf_counter() - start
-        if index >= warmup:
-            times.append(elapsed)
-            added.append(peak_memory_mb() - base)
-    return {"times": times, "added_mb": median(added)}
-
-
-def run_config(world: SpawnedWorld, args: argparse.Namespace, seqlen: int, layout: str | None,
-               fwd_only: bool) -> dict:
-    per_rank = world.run(time_attention, args.batch, seqlen, args.heads, args.kv_heads, args.head_dim,
-                         args.dtype, args.causal, layout, fwd_only, args.warmup, args.repeats)
-    # one iteration lasts as long as its slowest rank
-    iteration = [max(r["times"][i] for r in per_rank) for i in range(args.repeats)]
+def run_case(world: SpawnedWorld, args: argparse.Namespace, shape: dict, case: str, documents: str,
+             fwd_only: bool) -> dict:
+    per_rank = world.run(time_case, case, shape, documents, fwd_only, args.warmup, args.repeats, args.head_chunks)
+    iteration = [max(r["times"][i] for r in per_rank) for i in range(args.repeats)]  # the slowest rank's
     seconds = median(iteration)
-    flops = attention_flops(args.batch, seqlen, args.heads, args.head_dim, args.causal, fwd_only)
-    return {"layout": layout or "local", "world": world.world, "threads_per_rank": world.threads,
-            "batch": args.batch, "seqlen": seqlen, "heads": args.heads, "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim, "dtype": args.dtype, "causal": args.causal, "fwd_only": fwd_only,
-            "iters_per_s": 1.0 / seconds, "ms_per_iter": 1000.0 * seconds,
-            "peak_mb_per_rank": max(r["added_mb"] for r in per_rank), "tflops": flops / seconds / 1e12}
+    area = per_rank[0]["area"] or shape["batch"] * shape["seqlen"] * (shape["seqlen"] + 1) // 2
+    if not shape["causal"] and per_rank[0]["area"] is None:
+        area = shape["batch"] * shape["seqlen"] ** 2
+    flops = 4.0 * area * shape["heads"] * shape["head_dim"] * (1.0 if fwd_only else 3.5)
+    return {"case": case, "world": world.world, "threads_per_rank": world.threads, "documents": documents,
+            **shape, "fwd_only": fwd_only, "ms_per_iter": 1000.0 * seconds,
+            "peak_mb_per_rank": max(r["added_mb"] for r in per_rank), "tflops": flops / seconds / 1e12,
+            "imbalance": per_rank[0]["imbalance"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "stripe"],
-                        choices=["contiguous", "zigzag", "stripe"])
+    parser.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "stripe"], choices=LAYOUTS)
+    parser.add_argument("--documents", nargs="+", default=["1"], help="1, a mean document length, or corpus")
+    parser.add_argument("--torch-cp", action="store_true", help="also time PyTorch's own ring attention")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
@@ -104,32 +57,44 @@ def main() -> None:
     parser.add_argument("--non-causal", dest="causal", action="store_false")
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="total threads, all ranks")
+    parser.add_argument("--head-chunks", type=int, default=None, help="kv-head chunks of the ring (default: by device)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    args.kv_heads = args.kv_heads or args.heads
-
+    args = parser.parse_args(argv)
+    cases = [f"ring:{layout}" for layout in args.layouts] + (["torch_cp"] if args.torch_cp else [])
     records = []
     for seqlen in args.seqlens:
+        shape = {"batch": args.batch, "seqlen": seqlen, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
+                 "head_dim": args.head_dim, "dtype": args.dtype, "causal": args.causal}
         for fwd_only in [mode == "fwd" for mode in args.modes]:
-            with SpawnedWorld(1, threads=args.threads, timeout_s=3600) as local_world:
-                baseline = run_config(local_world, args, seqlen, None, fwd_only)
-            records.append(baseline)
-            for world_size in args.worlds:
-                with SpawnedWorld(world_size, threads=max(1, args.threads // world_size), timeout_s=3600) as world:
-                    for layout in args.layouts:
-                        record = run_config(world, args, seqlen, layout, fwd_only)
-                        record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
-                        record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
-                        records.append(record)
+            one_doc: dict[tuple, float] = {}
+            for documents in args.documents:
+                with SpawnedWorld(1, threads=args.threads, timeout_s=3600) as local_world:
+                    baseline = run_case(local_world, args, shape, "local", documents, fwd_only)
+                records.append(baseline)
+                for world_size in args.worlds:
+                    with SpawnedWorld(world_size, threads=max(1, args.threads // world_size), timeout_s=3600) as world:
+                        for case in cases:
+                            if case == "torch_cp" and documents != "1":
+                                continue
+                            record = run_case(world, args, shape, case, documents, fwd_only)
+                            record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
+                            record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
+                            records.append(record)
+                for record in records[-1 - len(args.worlds) * len(cases):]:
+                    key = (record["case"], record["world"])
+                    if documents == "1":
+                        one_doc[key] = record["ms_per_iter"]
+                    elif key in one_doc:
+                        record["vs_1doc"] = record["ms_per_iter"] / one_doc[key]
     num = lambda digits: (lambda x: "" if x is None else f"{x:.{digits}f}")  # noqa: E731
     text = lambda x: "" if x is None else str(x)  # noqa: E731
-    emit(records, [("layout", "layout", text), ("world", "cp", text), ("batch", "batch", text),
-                   ("seqlen", "seqlen", text), ("heads", "heads", text), ("head_dim", "head_dim", text),
-                   ("fwd_only", "fwd_only", text), ("iters_per_s", "iters/s", num(3)),
-                   ("ms_per_iter", "ms/iter", num(1)), ("peak_mb_per_rank", "peak MB/rank", num(1)),
-                   ("tflops", "TFLOP/s", num(4)), ("ratio", "ring/local", num(3)),
-                   ("mem_ratio", "mem ring/local", num(3))])
+    emit(records, [("case", "case", text), ("world", "cp", text), ("seqlen", "seqlen", text),
+                   ("documents", "docs", text), ("fwd_only", "fwd_only", text), ("ms_per_iter", "ms/iter", num(1)),
+                   ("peak_mb_per_rank", "peak MB/rank", num(1)), ("tflops", "TFLOP/s", num(4)),
+                   ("ratio", "ring/local", num(3)), ("mem_ratio", "mem ring/local", num(3)),
+                   ("vs_1doc", "vs 1 doc", num(3)), ("imbalance", "imbalance", num(3))])
+    return records
 
 
 if __name__ == "__main__":

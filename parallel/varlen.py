@@ -20,6 +20,7 @@ import torch.nn.functional as F
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's (out [..., m, h, D], lse [..., m, h]) into the running (out, lse), in place, in fp32:
     ``out -= sigmoid(block_lse - lse) * (out - block_out)``, ``lse -= logsigmoid(lse - block_lse)``."""
+    block_lse = block_lse.to(lse.dtype)
     weight = torch.sigmoid(block_lse - lse)
     lse.sub_(F.logsigmoid(lse - block_lse))
     out.lerp_(block_out.to(out.dtype), weight.unsqueeze(-1))

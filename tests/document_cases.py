@@ -16,6 +16,7 @@ from parallel.balanced_layout import balanced_positions
 from parallel.layout import sequence_positions
 from parallel.ring_attention import attention_plan, context_parallel_attention
 from parallel.torch_kernels import expand_kv
+from parallel.varlen_api import ring_flash_attn_varlen_func, zigzag_ring_flash_attn_varlen_func
 from tests.numerics import rel_err
 
 SPECS = ("one", "random", "single_tokens", "chunk_bounds", "spanning", "short")
@@ -162,8 +163,6 @@ def count_work(layout: str, causal: bool, seqlen: int, spec: str) -> dict[str, f
 
 def check_varlen(zigzag: bool, causal: bool, lengths: list[int]) -> dict[str, float]:
     """The ring-flash-attn varlen drop-ins on documents of global ``lengths``, against float64."""
-    from parallel.varlen_api import ring_flash_attn_varlen_func, zigzag_ring_flash_attn_varlen_func
-
     rank, world = dist.get_rank(), dist.get_world_size()
     total = sum(lengths)
     q, k, v, dout = (x[:1] for x in inputs(total, 4, 2, seed=sum(lengths)))

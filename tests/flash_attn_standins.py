@@ -17,6 +17,7 @@ import torch
 
 from parallel.kernels import MathKernel, _math_scores
 from parallel.torch_kernels import expand_kv, reduce_kv_grad
+from parallel.varlen import backward_by_segments, forward_by_segments
 
 CALLS: list[dict] = []
 _MATH = MathKernel()
@@ -45,6 +46,48 @@ def _check_window(window_size):
     assert isinstance(window_size, tuple) and len(window_size) == 2, f"window_size must be a tuple: {window_size!r}"
 
 
+class _ClosedForm:
+    """A dense float64 kernel usable inside custom ops (no autograd), for the varlen stand-ins."""
+
+    def forward(self, q, k, v, causal, scale):
+        return _attention(q, k, v, scale, causal)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _grads(dout, q, k, v, scale, causal, dq, dk, dv)
+        return dq, dk, dv
+
+
+_CLOSED = _ClosedForm()
+
+
+def _padded(lse, cu, max_seqlen):
+    """[H, T] -> flash-attn 2.5's per-sequence padded [sequences, H, max_seqlen], built segment by segment."""
+    bounds = cu.tolist()
+    padded = torch.zeros(len(bounds) - 1, lse.shape[0], max_seqlen)
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        padded[i, :, : hi - lo] = lse[:, lo:hi]
+    return padded
+
+
+def _unpadded(lse, cu):
+    bounds = cu.tolist()
+    return torch.cat([lse[i, :, : hi - lo] for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))],
+                     dim=1)
+
+
+def _varlen_attention(q, k, v, cu_q, cu_k, scale, causal):
+    out, lse = forward_by_segments(_CLOSED, q, k, v, cu_q, cu_k, causal, scale)
+    return out, lse.float()
+
+
+def _varlen_grads(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, dq, dk, dv):
+    gq, gk, gv = backward_by_segments(_CLOSED, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    dq.copy_(gq)
+    dk.copy_(gk)
+    dv.copy_(gv)
+
+
 # ----------------------------------------------------------------------------------- 2.5.x
 def _fwd_25(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
     CALLS.append({"fn": "fwd", "dropout_p": dropout_p, "window_size": window_size, "alibi_slopes": alibi_slopes})
@@ -61,6 +104,32 @@ def _bwd_25(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scal
     return dq, dk, dv, softmax_lse.clone()
 
 
+def _varlen_fwd_25(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                   causal, window_size, alibi_slopes, return_softmax):
+    _check_window(window_size)
+    CALLS.append({"fn": "varlen_fwd"})
+    out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    return out, q, k, v, out, _padded(lse, cu_seqlens_q, max_seqlen_q), None, torch.zeros(2, dtype=torch.int64)
+
+
+def _varlen_fwd_257(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                    causal, window_size, alibi_slopes, return_softmax, block_table):
+    assert block_table is None
+    return _varlen_fwd_25(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                          softmax_scale, causal, window_size, alibi_slopes, return_softmax)
+
+
+def _varlen_bwd_25(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                   rng_state=None):
+    _check_window(window_size)
+    assert softmax_lse.shape == (cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q), "2.5 takes the padded lse"
+    CALLS.append({"fn": "varlen_bwd", "deterministic": deterministic})
+    _varlen_grads(dout, q, k, v, out, _unpadded(softmax_lse, cu_seqlens_q), cu_seqlens_q, cu_seqlens_k,
+                  softmax_scale, causal, dq, dk, dv)
+    return dq, dk, dv, None
+
+
 # ----------------------------------------------------------------------------------- 2.6.x
 def _fwd_26(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
     assert softcap == 0.0
@@ -72,6 +141,25 @@ def _bwd_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scal
     assert softcap == 0.0
     return _bwd_25(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
                    alibi_slopes, deterministic, rng_state)
+
+
+def _varlen_fwd_26(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                   causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False,
+                   block_table=None, leftpad_k=None, seqused_k=None):
+    _check_window(window_size)
+    CALLS.append({"fn": "varlen_fwd"})
+    out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
+
+
+def _varlen_bwd_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   rng_state=None):
+    _check_window(window_size)
+    assert softmax_lse.shape == (q.shape[1], q.shape[0]), "2.6 takes the packed lse"
+    CALLS.append({"fn": "varlen_bwd", "deterministic": deterministic})
+    _varlen_grads(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dq, dk, dv)
+    return dq, dk, dv, None
 
 
 # ------------------------------------------------------------------------- 2.7.x and 2.8.x
@@ -99,22 +187,73 @@ def _custom_op_interface(namespace: str) -> tuple:
     return forward, backward
 
 
+def _custom_op_varlen(namespace: str, zero_tensors: bool) -> tuple:
+    """2.7's varlen custom ops; 2.8 adds ``zero_tensors`` (defaulted) to both."""
+    T, OptT = torch.Tensor, Optional[torch.Tensor]  # noqa: N806, UP045
+
+    def forward(q: T, k: T, v: T, cu_seqlens_q: T, cu_seqlens_k: T, max_seqlen_q: int, max_seqlen_k: int,
+                dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int = -1,
+                window_size_right: int = -1, softcap: float = 0.0, alibi_slopes: OptT = None,
+                return_softmax: bool = False, block_table: OptT = None, leftpad_k: OptT = None,
+                seqused_k: OptT = None) -> tuple[T, T, T, T]:
+        CALLS.append({"fn": "varlen_fwd", "window": (window_size_left, window_size_right)})
+        out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+        return out, lse, torch.empty(0), torch.zeros(2, dtype=torch.int64)
+
+    def backward(dout: T, q: T, k: T, v: T, out: T, softmax_lse: T, dq: OptT, dk: OptT, dv: OptT,
+                 cu_seqlens_q: T, cu_seqlens_k: T, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                 softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                 alibi_slopes: OptT, deterministic: bool, rng_state: OptT = None) -> T:
+        CALLS.append({"fn": "varlen_bwd", "deterministic": deterministic})
+        _varlen_grads(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dq, dk, dv)
+        return softmax_lse.clone()
+
+    if zero_tensors:  # same bodies, one more defaulted argument
+        plain_forward, plain_backward = forward, backward
+
+        def forward(q: T, k: T, v: T, cu_seqlens_q: T, cu_seqlens_k: T, max_seqlen_q: int, max_seqlen_k: int,  # noqa: F811
+                    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int = -1,
+                    window_size_right: int = -1, softcap: float = 0.0, alibi_slopes: OptT = None,
+                    return_softmax: bool = False, block_table: OptT = None, leftpad_k: OptT = None,
+                    seqused_k: OptT = None, zero_tensors: bool = False) -> tuple[T, T, T, T]:
+            return plain_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                 softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                                 return_softmax, block_table, leftpad_k, seqused_k)
+
+        def backward(dout: T, q: T, k: T, v: T, out: T, softmax_lse: T, dq: OptT, dk: OptT, dv: OptT,  # noqa: F811
+                     cu_seqlens_q: T, cu_seqlens_k: T, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                     softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+                     softcap: float, alibi_slopes: OptT, deterministic: bool, rng_state: OptT = None,
+                     zero_tensors: bool = False) -> T:
+            return plain_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                  window_size_right, softcap, alibi_slopes, deterministic, rng_state)
+
+    return (torch.library.custom_op(f"{namespace}::_flash_attn_varlen_forward", forward, mutates_args=()),
+            torch.library.custom_op(f"{namespace}::_flash_attn_varlen_backward", backward,
+                                    mutates_args=("dq", "dk", "dv")))
+
+
 _CUSTOM_OPS: dict[str, tuple] = {}
 
 
 def flash_attn_interface(version: str) -> types.ModuleType:
     """A stand-in ``flash_attn.flash_attn_interface`` of ``version`` (2.5.x-2.8.x)."""
     module = types.ModuleType("flash_attn.flash_attn_interface")
-    minor = int(version.split(".")[1])
+    minor, patch = int(version.split(".")[1]), int(version.split(".")[2][0])
     if minor == 5:
         module._flash_attn_forward, module._flash_attn_backward = _fwd_25, _bwd_25
+        module._flash_attn_varlen_forward = _varlen_fwd_257 if patch >= 7 else _varlen_fwd_25
+        module._flash_attn_varlen_backward = _varlen_bwd_25
     elif minor == 6:
         module._flash_attn_forward, module._flash_attn_backward = _fwd_26, _bwd_26
+        module._flash_attn_varlen_forward, module._flash_attn_varlen_backward = _varlen_fwd_26, _varlen_bwd_26
     else:
         namespace = f"cptrain_standin_fa2{minor}"
         if namespace not in _CUSTOM_OPS:
-            _CUSTOM_OPS[namespace] = _custom_op_interface(namespace)
-        module._flash_attn_forward, module._flash_attn_backward = _CUSTOM_OPS[namespace]
+            _CUSTOM_OPS[namespace] = _custom_op_interface(namespace) + _custom_op_varlen(namespace, minor >= 8)
+        (module._flash_attn_forward, module._flash_attn_backward, module._flash_attn_varlen_forward,
+         module._flash_attn_varlen_backward) = _CUSTOM_OPS[namespace]
     return module
 
 
@@ -124,20 +263,25 @@ def _fa3_plain_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_
                        rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal,
                        window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                        scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
-    assert all(x is None for x in (k_new, v_new, qv, out, cu_seqlens_q, page_table, q_descale))
+    assert all(x is None for x in (k_new, v_new, qv, out, page_table, q_descale))
     _check_window(window_size)
     CALLS.append({"fn": "fwd"})
-    out, lse = _attention(q, k, v, softmax_scale, causal)
+    if cu_seqlens_q is not None:
+        out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    else:
+        out, lse = _attention(q, k, v, softmax_scale, causal)
     return out, lse, None, None
 
 
 def _fa3_plain_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
                         max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
                         softcap=0.0, deterministic=False, sm_margin=0):
-    assert cu_seqlens_q is None and max_seqlen_q is None
     _check_window(window_size)
     CALLS.append({"fn": "bwd", "deterministic": deterministic, "lse_contiguous": softmax_lse.is_contiguous()})
-    _grads(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
+    if cu_seqlens_q is not None:
+        _varlen_grads(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dq, dk, dv)
+    else:
+        _grads(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
     return dq, dk, dv, softmax_lse.clone()
 
 
@@ -157,7 +301,10 @@ def _fa3_custom_op_interface() -> tuple:
                 num_splits: int = 1, pack_gqa: Optional[bool] = None, sm_margin: int = 0  # noqa: UP045
                 ) -> tuple[T, T, T, T]:
         CALLS.append({"fn": "fwd", "window": (window_size_left, window_size_right)})
-        out, lse = _attention(q, k, v, softmax_scale, causal)
+        if cu_seqlens_q is not None:
+            out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+        else:
+            out, lse = _attention(q, k, v, softmax_scale, causal)
         return out, lse, torch.empty(0), torch.empty(0)
 
     @torch.library.custom_op("cptrain_standin_fa3::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
@@ -168,7 +315,11 @@ def _fa3_custom_op_interface() -> tuple:
                  is_causal: bool = False, window_size_left: int = -1, window_size_right: int = -1,
                  softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0) -> T:
         CALLS.append({"fn": "bwd", "deterministic": deterministic, "lse_contiguous": softmax_lse.is_contiguous()})
-        _grads(dout, q, k, v, softmax_scale, is_causal, dq, dk, dv)
+        if cu_seqlens_q is not None:
+            _varlen_grads(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, is_causal,
+                          dq, dk, dv)
+        else:
+            _grads(dout, q, k, v, softmax_scale, is_causal, dq, dk, dv)
         return softmax_lse.clone()
 
     return forward, backward

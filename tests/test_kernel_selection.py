@@ -115,3 +115,23 @@ def test_efficient_lse_is_padded_densely_for_the_backward() -> None:
     dense = padded_lse(lse)
     assert dense.shape == (2, 3, 128) and dense.is_contiguous()
     assert torch.equal(dense[:, :, :100], lse) and not dense[:, :, 100:].any()
+
+
+def test_varlen_calls_match_the_op_schemas() -> None:
+    """The CUDA kernels' varlen forms: packed [T, H, D] rows with int32 offsets (efficient attention's lse
+    comes padded per segment and is unpadded to [H, T])."""
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="meta")
+    q, dout = (torch.empty(300, 8, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    k = torch.empty(300, 2, 64, dtype=torch.bfloat16, device="meta")
+    flash = TorchCudaFlash()
+    out, lse = flash.varlen_forward(q, k, k, cu, cu, 200, 200, True, 0.125)
+    assert out.shape == q.shape and lse.shape == (8, 300)
+    dq, dk, dv = flash.varlen_backward(dout, q, k, k, out, lse, cu, cu, 200, 200, True, 0.125)
+    assert dq.shape == q.shape and dk.shape == k.shape
+    efficient = TorchEfficient()
+    out, lse = efficient.varlen_forward(q.float(), k.float(), k.float(), cu, cu, 200, 200, True, 0.125)
+    assert out.shape == q.shape and lse.shape == (8, 300)
+    cpu_cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    q, k = torch.zeros(300, 8, 64), torch.zeros(300, 2, 64)
+    with pytest.raises(NotImplementedError, match="_efficient_attention_backward' with arguments from the 'CPU'"):
+        efficient.varlen_backward(q, q, k, k, q, torch.zeros(8, 300), cpu_cu, cpu_cu, 200, 200, True, 0.125)

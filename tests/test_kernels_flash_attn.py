@@ -23,6 +23,7 @@ from tests import flash_attn_standins as standins
 from tests.numerics import rel_err
 
 VERSIONS = ["2.5.9", "2.6.3", "2.7.4.post1", "2.8.3"]
+VARLEN_VERSIONS = ["2.5.6", "2.5.9", "2.6.3", "2.7.4.post1", "2.8.3"]  # 2.5.7 added block_table
 MATH = kernels.MathKernel()
 
 
@@ -155,3 +156,34 @@ def test_flash_attn_that_fails_to_import_falls_back_with_one_warning(fresh_selec
     assert kernel.name == "torch cuda flash"
     with pytest.raises(kernels.KernelUnavailable, match="backend 'flash_attn': .*undefined symbol"):
         kernels.select_kernel(torch.device("cuda", 0), torch.bfloat16, 64, "flash_attn")
+
+
+def _check_varlen(kernel) -> None:
+    """Packed segments (causal bottom-right rectangles and full ones, GQA) against the float64 kernel."""
+    gen = torch.Generator().manual_seed(5)
+    for causal, rows, keys in ((True, [5, 3, 8], [9, 3, 12]), (False, [4, 7], [6, 2])):
+        q, dout = (torch.randn(sum(rows), 4, 16, generator=gen) for _ in range(2))
+        k, v = (torch.randn(sum(keys), 2, 16, generator=gen) for _ in range(2))
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32) for x in (rows, keys))
+        args = (cu_q, cu_k, max(rows), max(keys), causal, 0.25)
+        out, lse = kernel.varlen_forward(q, k, v, *args)
+        ref_out, ref_lse = MATH.varlen_forward(q, k, v, *args)
+        assert out.shape == q.shape and lse.shape == (4, sum(rows))
+        assert rel_err(out, ref_out) < 1e-6 and rel_err(lse, ref_lse) < 1e-6
+        grads = kernel.varlen_backward(dout, q, k, v, out, lse, *args)
+        for got, ref in zip(grads, MATH.varlen_backward(dout, q, k, v, ref_out, ref_lse, *args), strict=True):
+            assert got.shape == ref.shape and rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("version", VARLEN_VERSIONS)
+def test_flash_attn_varlen_calls_bind_and_unpack(version: str) -> None:
+    """The varlen forms: block_table from 2.5.7, the padded per-sequence lse of 2.5.x, custom ops from 2.7."""
+    kernel = FlashAttn2.load(standins.flash_attn_interface(version), version, deterministic=True)
+    standins.CALLS.clear()
+    _check_varlen(kernel)
+    assert any(c["fn"] == "varlen_bwd" and c["deterministic"] for c in standins.CALLS)
+
+
+@pytest.mark.parametrize("form", ["custom_op", "plain"])
+def test_fa3_flash_attn_interface_varlen_calls_bind_and_unpack(form: str) -> None:
+    _check_varlen(FlashAttn3.load(standins.fa3_interface(form)))

@@ -13,6 +13,7 @@ import torch
 from parallel import kernels
 from parallel.layout import STATIC_LAYOUTS
 from parallel.ring_core import RingSpec
+from parallel.torch_kernels import expand_kv
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
 
@@ -54,3 +55,26 @@ def test_bf16_ring_on_cuda_within_twice_the_local_kernel(world: int, layout: str
         ring_error = rel_err(ring[name].to(q.dtype), ref[name])
         local_error = rel_err(local[name].to(q.dtype), ref[name])
         assert ring_error <= 2 * local_error + 1e-4, f"{name}: ring {ring_error:.2e} vs local {local_error:.2e}"
+
+
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (4, "stripe"), (4, "contiguous")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_documents_ring_on_cuda_with_varlen_steps(world: int, layout: str, dtype: torch.dtype) -> None:
+    """Packed documents: every step with several segments runs as varlen calls on the GPU kernels."""
+    q, k, v, dout = _full(128 * world, dtype)
+    gen = torch.Generator().manual_seed(world)
+    starts = torch.rand(2, 128 * world, generator=gen) < 0.05
+    starts[:, 0] = False
+    docs = torch.cumsum(starts.long(), 1)
+    kernel = kernels.select_kernel(q.device, q.dtype, 64)
+    got = run_threaded_ring(q, k, v, dout, world, RingSpec(layout, True, 0.125, kernel, 2, True, varlen=True), docs)
+    visible = (docs[:, :, None] == docs[:, None, :]) & torch.ones(128 * world, 128 * world, dtype=torch.bool).tril()
+    scores_mask = visible.cuda()[:, None]
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q64, expand_kv(k64, 8)) * 0.125
+    scores = scores.masked_fill(~scores_mask, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), expand_kv(v64, 8))
+    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+    bound = 2e-5 if dtype == torch.float32 else 5e-2
+    for name, ref in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert rel_err(got[name], ref) < bound, f"{name}: {rel_err(got[name], ref):.2e}"

@@ -1,0 +1,136 @@
+"""Rank-side timed attention cases for ``bench/attention.py`` (run in spawned gloo worlds).
+
+A case is ``"local"`` (the whole sequence in one process: PyTorch's SDPA for one document, the local
+kernel on the same mask for packed documents), ``"ring:<layout>"`` (``context_parallel_attention``)
+or ``"torch_cp"`` (PyTorch's own ring, ``_templated_ring_attention`` with all-to-all rotation, on
+zigzag shards; one document only). Plans are built before the timed iterations, as the model builds
+one per batch for all its layers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from bench.common import median, peak_memory_mb, reset_peak_memory
+from parallel.balanced_layout import balanced_positions
+from parallel.layout import sequence_positions
+from parallel.ring_attention import attention_plan, context_parallel_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def document_ids(spec: str, batch: int, seqlen: int) -> torch.Tensor:
+    """``[batch, seqlen]``: ``"1"`` one document; an integer: random lengths of that mean; ``"corpus"``:
+    the embedded corpus's documents as the trainer packs them."""
+    if spec == "1":
+        return torch.zeros(batch, seqlen, dtype=torch.int64)
+    if spec == "corpus":
+        from data.gpt_dataset import GPTDataset
+        from data.indexed import IndexedDataset
+        from data.prepare_default import prepare_default_corpus
+
+        dataset = GPTDataset(IndexedDataset(prepare_default_corpus().data_prefix), seqlen, batch, seed=1234)
+        return torch.stack([dataset[i]["document_ids"] for i in range(batch)])
+    rng = np.random.default_rng(int(spec))
+    rows = []
+    for _ in range(batch):
+        starts = rng.random(seqlen) < 1.0 / int(spec)
+        starts[0] = False
+        rows.append(torch.from_numpy(np.cumsum(starts)))
+    return torch.stack(rows)
+
+
+def _positions(layout: str, docs: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    if layout == "balanced":
+        return torch.stack([balanced_positions(row, world)[rank] for row in docs])
+    return sequence_positions(docs.shape[1], rank, world, layout).expand(docs.shape[0], -1)
+
+
+def _torch_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """PyTorch's templated ring attention on the CPU flash kernel, through autograd ([B, S, H, D] in/out)."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _templated_ring_attention,
+        _templated_ring_attention_backward,
+        set_rotate_method,
+    )
+
+    set_rotate_method("alltoall")
+    group = dist.group.WORLD
+    forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    class TorchRing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = _templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=causal, dropout_p=0.0)[:2]
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            return _templated_ring_attention_backward(group, 2, backward_op, dout, "grad_out", q, k, v, out, lse,
+                                                      is_causal=causal, dropout_p=0.0)[:3]
+
+    return TorchRing.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, warmup: int,
+              repeats: int, head_chunks: int | None = None) -> dict:
+    """Time ``case`` on every rank; ``shape`` has batch, seqlen, heads, kv_heads, head_dim, dtype, causal."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    batch, seqlen, causal = shape["batch"], shape["seqlen"], shape["causal"]
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(batch, seqlen, h, shape["head_dim"], generator=gen, dtype=DTYPES[shape["dtype"]])
+            for h in (shape["heads"], shape["kv_heads"], shape["kv_heads"], shape["heads"])]
+    docs = document_ids(documents, batch, seqlen)
+    layout = case.split(":")[1] if case.startswith("ring:") else ("zigzag" if case == "torch_cp" else "contiguous")
+    positions = _positions(layout, docs, rank, world) if case != "local" else torch.arange(seqlen).expand(batch, -1)
+    local = [torch.gather(x, 1, positions[:, :, None, None].expand(-1, -1, *x.shape[2:])) for x in full]
+    del full
+    q, k, v, dout = local
+    group = dist.group.WORLD if case.startswith("ring:") else None
+    one_document = documents == "1"
+    masked = not one_document or layout == "balanced"  # the balanced layout always follows the documents
+    plan = None if case == "torch_cp" or (case == "local" and one_document) else attention_plan(
+        group, layout, causal, positions.shape[1], torch.gather(docs, 1, positions) if masked else None,
+        positions if masked else None)
+    for x in (q, k, v):
+        x.requires_grad_(not fwd_only)
+
+    def step() -> None:
+        with torch.set_grad_enabled(not fwd_only):
+            if case == "torch_cp":
+                out = _torch_cp(q, k, v, causal)
+            elif case == "local" and one_document:
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
+                out = out.transpose(1, 2)
+            else:
+                out = context_parallel_attention(q, k, v, group, layout, causal, head_chunks=head_chunks, plan=plan)
+            if not fwd_only:
+                out.backward(dout)
+        for x in (q, k, v):
+            x.grad = None
+
+    times, added = [], []
+    for index in range(warmup + repeats):
+        if world > 1:
+            dist.barrier()
+        base = reset_peak_memory()
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        if index >= warmup:
+            times.append(elapsed)
+            added.append(peak_memory_mb() - base)
+    area = None if plan is None else sum(plan.areas) * batch ** (not plan.packed)
+    return {"times": times, "added_mb": median(added), "area": area,
+            "imbalance": None if plan is None else plan.imbalance}
