@@ -82,7 +82,8 @@ def _axis(mesh: DeviceMesh) -> AxisGroup:
 
 
 def _subgroup_override(backend: str, timeout: timedelta) -> tuple[str, Any] | None:
-    """(backend, options carrying ``timeout``) for subgroups; None where the backend has no options."""
+    """(backend, a new options object carrying ``timeout``) for ONE subgroup (options are never shared between
+    groups: a backend may keep or change the object it is given); None where the backend has no options."""
     names = {"gloo": ("ProcessGroupGloo", "_Options"), "nccl": ("ProcessGroupNCCL", "Options")}
     try:
         options = getattr(getattr(dist, names[backend][0]), names[backend][1])()
@@ -109,7 +110,7 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
     Uses the default process group when one exists (it is then left alone by
     ``destroy_parallel``); otherwise creates it from torchrun's environment. ``dp`` defaults
     to ``world // (tp*cp)``. ``backend`` defaults to nccl when CUDA is available, else gloo.
-    ``timeout_minutes`` bounds collectives on the groups created here.
+    ``timeout_minutes`` bounds collectives on the groups created here (fractions of a minute work).
     """
     global _STATE
     check_sizes(tp, cp, 1 if dp is None else dp)
@@ -147,12 +148,14 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
 
 def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, created: bool) -> ParallelState:
     device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    override = _subgroup_override(backend, timeout)
-    per_dim = {name: override for name in ("dp", "cp", "tp")} if override else None
+    def override() -> tuple[str, Any] | None:
+        return _subgroup_override(backend, timeout)
+
+    per_dim = {name: override() for name in ("dp", "cp", "tp")} if override() else None
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"),
                             backend_override=per_dim)
-    dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=override)
-    tp_cp_mesh = mesh["cp", "tp"]._flatten("tp_cp", backend_override=override)
+    dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=override())
+    tp_cp_mesh = mesh["cp", "tp"]._flatten("tp_cp", backend_override=override())
     cp_axis = _axis(mesh["cp"])
     return ParallelState(
         world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,
