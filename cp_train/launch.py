@@ -1,0 +1,65 @@
+"""torchrun with a one-line failure report: ``python -m cp_train.launch [torchrun options] train.py [args]``.
+
+It takes torchrun's own arguments and runs torchrun's own launcher (``torch.distributed.run``). When a
+worker fails, plain torchrun logs the failure, prints a Python traceback of its own launcher and a
+failure summary, and exits with 1 whatever the workers' exit codes were. This launcher prints one line
+naming the first rank that failed instead, and exits with that rank's exit code: 2 for a config or input
+error, 1 for a failed run, 128 + N for a rank killed by signal N. ``launch/torchrun.sh`` and
+``launch/slurm.sbatch`` use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+PROG = "cp_train.launch"
+AGENT_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs what the line below says
+
+
+def exit_code_of(code: int) -> int:
+    """A worker's exit code as a shell reports it (a negative code is a signal: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def summarize(failure: ChildFailedError) -> tuple[str, int]:
+    """(one line, exit code): the root cause is the earliest rank that exited by itself (ties: the lowest
+    rank; ranks killed by a signal, e.g. torchrun's SIGTERM to the others, only when none did)."""
+    failures = failure.failures
+    by_itself = [r for r, f in failures.items() if f.exitcode > 0] or list(failures)
+    root = min(by_itself, key=lambda r: (failures[r].timestamp, r))
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(failures):
+        code = failures[rank].exitcode
+        how = f"killed by {failures[rank].signal_name()}" if code < 0 else f"exit code {code}"
+        groups.setdefault(how, []).append(rank)
+    code = exit_code_of(failures[root].exitcode) or 1
+    ranks = "; ".join(f"{how} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                      for how, r in groups.items())
+    return f"{PROG}: {Path(failure.name).name} failed with exit code {code} ({ranks})", code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.getLogger(AGENT_FAILURE_LOGGER).setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as failure:
+        line, code = summarize(failure)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as stop:
+        print(f"{PROG}: stopped by {signal.Signals(stop.sigval).name}", file=sys.stderr, flush=True)
+        return 128 + int(stop.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
