@@ -20,12 +20,21 @@ from typing import NamedTuple
 import torch
 
 from cp_train import build
-from cp_train.checkpoint import ShardedState, find_checkpoint, load_checkpoint, save_checkpoint
+from cp_train.checkpoint import (
+    ShardedState,
+    find_checkpoint,
+    load_checkpoint,
+    newest_complete,
+    read_meta,
+    save_checkpoint,
+)
 from cp_train.config import Config, dump_yaml
+from cp_train.errors import InputError, RunFailure, agree
 from cp_train.grad_sync import GradientReducer
 from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
 from cp_train.metrics import IntervalMeter, peak_memory_gib, peak_tflops, reset_peak_memory
 from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
+from cp_train.resume import check_resume
 from cp_train.rng import derived_seed, restore_rng_state, seed_everything
 from cp_train.sinks import MetricsSinks
 from cp_train.validate import validate
@@ -35,8 +44,9 @@ from parallel.state import ParallelState
 MicroBatch = dict[str, torch.Tensor]
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The loss (or the gradient norm) became NaN or Inf; the message names the step."""
+class NonFiniteLossError(RunFailure, FloatingPointError):
+    """The loss (or the gradient norm) became NaN or Inf; the message names the step and the checkpoint to
+    resume from."""
 
 
 class BatchLoss(NamedTuple):
@@ -90,7 +100,9 @@ class Trainer:
         self.result.run_dir = str(self.run_dir)
         self.step, consumed = 0, 0
         self._pending_messages: list[str] = []
-        resume = self._resume_path()
+        agree(self._check_directories)
+        resume = agree(self._resume_path)
+        self._resumed_from = resume
         if resume is not None:
             consumed = self._load(resume)
         self.train_data, self.valid_data = build.build_datasets(config, self.sources, state)
@@ -105,19 +117,34 @@ class Trainer:
             return torch.bfloat16
         return None
 
+    def _check_directories(self) -> None:
+        """The run directory and the checkpoint directory must take files before step 1 (rank 0 writes both
+        the metrics and the checkpoint metadata)."""
+        if self.state.rank == 0:
+            build.ensure_writable_dir(self.run_dir, "logging.dir (--run-dir)")
+            if self.config.checkpoint.save:
+                build.ensure_writable_dir(Path(self.config.checkpoint.save), "checkpoint.save (--save)")
+
     def _resume_path(self) -> Path | None:
         ckpt = self.config.checkpoint
         if ckpt.load:
+            if not Path(ckpt.load).exists():
+                raise InputError(f"checkpoint.load (--load) {ckpt.load} does not exist")
             found = find_checkpoint(ckpt.load)
             if found is None:
-                raise FileNotFoundError(f"checkpoint.load={ckpt.load} holds no complete checkpoint (no `latest`)")
+                newest = newest_complete(Path(ckpt.load))
+                hint = f"; its newest complete checkpoint is {newest}: --load {newest}" if newest else ""
+                raise InputError(f"checkpoint.load (--load) {ckpt.load} holds no checkpoint (no `latest`, "
+                                 f"no meta.json){hint}")
             return found
         if ckpt.save and ckpt.auto_resume:
             return find_checkpoint(ckpt.save)
         return None
 
     def _load(self, path: Path) -> int:
-        meta = load_checkpoint(path, self.sharded, self.state)
+        meta = read_meta(path)
+        changes = check_resume(meta["config"], self.config, str(path))
+        rng_state, why = load_checkpoint(path, meta, self.sharded, self.state)
         for group in self.optimizer.param_groups:  # this run's config and implementation win over the saved ones
             group.update({k: self.optimizer.defaults[k] for k in ("foreach", "fused") if k in self.optimizer.defaults})
             group["betas"] = (self.config.optimizer.beta1, self.config.optimizer.beta2)
@@ -125,16 +152,25 @@ class Trainer:
             if group["weight_decay"]:
                 group["weight_decay"] = self.config.optimizer.weight_decay
         self.step = int(meta["step"])
-        saved = meta["layout"]
         self._note(f"resumed from {path} at step {self.step}, consumed_samples {meta['consumed_samples']}")
-        if meta["rng_state"] is not None:
-            restore_rng_state(meta["rng_state"])
+        for note in changes:
+            self._note(note)
+        if rng_state is not None:
+            restore_rng_state(rng_state)
         else:
             seed_everything(derived_seed(self.config.train.seed, self.state.rank, self.step))
-            self._note(f"layout changed from (tp, cp, dp) = ({saved['tp']}, {saved['cp']}, {saved['dp']}) to "
-                       f"{self.state.sizes}: model and optimizer resharded, RNG re-derived from train.seed "
-                       f"{self.config.train.seed} at step {self.step}")
+            self._note(f"{why}: RNG re-derived from train.seed {self.config.train.seed} at step {self.step} "
+                       f"on every rank")
         return int(meta["consumed_samples"])
+
+    def _last_checkpoint_hint(self) -> str:
+        """Where to resume from after a failure: the newest complete checkpoint of this run."""
+        save = self.config.checkpoint.save
+        last = newest_complete(Path(save)) if save else None
+        last = last or self._resumed_from
+        if last is None:
+            return "no checkpoint was saved (set --save and --save-interval to keep some)"
+        return f"the last checkpoint is {last}: resume from it with --load {last}"
 
     def _note(self, text: str) -> None:
         self.result.messages.append(text)
@@ -175,14 +211,15 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, self.step)
         loss, tokens, local_tokens, _ = self.forward_backward(self._to_device(micro_batches))
         if not math.isfinite(loss):
-            raise NonFiniteLossError(f"loss is {loss} at step {self.step + 1}: stopping the run (lower "
-                                     f"optimizer.lr, check the data, or resume from an earlier checkpoint)")
+            raise NonFiniteLossError(f"loss is {loss} at step {self.step + 1}: stopping the run; "
+                                     f"{self._last_checkpoint_hint()} (and a lower optimizer.lr), or check the data")
         if self.grad_callback is not None:
             self.grad_callback(self.step + 1)
         norm = global_grad_norm(self.params, self.state.tp.group)
         if not math.isfinite(float(norm)):
             raise NonFiniteLossError(f"gradient norm is {float(norm)} at step {self.step + 1} (loss {loss}): "
-                                     f"stopping the run before the update")
+                                     f"stopping the run before the update; {self._last_checkpoint_hint()} "
+                                     f"(and a lower optimizer.lr), or check the data")
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
         self.optimizer.step()
         self.step += 1
@@ -217,7 +254,7 @@ class Trainer:
                 "layout": {"tp": self.state.tp.size, "cp": self.state.cp.size, "dp": self.state.dp.size,
                            "world_size": self.state.world_size, "attention_layout": self.config.model.attention_layout},
                 "config": self.config.to_dict(), "torch": torch.__version__}
-        path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state)
+        path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state, keep=ckpt.keep)
         self._last_saved = self.step
         self._note(f"saved checkpoint {path}")
 
