@@ -20,15 +20,16 @@ from cp_train.collectives import explain_collective_failure, trace_collectives
 from cp_train.errors import run_entry_point
 from cp_train.trainer import run_training
 from cp_train.validate import validate
+from parallel.spawn import free_port
 from parallel.state import parallel_context
 
 
 def train(argv: list[str]) -> int:
     config = parse_config(argv)
     dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
-    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one (on a free port: several may run)
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": os.environ.get("MASTER_PORT", "29511")})
+                           "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
     parallel = config.parallel
     with parallel_context(parallel.tp, parallel.cp, dp, parallel.backend, parallel.timeout_minutes) as state:
         trace_collectives(state, parallel.timeout_minutes)

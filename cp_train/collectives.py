@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ TIMEOUT_MARKERS = ("timed out", "timeout")
 PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                      "connection refused", "socket closed", "read error", "write error")
 _TAG = "_cp_train_collective"
+_BACKEND_LOCATION = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")  # "[/.../unbound_buffer.cc:129] "
 
 _labels: dict[int, list[str]] = {}  # id(process group) -> its roles, e.g. ["cp", "dp_cp"]
 _ranks: dict[int, tuple[int, ...]] = {}
@@ -101,7 +103,7 @@ def _install() -> None:
         except Exception as error:
             found = _in_flight.get(self)
             if found is not None:
-                _tag(error, f"wait for {found[0]}", found[1])
+                _tag(error, *found)
             raise
 
     dist.Work.wait = wait
@@ -142,11 +144,10 @@ def explain_collective_failure(error: BaseException) -> str | None:
         return None
     operation, group = getattr(error, _TAG, (None, None))
     where = f"{operation} on {group_name(group)}" if operation else "a collective"
+    detail = f"({_BACKEND_LOCATION.sub('', text).split('. ')[0][:160]})"  # the backend's first sentence
     minutes = _settings.get("timeout_minutes")
     if timeout:
         limit = f"{minutes:g} min (parallel.timeout_minutes={minutes:g})" if minutes else "parallel.timeout_minutes"
-        return (f"{where} timed out after {limit}: another rank of that group stopped taking part (hung, "
-                f"stopped or too slow); check the other ranks' output, or raise parallel.timeout_minutes if "
-                f"that rank is only slow [{text[:160]}]")
-    return (f"{where} failed: another rank of that group went away (its own message, if any, names the "
-            f"cause) [{text[:160]}]")
+        return (f"{where} timed out after {limit}: another rank of the group stopped taking part (hung or "
+                f"stopped: look at its output) or is slower than that (raise parallel.timeout_minutes) {detail}")
+    return f"{where} failed: another rank of the group went away (killed, or failed: see its message) {detail}"

@@ -9,7 +9,8 @@ Both are raised alike on every rank (``agree`` turns a check made on some ranks 
 rank 0 alone prints them. Any other exception (a bug, or the machine failing) makes each rank that hits it
 print one line naming the exception, its first message line and where it was raised (exit 1). No traceback
 is printed unless ``--debug`` is given or ``CP_TRAIN_DEBUG=1`` is set. Under torchrun the same line goes to
-torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure summary shows it too.
+torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure summary shows it instead of a link,
+and the ranks that leave the report to rank 0 exit a little later, so that the summary's root cause is rank 0.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TypeVar
 
 DEBUG_ENV = "CP_TRAIN_DEBUG"
 DEBUG_FLAG = "--debug"
+QUIET_RANK_EXIT_DELAY_S = 2.0  # under torchrun, ranks that leave the report to rank 0 exit this much later
 T = TypeVar("T")
 
 
@@ -104,7 +106,8 @@ def write_torchelastic_error_file(line: str) -> None:
         return
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"message": line, "timestamp": str(int(time.time()))}))
+        Path(path).write_text(json.dumps({"message": {"message": line,  # torchrun's format, without a traceback
+                                                       "extraInfo": {"timestamp": str(int(time.time()))}}}))
     except OSError:
         pass  # the summary then shows torchrun's default text
 
@@ -130,6 +133,8 @@ def run_entry_point(prog: str, main: Callable[[list[str]], int | None], argv: Se
             traceback.print_exception(error)
         if here:
             print(f"{prog}: {'error' if code == 2 else 'failed'}: {line}", file=sys.stderr, flush=True)
+        if not here and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)  # let rank 0 fail first: torchrun's summary names the first failure
         write_torchelastic_error_file(line if here else f"{prog} exited with {code}: see rank 0's message")
         return code
 

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 PROG = "cp_train.launch"
-AGENT_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs what the line below says
+QUIETED_LOGGERS = "torch.distributed.elastic.multiprocessing"  # log each failure: the summary line says it all
 
 
 def exit_code_of(code: int) -> int:
@@ -30,11 +30,17 @@ def exit_code_of(code: int) -> int:
 
 
 def summarize(failure: ChildFailedError) -> tuple[str, int]:
-    """(one line, exit code): the root cause is the earliest rank that exited by itself (ties: the lowest
-    rank; ranks killed by a signal, e.g. torchrun's SIGTERM to the others, only when none did)."""
+    """(one line, exit code). The root cause is a rank that exited by itself, else one killed by a signal
+    other than SIGTERM (which torchrun sends to the other ranks once one failed), else any; the earliest
+    (then the lowest rank) of them."""
     failures = failure.failures
-    by_itself = [r for r, f in failures.items() if f.exitcode > 0] or list(failures)
-    root = min(by_itself, key=lambda r: (failures[r].timestamp, r))
+
+    def cause_first(rank: int) -> tuple[int, int, int]:
+        code = failures[rank].exitcode
+        kind = 0 if code > 0 else 1 if code != -signal.SIGTERM else 2
+        return kind, failures[rank].timestamp, rank
+
+    root = min(failures, key=cause_first)
     groups: dict[str, list[int]] = {}
     for rank in sorted(failures):
         code = failures[rank].exitcode
@@ -48,7 +54,9 @@ def summarize(failure: ChildFailedError) -> tuple[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.getLogger(AGENT_FAILURE_LOGGER).setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(QUIETED_LOGGERS):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
     except ChildFailedError as failure:
