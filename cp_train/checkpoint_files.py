@@ -136,6 +136,30 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     return target
 
 
+def resume_source(load: str | None, save: str | None) -> Path | None:
+    """The checkpoint a run resumes from: ``load`` (checkpoint.load: a directory with ``latest``, or one
+    checkpoint), else ``save``'s ``latest`` (auto-resume; None: off), else None. InputError naming the path."""
+    if load:
+        if not Path(load).exists():
+            raise InputError(f"checkpoint.load (--load) {load} does not exist")
+        found = find_checkpoint(load)
+        if found is None:
+            newest = newest_complete(Path(load))
+            hint = f"; its newest complete checkpoint is {newest}: --load {newest}" if newest else ""
+            raise InputError(f"checkpoint.load (--load) {load} holds no checkpoint (no `latest`, no {META}){hint}")
+        return found
+    return find_checkpoint(save) if save else None
+
+
+def resume_hint(save: str | None, resumed_from: Path | None) -> str:
+    """Where to resume from after a failure: the newest complete checkpoint in ``save``, else the one the run
+    started from."""
+    last = (newest_complete(Path(save)) if save else None) or resumed_from
+    if last is None:
+        return "no checkpoint was saved (set --save and --save-interval to keep some)"
+    return f"the last checkpoint is {last}: resume from it with --load {last}"
+
+
 def latest_name(root: Path) -> str | None:
     pointer = root / LATEST
     return pointer.read_text().strip() if pointer.is_file() else None

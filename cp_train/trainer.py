@@ -20,16 +20,10 @@ from typing import NamedTuple
 import torch
 
 from cp_train import build
-from cp_train.checkpoint import (
-    ShardedState,
-    find_checkpoint,
-    load_checkpoint,
-    newest_complete,
-    read_meta,
-    save_checkpoint,
-)
+from cp_train.checkpoint import ShardedState, load_checkpoint, read_meta, save_checkpoint
+from cp_train.checkpoint_files import resume_hint, resume_source
 from cp_train.config import Config, dump_yaml
-from cp_train.errors import InputError, RunFailure, agree
+from cp_train.errors import RunFailure, agree
 from cp_train.grad_sync import GradientReducer
 from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
 from cp_train.metrics import IntervalMeter, peak_memory_gib, peak_tflops, reset_peak_memory
@@ -101,7 +95,8 @@ class Trainer:
         self.step, consumed = 0, 0
         self._pending_messages: list[str] = []
         agree(self._check_directories)
-        resume = agree(self._resume_path)
+        ckpt = config.checkpoint
+        resume = agree(lambda: resume_source(ckpt.load, ckpt.save if ckpt.auto_resume else None))
         self._resumed_from = resume
         if resume is not None:
             consumed = self._load(resume)
@@ -125,22 +120,6 @@ class Trainer:
             if self.config.checkpoint.save:
                 build.ensure_writable_dir(Path(self.config.checkpoint.save), "checkpoint.save (--save)")
 
-    def _resume_path(self) -> Path | None:
-        ckpt = self.config.checkpoint
-        if ckpt.load:
-            if not Path(ckpt.load).exists():
-                raise InputError(f"checkpoint.load (--load) {ckpt.load} does not exist")
-            found = find_checkpoint(ckpt.load)
-            if found is None:
-                newest = newest_complete(Path(ckpt.load))
-                hint = f"; its newest complete checkpoint is {newest}: --load {newest}" if newest else ""
-                raise InputError(f"checkpoint.load (--load) {ckpt.load} holds no checkpoint (no `latest`, "
-                                 f"no meta.json){hint}")
-            return found
-        if ckpt.save and ckpt.auto_resume:
-            return find_checkpoint(ckpt.save)
-        return None
-
     def _load(self, path: Path) -> int:
         meta = read_meta(path)
         changes = check_resume(meta["config"], self.config, str(path))
@@ -162,15 +141,6 @@ class Trainer:
             self._note(f"{why}: RNG re-derived from train.seed {self.config.train.seed} at step {self.step} "
                        f"on every rank")
         return int(meta["consumed_samples"])
-
-    def _last_checkpoint_hint(self) -> str:
-        """Where to resume from after a failure: the newest complete checkpoint of this run."""
-        save = self.config.checkpoint.save
-        last = newest_complete(Path(save)) if save else None
-        last = last or self._resumed_from
-        if last is None:
-            return "no checkpoint was saved (set --save and --save-interval to keep some)"
-        return f"the last checkpoint is {last}: resume from it with --load {last}"
 
     def _note(self, text: str) -> None:
         self.result.messages.append(text)
@@ -206,20 +176,22 @@ class Trainer:
         local_tokens = float(sum(float(m.sum()) for m in masks))
         return BatchLoss(reduce_loss(local_sum, tokens, group), tokens, local_tokens, float(local_sum))
 
+    def _diverged(self, what: str) -> NonFiniteLossError:
+        hint = resume_hint(self.config.checkpoint.save, self._resumed_from)
+        return NonFiniteLossError(f"{what} at step {self.step + 1}: stopping the run before the update; {hint} "
+                                  f"(and a lower optimizer.lr), or check the data")
+
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step on one global batch (this rank's micro-batches, already CP-sliced)."""
         lr = self.schedule.apply(self.optimizer, self.step)
         loss, tokens, local_tokens, _ = self.forward_backward(self._to_device(micro_batches))
         if not math.isfinite(loss):
-            raise NonFiniteLossError(f"loss is {loss} at step {self.step + 1}: stopping the run; "
-                                     f"{self._last_checkpoint_hint()} (and a lower optimizer.lr), or check the data")
+            raise self._diverged(f"loss is {loss}")
         if self.grad_callback is not None:
             self.grad_callback(self.step + 1)
         norm = global_grad_norm(self.params, self.state.tp.group)
         if not math.isfinite(float(norm)):
-            raise NonFiniteLossError(f"gradient norm is {float(norm)} at step {self.step + 1} (loss {loss}): "
-                                     f"stopping the run before the update; {self._last_checkpoint_hint()} "
-                                     f"(and a lower optimizer.lr), or check the data")
+            raise self._diverged(f"gradient norm is {float(norm)} (loss {loss})")
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
         self.optimizer.step()
         self.step += 1
