@@ -176,10 +176,10 @@ class Trainer:
         local_tokens = float(sum(float(m.sum()) for m in masks))
         return BatchLoss(reduce_loss(local_sum, tokens, group), tokens, local_tokens, float(local_sum))
 
-    def _diverged(self, what: str) -> NonFiniteLossError:
+    def _diverged(self, what: str, detail: str = "") -> NonFiniteLossError:
         hint = resume_hint(self.config.checkpoint.save, self._resumed_from)
-        return NonFiniteLossError(f"{what} at step {self.step + 1}: stopping the run before the update; {hint} "
-                                  f"(and a lower optimizer.lr), or check the data")
+        return NonFiniteLossError(f"{what} at step {self.step + 1}{detail}: stopping the run before the update; "
+                                  f"{hint} (and a lower optimizer.lr), or check the data")
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step on one global batch (this rank's micro-batches, already CP-sliced)."""
@@ -191,7 +191,7 @@ class Trainer:
             self.grad_callback(self.step + 1)
         norm = global_grad_norm(self.params, self.state.tp.group)
         if not math.isfinite(float(norm)):
-            raise self._diverged(f"gradient norm is {float(norm)} (loss {loss})")
+            raise self._diverged(f"gradient norm is {float(norm)}", f" (loss {loss:.4f})")
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
         self.optimizer.step()
         self.step += 1
