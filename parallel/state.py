@@ -148,10 +148,12 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
 
 def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, created: bool) -> ParallelState:
     device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    def override() -> tuple[str, Any] | None:
+
+    def override() -> tuple[str, Any] | None:  # a fresh options object for every group
         return _subgroup_override(backend, timeout)
 
-    per_dim = {name: override() for name in ("dp", "cp", "tp")} if override() else None
+    per_dim: dict[str, Any] | None = {name: override() for name in ("dp", "cp", "tp")}
+    per_dim = per_dim if all(per_dim.values()) else None
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"),
                             backend_override=per_dim)
     dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=override())
