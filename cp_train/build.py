@@ -1,16 +1,22 @@
-"""Building a run's pieces from its config: device, data (datasets and loaders), model."""
+"""Building a run's pieces from its config: device, data (datasets and loaders), model, directories.
+
+Problems with the inputs (tokenizer, data files, writable directories) are ``InputError``s naming the key.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from cp_train.config import Config
+from cp_train.config import Config, ConfigError
+from cp_train.errors import InputError, agree
 from data.gpt_dataset import GPTDataset, train_valid_split
 from data.indexed import IndexedDataset
 from data.loader import StepLoader, build_data_loader
@@ -36,11 +42,37 @@ def use_deterministic_algorithms() -> None:
 
 
 def _one_per_node_first(state: ParallelState, work) -> object:  # noqa: ANN001 - any callable
-    """Run ``work()`` on local rank 0 first (it may write caches), then on the other ranks."""
+    """Run ``work()`` on local rank 0 first (it may write caches), then on the other ranks; a
+    ``CpTrainError`` of the first run stops every rank alike."""
     local_rank = int(os.environ.get("LOCAL_RANK", state.rank))
-    result = work() if local_rank == 0 else None
-    dist.barrier()
+    result = agree(work if local_rank == 0 else lambda: None)
     return result if local_rank == 0 else work()
+
+
+@contextmanager
+def input_errors(what: str) -> Iterator[None]:
+    """Turn the data code's errors about its files (missing, truncated, too small, unwritable cache) into
+    an ``InputError`` starting with ``what`` (the config key and value)."""
+    try:
+        yield
+    except PermissionError as error:
+        raise InputError(f"{what}: {error}: make it writable, or set data.cache_dir to a writable "
+                         f"directory for the sample-index cache") from None
+    except (OSError, ValueError) as error:
+        if isinstance(error, InputError):
+            raise
+        raise InputError(f"{what}: {error}") from None
+
+
+def ensure_writable_dir(path: Path, key: str) -> None:
+    """Create directory ``path`` if needed and write a file in it; ``InputError`` naming ``key`` if that fails."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        raise InputError(f"{key} {path} is not a writable directory ({error.strerror or error}): "
+                         f"choose another one or fix its permissions") from None
 
 
 @dataclass
@@ -61,15 +93,19 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
         prefix, tokenizer_path = str(corpus.data_prefix), tokenizer_path or str(corpus.tokenizer_model)
     eod, pad, vocab = config.data.eod_id, None, config.model.vocab_size
     if tokenizer_path is not None:
-        tokenizer = load_tokenizer(tokenizer_path)
+        with input_errors(f"data.tokenizer {tokenizer_path}"):
+            tokenizer = load_tokenizer(tokenizer_path)
+        if vocab is not None and vocab < tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size {vocab} is smaller than the {tokenizer.vocab_size} ids of the "
+                              f"tokenizer {tokenizer_path}: set model.vocab_size >= {tokenizer.vocab_size} (e.g. "
+                              f"{padded_vocab_size(tokenizer.vocab_size)}) or null to take it from the tokenizer")
         eod = tokenizer.eod if eod is None else eod
         pad = tokenizer.pad
         vocab = vocab or padded_vocab_size(tokenizer.vocab_size)
-        if tokenizer.vocab_size > vocab:
-            raise ValueError(f"tokenizer {tokenizer_path} produces ids up to {tokenizer.vocab_size - 1} but "
-                             f"model.vocab_size is {vocab}; use the model's tokenizer or a larger vocab_size")
     if vocab is None or eod is None:
-        raise ValueError("set data.tokenizer, or model.vocab_size and data.eod_id")
+        raise ConfigError("set data.tokenizer, or model.vocab_size and data.eod_id")
+    if not 0 <= eod < vocab:
+        raise ConfigError(f"data.eod_id {eod} is outside the vocabulary of model.vocab_size {vocab}")
     config.model.vocab_size = vocab
     return DataSources(prefix, tokenizer_path, eod, pad, vocab)
 
@@ -78,8 +114,9 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
                    ) -> tuple[GPTDataset, GPTDataset | None]:
     """Train (``steps * global_batch_size`` samples) and validation (``eval_iters`` global batches) datasets
     over a document split of the data; sample indices are cached (built once per node)."""
-    indexed = IndexedDataset(sources.prefix)
-    indexed.check_vocab(sources.vocab_size)
+    with input_errors(f"data.prefix {sources.prefix}"):
+        indexed = IndexedDataset(sources.prefix)
+        indexed.check_vocab(sources.vocab_size)
     data, train = config.data, config.train
     if data.valid_fraction > 0:
         train_docs, valid_docs = train_valid_split(indexed.num_documents, data.valid_fraction)
@@ -90,12 +127,13 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
               "cache_dir": data.cache_dir}
 
     def make() -> tuple[GPTDataset, GPTDataset | None]:
-        training = GPTDataset(indexed, data.seq_len, train.steps * train.global_batch_size,
-                              documents=train_docs, name="train", **common)
-        valid = None
-        if valid_docs.size and train.eval_interval > 0:
-            valid = GPTDataset(indexed, data.seq_len, train.eval_iters * train.global_batch_size,
-                               documents=valid_docs, name="valid", **common)
+        with input_errors(f"data.prefix {sources.prefix}"):
+            training = GPTDataset(indexed, data.seq_len, train.steps * train.global_batch_size,
+                                  documents=train_docs, name="train", **common)
+            valid = None
+            if valid_docs.size and train.eval_interval > 0:
+                valid = GPTDataset(indexed, data.seq_len, train.eval_iters * train.global_batch_size,
+                                   documents=valid_docs, name="valid", **common)
         return training, valid
 
     return _one_per_node_first(state, make)  # type: ignore[return-value]
@@ -118,7 +156,10 @@ def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, cons
 def build_model(config: Config, state: ParallelState, device: torch.device, hf_dir: str | None = None) -> GPTModel:
     """The GPT on this rank's TP and CP groups, fp32 parameters (autocast handles bf16): initialised from the
     seed, or with ``hf_dir`` this rank's shards of the Hugging Face Llama weights there."""
-    config.model.validate(state.tp.size, state.cp.size, config.data.seq_len)
+    try:
+        config.model.validate(state.tp.size, state.cp.size, config.data.seq_len)
+    except ValueError as error:
+        raise ConfigError(f"model: {error}") from None
     if hf_dir is None:
         return GPTModel(config.model, state.tp.group, state.cp.group, device=device)
     model = empty_model(config.model, state.tp.group, state.cp.group, device=device)

@@ -12,10 +12,13 @@ Model and optimizer tensors are saved as DTensors on the ``("dp", "cp", "tp")`` 
 parameters (``partition_dim``) as ``Shard`` over ``tp``, everything else replicated, so DCP writes
 each shard once and loads them into any other (tp, cp, dp) layout. A crash during a save leaves
 ``latest`` on the previous checkpoint; the partial directory is ignored (and replaced by the next save).
+A save that fails (a full disk, say) raises ``RunFailure`` on every rank naming the directory and the
+checkpoint ``latest`` still names. ``checkpoint_files.py`` checks a checkpoint's files before loading.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -34,36 +37,27 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from cp_train.checkpoint_files import (  # noqa: F401  (re-exported)
+    LATEST,
+    META,
+    find_checkpoint,
+    latest_name,
+    newest_complete,
+    prune,
+    read_meta,
+    step_dir_name,
+)
+from cp_train.errors import InputError, RunFailure, agree, one_line
 from cp_train.rng import capture_rng_state
 from parallel.state import ParallelState
 
-LATEST = "latest"
-META = "meta.json"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+DISK_FULL_MARKERS = ("no space left on device", "disk quota exceeded", "errno 28")
 
 
 def _atomic_write(path: Path, text: str) -> None:
     partial = path.with_name(f".{path.name}.tmp{os.getpid()}")
     partial.write_text(text)
     os.replace(partial, path)
-
-
-def find_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The complete checkpoint ``path`` names: ``path/latest``'s target, or ``path`` itself when it is one
-    checkpoint; None when ``path`` holds none yet."""
-    root = Path(path)
-    if (root / META).is_file():
-        return root
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    target = root / pointer.read_text().strip()
-    if not (target / META).is_file():
-        raise FileNotFoundError(f"{pointer} points at {target}, which is not a complete checkpoint")
-    return target
 
 
 class ShardedState:
@@ -127,35 +121,126 @@ class ShardedState:
             "param_groups": optim["param_groups"]})
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, the exceptions it wraps (DCP's per-rank failures included), their causes and contexts."""
+    found: list[BaseException] = []
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or any(current is seen for seen in found):
+            continue
+        found.append(current)
+        pending += [current.__cause__, current.__context__]
+        pending += [pair[0] for pair in getattr(current, "failures", {}).values() if isinstance(pair, tuple)]
+    return found
+
+
+def _root_message(error: BaseException) -> str:
+    """The innermost failure's ``Type: message`` (DCP wraps every rank's exception in one of its own)."""
+    inner = [e for e in _causes(error) if type(e).__name__ != "CheckpointException"] or [error]
+    return f"{type(inner[-1]).__name__}: {one_line(str(inner[-1]))}"
+
+
+def _is_disk_full(error: BaseException, directory: Path) -> bool:
+    for cause in _causes(error):
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(marker in str(cause).lower() for marker in DISK_FULL_MARKERS):
+            return True
+    try:  # torch's zip writer reports a failed write as "unexpected pos": look at the file system
+        return shutil.disk_usage(directory).free < 2**20
+    except OSError:
+        return False
+
+
+def save_failure(error: BaseException, target: Path, previous: str | None) -> RunFailure:
+    """The message for a save of ``target`` that failed with ``error``."""
+    kept = f"{target.parent / LATEST} still names {previous}" if previous else "no earlier checkpoint exists"
+    if _is_disk_full(error, target.parent):
+        try:
+            free = f"{shutil.disk_usage(target.parent).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        return RunFailure(f"no space left on device while saving checkpoint {target} ({free} in "
+                          f"{target.parent}): free space there, point --save (checkpoint.save) elsewhere or "
+                          f"lower checkpoint.keep; {kept}")
+    return RunFailure(f"saving checkpoint {target} failed ({_root_message(error)}); {kept}")
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, sharded: ShardedState, meta: dict[str, Any],
-                    state: ParallelState) -> Path:
-    """Save on every rank (collective); ``latest`` moves to this checkpoint only once all of it is written."""
+                    state: ParallelState, keep: int = 0) -> Path:
+    """Save on every rank (collective); ``latest`` moves to this checkpoint only once all of it is written,
+    then only the newest ``keep`` complete checkpoints are kept (0: all). ``RunFailure`` on every rank when
+    any rank fails to write its part."""
     root = Path(root)
     target = root / step_dir_name(step)
+    previous = latest_name(root)
+
+    def on_every_rank(work: Any) -> None:
+        def check() -> None:
+            try:
+                work()
+            except Exception as error:  # noqa: BLE001 - reported as a failed save naming the directory
+                raise save_failure(error, target, previous) from None
+        agree(check)
+
+    def prepare() -> None:
+        if state.rank == 0:
+            if target.exists():  # left over from an interrupted save: never the one `latest` names
+                shutil.rmtree(target)
+            (target / "rng").mkdir(parents=True)
+
+    def write_rng() -> None:
+        with open(target / "rng" / f"rank_{state.rank:05d}.pt", "wb") as handle:
+            torch.save(capture_rng_state(), handle)
+
+    def publish() -> None:
+        if state.rank == 0:
+            _atomic_write(target / META, json.dumps(meta, indent=2) + "\n")
+            _atomic_write(root / LATEST, target.name + "\n")
+
+    on_every_rank(prepare)
+    try:
+        dcp.save(sharded.state_dict(), storage_writer=dcp.FileSystemWriter(target))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        raise save_failure(error, target, previous) from None
+    on_every_rank(write_rng)
+    on_every_rank(publish)
     if state.rank == 0:
-        if target.exists():  # left over from an interrupted save: never the one `latest` names
-            shutil.rmtree(target)
-        (target / "rng").mkdir(parents=True)
-    dist.barrier()
-    dcp.save(sharded.state_dict(), storage_writer=dcp.FileSystemWriter(target))
-    torch.save(capture_rng_state(), target / "rng" / f"rank_{state.rank:05d}.pt")
-    dist.barrier()
-    if state.rank == 0:
-        _atomic_write(target / META, json.dumps(meta, indent=2) + "\n")
-        _atomic_write(root / LATEST, target.name + "\n")
+        prune(root, keep)
     dist.barrier()
     return target
 
 
-def load_checkpoint(path: Path, sharded: ShardedState, state: ParallelState) -> dict[str, Any]:
-    """Load ``path`` (a complete checkpoint) into model and optimizer, resharding to this layout; return
-    its meta with ``"rng_state"`` set to this rank's saved RNG states when the layout is unchanged."""
-    meta = json.loads((path / META).read_text())
+def load_checkpoint(path: Path, meta: dict[str, Any], sharded: ShardedState, state: ParallelState
+                    ) -> tuple[dict[str, Any] | None, str | None]:
+    """Load the complete checkpoint ``path`` (its ``meta``) into model and optimizer, resharding to this layout.
+
+    Returns ``(this rank's saved RNG states, note)``: the states when the layout is unchanged and every
+    rank's RNG file is there; else None (the caller re-derives the RNG on every rank) and a note saying why.
+    """
     target = sharded.state_dict()
-    dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+    try:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        raise InputError(f"checkpoint {path} does not load into this model ({_root_message(error)}); "
+                         f"resume with the model it was saved with") from None
     sharded.load_state_dict(target)
     saved = meta["layout"]
-    same = (saved["tp"], saved["cp"], saved["dp"]) == state.sizes
+    if (saved["tp"], saved["cp"], saved["dp"]) != state.sizes:
+        return None, (f"layout changed from (tp, cp, dp) = ({saved['tp']}, {saved['cp']}, {saved['dp']}) to "
+                      f"{state.sizes}: model and optimizer resharded")
     rng_file = path / "rng" / f"rank_{state.rank:05d}.pt"
-    meta["rng_state"] = torch.load(rng_file, weights_only=False) if same and rng_file.is_file() else None
-    return meta
+    present = [rng_file.is_file()]
+    if dist.get_world_size() > 1:
+        present = [False] * dist.get_world_size()
+        dist.all_gather_object(present, rng_file.is_file())
+    missing = [str(path / "rng" / f"rank_{rank:05d}.pt") for rank, ok in enumerate(present) if not ok]
+    if missing:
+        return None, f"{', '.join(missing)} missing (RNG states of the checkpoint)"
+    with open(rng_file, "rb") as handle:
+        return torch.load(handle, weights_only=False), None

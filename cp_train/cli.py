@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
-from cp_train.config import Config, load_config
+from cp_train.config import Config, ConfigError, load_config
+from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, this_rank
 
 # flag -> (dotted key, type, help); Megatron's long names are accepted as aliases
 FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
@@ -35,8 +37,19 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become ``ConfigError`` (reported once, by rank 0); help is printed by rank 0 only."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see python train.py --help)")
+
+    def _print_message(self, message: str, file=None) -> None:  # noqa: ANN001 - argparse's signature
+        if this_rank() == 0:
+            super()._print_message(message, file or sys.stdout)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="train.py", description="Context-parallel GPT pretraining. Precedence: YAML < flags < --set.",
         epilog="Launch with torchrun, e.g. torchrun --nproc-per-node 2 train.py --config "
                "launch/configs/cpu-tiny.yaml --set train.steps=50")
@@ -46,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"{text} [{key}]")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="any config key, e.g. --set model.hidden_size=512 (repeatable; wins over flags)")
+    parser.add_argument(DEBUG_FLAG, action="store_true",
+                        help=f"print the Python traceback of an error (also {DEBUG_ENV}=1)")
     return parser
 
 
@@ -53,5 +68,5 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     """The config from ``argv``: YAML (``--config``) < flags < ``--set`` overrides."""
     args = build_parser().parse_args(argv)
     flags = {key: value for key, value in vars(args).items()
-             if key not in ("config", "overrides") and value is not None}
+             if key not in ("config", "overrides", "debug") and value is not None}
     return load_config(args.config, flags, args.overrides)

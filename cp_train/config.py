@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,11 +20,12 @@ from typing import Any, ClassVar
 
 import yaml
 
+from cp_train.errors import InputError
 from model.config import ModelConfig
 
 
-class ConfigError(ValueError):
-    """A config that cannot be loaded or cannot run; the message names the key or the numbers."""
+class ConfigError(InputError):
+    """A config that cannot be loaded or cannot run; the message names the key or the numbers (exit code 2)."""
 
 
 @dataclass
@@ -32,7 +34,7 @@ class ParallelConfig:
     cp: int = 1
     dp: int | None = None  # None: world // (tp * cp)
     backend: str | None = None  # None: nccl on CUDA, else gloo
-    timeout_minutes: float = 10.0  # bounds every collective
+    timeout_minutes: float = 10.0  # bounds every collective; fractions work (0.05 = 3 s)
 
 
 @dataclass
@@ -89,6 +91,9 @@ class CheckpointConfig:
     interval: int = 0  # steps between saves; 0: off (a final save still happens when save is set)
     auto_resume: bool = True  # with no load, resume from save's `latest` when there is one
     init_from_hf: str | None = None  # HF Llama directory: model shape from its config.json, weights unless resuming
+    keep: int = 2  # complete checkpoints kept in `save` (older ones are deleted); 0: keep all
+    # keys whose change since the checkpoint a resume may accept (resume.py; e.g. [train.global_batch_size])
+    allow_changes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -168,9 +173,15 @@ _TRUE, _FALSE, _NULL = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}, 
 
 
 def coerce(key: str, value: Any, kind: Any) -> Any:
-    """``value`` as ``kind`` (int, float, bool, str or an Optional of them); ConfigError naming ``key``."""
+    """``value`` as ``kind`` (int, float, bool, str, list[str] or an Optional of them); ConfigError naming
+    ``key``. Floats must be finite; a list may be given as a comma-separated string."""
     args = typing.get_args(kind)
     is_null = value is None or (isinstance(value, str) and value.strip().lower() in _NULL)
+    if typing.get_origin(kind) is list:
+        if is_null:
+            return []
+        items = value if isinstance(value, list | tuple) else str(value).split(",")
+        return [coerce(key, item, args[0]) for item in items if str(item).strip()]
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         if is_null:
             return None
@@ -194,12 +205,18 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         if kind is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value) if isinstance(value, int | float) else float(text)
-        if kind is str:
+            number = float(value) if isinstance(value, int | float) else float(text)
+        elif kind is str:
             return text
-    except ValueError:
+        else:
+            raise ConfigError(f"{key} has an unsupported type {kind}")
+    except ConfigError:
+        raise
+    except (ValueError, OverflowError):
         raise ConfigError(f"{key} expects {kind.__name__}, got {value!r}") from None
-    raise ConfigError(f"{key} has an unsupported type {kind}")
+    if not math.isfinite(number):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    return number
 
 
 def _mapping(key: str, value: Any) -> dict[str, Any]:
@@ -253,18 +270,35 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
     return config
 
 
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The mapping in YAML file ``path``; ConfigError naming the file (and the line of a syntax error)."""
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a directory: pass a YAML file (e.g. launch/configs/cpu-tiny.yaml)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path} does not exist: pass an existing YAML file "
+                          f"(e.g. launch/configs/cpu-tiny.yaml)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {path} cannot be read: {error}") from None
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(f"{where}: not valid YAML: {' '.join(str(problem).split())}; fix the file") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...)")
+    return tree
+
+
 def load_config(path: str | Path | None = None, flags: dict[str, Any] | None = None,
                 overrides: typing.Sequence[str] = ()) -> Config:
     """The config of YAML ``path`` < ``flags`` (dotted key -> value) < ``overrides`` ("key=value")."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if path is not None:
-        text = Path(path).read_text()
-        try:
-            tree = yaml.safe_load(text) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: not valid YAML: {error}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        tree = read_yaml(Path(path))
         layers.append((str(path), flatten(tree, str(path))))
     layers.append(("command-line flags", dict(flags or {})))
     layers.append(("--set", dict(parse_override(o) for o in overrides)))

@@ -63,9 +63,31 @@ def console_line(record: dict[str, Any], total_steps: int, started: float, first
             f"mem {memory} GiB | eta {_duration(eta)}")
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """Remove the records of steps after ``step`` from JSONL file ``path`` (a run resumed at ``step`` logs
+    them again: plots and dashboards then show one curve). Rewritten atomically; returns how many went."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            superseded = json.loads(line).get("step", 0) > step
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            superseded = True  # a half-written last line of a killed run
+        if not superseded:
+            kept.append(line)
+    if len(kept) < len(lines):
+        partial = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        partial.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        os.replace(partial, path)
+    return len(lines) - len(kept)
+
+
 class MetricsSinks:
     """Console, JSONL and wandb sinks of one run; every method is a no-op unless ``enabled`` (one rank).
-    ``metrics.jsonl`` is appended to when ``append`` (a resumed run), else started afresh."""
+    ``metrics.jsonl`` is appended to when ``append`` (a run resumed at ``first_step``: records of later
+    steps, logged before the run stopped, are dropped first), else started afresh."""
 
     def __init__(self, enabled: bool, run_dir: Path, run_name: str, total_steps: int, first_step: int,
                  config: dict[str, Any], layout: dict[str, int], use_wandb: bool, project: str,
@@ -78,7 +100,9 @@ class MetricsSinks:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        # a resumed run appends to its metrics, a fresh one starts them over
+        # a resumed run appends to its metrics (dropping what it is about to redo), a fresh one starts them over
+        if append:
+            drop_records_after(run_dir / METRICS_FILE, first_step)
         self.jsonl = open(run_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
         if use_wandb and wandb_mode(mode) != "disabled":
             import wandb  # slow import: only when used

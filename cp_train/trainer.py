@@ -20,8 +20,10 @@ from typing import NamedTuple
 import torch
 
 from cp_train import build
-from cp_train.checkpoint import ShardedState, find_checkpoint, load_checkpoint, save_checkpoint
+from cp_train.checkpoint import ShardedState, load_checkpoint, read_meta, save_checkpoint
+from cp_train.checkpoint_files import resume_hint, resume_source
 from cp_train.config import Config, dump_yaml
+from cp_train.errors import RunFailure, agree
 from cp_train.grad_sync import GradientReducer
 from cp_train.hf_init import hf_init_message
 from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
@@ -33,6 +35,7 @@ from cp_train.metrics import (
     reset_peak_memory,
 )
 from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
+from cp_train.resume import check_resume
 from cp_train.rng import derived_seed, restore_rng_state, seed_everything
 from cp_train.sinks import MetricsSinks
 from cp_train.validate import validate
@@ -43,8 +46,9 @@ from parallel.state import ParallelState
 MicroBatch = dict[str, torch.Tensor]
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The loss (or the gradient norm) became NaN or Inf; the message names the step."""
+class NonFiniteLossError(RunFailure, FloatingPointError):
+    """The loss (or the gradient norm) became NaN or Inf; the message names the step and the checkpoint to
+    resume from."""
 
 
 class BatchLoss(NamedTuple):
@@ -90,7 +94,12 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         seed_everything(derived_seed(config.train.seed, state.rank))
         self.sources = build.resolve_data(config, state)
-        resume = self._resume_path()
+        self.run_name = config.run_name(self.dp)
+        self.run_dir = build.run_dir_of(config, self.run_name)
+        agree(self._check_directories)
+        ckpt = config.checkpoint
+        resume = agree(lambda: resume_source(ckpt.load, ckpt.save if ckpt.auto_resume else None))
+        self._resumed_from = resume
         hf_dir = None if resume is not None else config.checkpoint.init_from_hf
         self.model = build.build_model(config, state, self.device, hf_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -99,8 +108,6 @@ class Trainer:
         self.reducer = GradientReducer(self.params, state.dp_cp.group, config.train.grad_bucket_mb)
         self.sharded = ShardedState(self.model, self.optimizer, state)
         self.result = TrainResult()
-        self.run_name = config.run_name(self.dp)
-        self.run_dir = build.run_dir_of(config, self.run_name)
         self.result.run_dir = str(self.run_dir)
         self.step, consumed = 0, 0
         self._pending_messages: list[str] = []
@@ -120,19 +127,18 @@ class Trainer:
             return torch.bfloat16
         return None
 
-    def _resume_path(self) -> Path | None:
-        ckpt = self.config.checkpoint
-        if ckpt.load:
-            found = find_checkpoint(ckpt.load)
-            if found is None:
-                raise FileNotFoundError(f"checkpoint.load={ckpt.load} holds no complete checkpoint (no `latest`)")
-            return found
-        if ckpt.save and ckpt.auto_resume:
-            return find_checkpoint(ckpt.save)
-        return None
+    def _check_directories(self) -> None:
+        """The run directory and the checkpoint directory must take files before step 1 (rank 0 writes both
+        the metrics and the checkpoint metadata)."""
+        if self.state.rank == 0:
+            build.ensure_writable_dir(self.run_dir, "logging.dir (--run-dir)")
+            if self.config.checkpoint.save:
+                build.ensure_writable_dir(Path(self.config.checkpoint.save), "checkpoint.save (--save)")
 
     def _load(self, path: Path) -> int:
-        meta = load_checkpoint(path, self.sharded, self.state)
+        meta = read_meta(path)
+        changes = check_resume(meta["config"], self.config, str(path))
+        rng_state, why = load_checkpoint(path, meta, self.sharded, self.state)
         for group in self.optimizer.param_groups:  # this run's config and implementation win over the saved ones
             group.update({k: self.optimizer.defaults[k] for k in ("foreach", "fused") if k in self.optimizer.defaults})
             group["betas"] = (self.config.optimizer.beta1, self.config.optimizer.beta2)
@@ -140,15 +146,15 @@ class Trainer:
             if group["weight_decay"]:
                 group["weight_decay"] = self.config.optimizer.weight_decay
         self.step = int(meta["step"])
-        saved = meta["layout"]
         self._note(f"resumed from {path} at step {self.step}, consumed_samples {meta['consumed_samples']}")
-        if meta["rng_state"] is not None:
-            restore_rng_state(meta["rng_state"])
+        for note in changes:
+            self._note(note)
+        if rng_state is not None:
+            restore_rng_state(rng_state)
         else:
             seed_everything(derived_seed(self.config.train.seed, self.state.rank, self.step))
-            self._note(f"layout changed from (tp, cp, dp) = ({saved['tp']}, {saved['cp']}, {saved['dp']}) to "
-                       f"{self.state.sizes}: model and optimizer resharded, RNG re-derived from train.seed "
-                       f"{self.config.train.seed} at step {self.step}")
+            self._note(f"{why}: RNG re-derived from train.seed {self.config.train.seed} at step {self.step} "
+                       f"on every rank")
         return int(meta["consumed_samples"])
 
     def _note(self, text: str) -> None:
@@ -197,19 +203,22 @@ class Trainer:
         imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
         return BatchLoss(reduce_loss(local_sum, tokens, group), tokens, local_tokens, float(local_sum), imbalance)
 
+    def _diverged(self, what: str, detail: str = "") -> NonFiniteLossError:
+        hint = resume_hint(self.config.checkpoint.save, self._resumed_from)
+        return NonFiniteLossError(f"{what} at step {self.step + 1}{detail}: stopping the run before the update; "
+                                  f"{hint} (and a lower optimizer.lr), or check the data")
+
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step on one global batch (this rank's micro-batches, already CP-sliced)."""
         lr = self.schedule.apply(self.optimizer, self.step)
         loss, tokens, local_tokens, _, imbalance = self.forward_backward(self._to_device(micro_batches))
         if not math.isfinite(loss):
-            raise NonFiniteLossError(f"loss is {loss} at step {self.step + 1}: stopping the run (lower "
-                                     f"optimizer.lr, check the data, or resume from an earlier checkpoint)")
+            raise self._diverged(f"loss is {loss}")
         if self.grad_callback is not None:
             self.grad_callback(self.step + 1)
         norm = global_grad_norm(self.params, self.state.tp.group)
         if not math.isfinite(float(norm)):
-            raise NonFiniteLossError(f"gradient norm is {float(norm)} at step {self.step + 1} (loss {loss}): "
-                                     f"stopping the run before the update")
+            raise self._diverged(f"gradient norm is {float(norm)}", f" (loss {loss:.4f})")
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
         self.optimizer.step()
         self.step += 1
@@ -244,7 +253,7 @@ class Trainer:
                 "layout": {"tp": self.state.tp.size, "cp": self.state.cp.size, "dp": self.state.dp.size,
                            "world_size": self.state.world_size, "attention_layout": self.config.model.attention_layout},
                 "config": self.config.to_dict(), "torch": torch.__version__}
-        path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state)
+        path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state, keep=ckpt.keep)
         self._last_saved = self.step
         self._note(f"saved checkpoint {path}")
 

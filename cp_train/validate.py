@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cp_train.config import Config, ConfigError
+from cp_train.config import Config, ConfigError, field_type
 from parallel.layout import check_layout
 from parallel.rank_groups import resolve_dp as resolve_layout_dp
 
@@ -12,6 +12,7 @@ DTYPES = ("auto", "bf16", "fp32")
 DECAYS = ("cosine", "linear", "constant")
 OPTIMIZERS = ("auto", "fused", "foreach")
 WANDB_MODES = (None, "online", "offline", "disabled")
+FP32_MAX = 3.4028234663852886e38
 
 
 def resolve_dp(config: Config, world_size: int) -> int:
@@ -34,6 +35,18 @@ def _positive(config: Config, keys: tuple[str, ...], minimum: float) -> None:
             raise ConfigError(f"{key} must be >= {minimum}, got {value}")
 
 
+def _check_optimizer_range(config: Config) -> None:
+    """The optimizer updates fp32 weights with these numbers: each (and lr * weight_decay) must fit fp32."""
+    optimizer = config.optimizer
+    values = {f"optimizer.{f.name}": getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)
+              if isinstance(getattr(optimizer, f.name), float)}
+    values["optimizer.lr * optimizer.weight_decay"] = optimizer.lr * optimizer.weight_decay
+    for key, value in values.items():
+        if abs(value) > FP32_MAX:
+            raise ConfigError(f"{key} = {value:g} overflows the fp32 optimizer (largest fp32 number "
+                              f"{FP32_MAX:.3g}); use a value like 3e-4")
+
+
 def _choice(key: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
@@ -45,12 +58,21 @@ def validate(config: Config, world_size: int) -> int:
     tp, cp = config.parallel.tp, config.parallel.cp
     train, data, model = config.train, config.data, config.model
     _positive(config, ("train.steps", "train.micro_batch_size", "train.global_batch_size", "train.eval_iters",
-                       "logging.interval", "data.seq_len", "parallel.timeout_minutes"), 1)
-    _positive(config, ("train.eval_interval", "checkpoint.interval", "schedule.warmup_steps",
+                       "logging.interval", "data.seq_len"), 1)
+    _positive(config, ("train.eval_interval", "checkpoint.interval", "checkpoint.keep", "schedule.warmup_steps",
                        "data.num_workers", "optimizer.weight_decay", "optimizer.clip_grad",
                        "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops"), 0)
+    if not config.parallel.timeout_minutes > 0:
+        raise ConfigError(f"parallel.timeout_minutes must be > 0 (fractions work: 0.5 = 30 s), got "
+                          f"{config.parallel.timeout_minutes}")
     if not config.optimizer.lr > 0:
         raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
+    _check_optimizer_range(config)
+    for key in config.checkpoint.allow_changes:
+        try:
+            field_type(key)
+        except ConfigError as error:
+            raise ConfigError(f"checkpoint.allow_changes: {error}") from None
     if config.optimizer.min_lr > config.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr {config.optimizer.min_lr} is larger than optimizer.lr "
                           f"{config.optimizer.lr}")

@@ -81,8 +81,11 @@ def check_vocab_fits(dtype: np.dtype | type, vocab_size: int, what: str = "the d
 class IndexedDatasetWriter:
     """Writes ``PREFIX.bin`` as documents arrive and ``PREFIX.idx`` on ``finalize()``.
 
-    Use as a context manager (``finalize`` runs on a clean exit). Token values are checked
-    against the dtype's range, so ids never wrap around silently.
+    Use as a context manager (``finalize`` runs on a clean exit, ``abort`` on an exception). Both
+    files are written under temporary names next to their final ones and renamed into place by
+    ``finalize`` (``.bin`` first, ``.idx`` last), so a failed or interrupted run never leaves a
+    ``.bin`` without its ``.idx``. Token values are checked against the dtype's range, so ids never
+    wrap around silently.
     """
 
     def __init__(self, prefix: PathLike, dtype: np.dtype | type = np.uint16) -> None:
@@ -91,7 +94,9 @@ class IndexedDatasetWriter:
         self._code = dtype_code(self.dtype)
         self._sequence_lengths: list[int] = []
         self._document_index: list[int] = [0]
-        self._bin = open(data_path(self.prefix), "wb")  # closed in finalize()
+        self._partial = {"bin": _partial_name(data_path(self.prefix)),
+                         "idx": _partial_name(index_path(self.prefix))}
+        self._bin = open(self._partial["bin"], "wb")  # closed in finalize() or abort()
         self._finalized = False
 
     def add_document(self, tokens: Iterable[int] | np.ndarray,
@@ -116,7 +121,7 @@ class IndexedDatasetWriter:
         self._document_index.append(len(self._sequence_lengths))
 
     def finalize(self) -> None:
-        """Close ``.bin`` and write ``.idx`` (idempotent)."""
+        """Close ``.bin``, write ``.idx`` and rename both into place (idempotent)."""
         if self._finalized:
             return
         self._finalized = True
@@ -125,16 +130,30 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            self.abort()
             raise ValueError("a sequence longer than 2**31-1 tokens cannot be indexed")
-        with open(index_path(self.prefix), "wb") as out:
-            out.write(INDEX_MAGIC)
-            out.write(struct.pack("<Q", INDEX_VERSION))
-            out.write(struct.pack("<B", self._code))
-            out.write(struct.pack("<Q", len(lengths)))
-            out.write(struct.pack("<Q", len(self._document_index)))
-            out.write(lengths.astype("<i4").tobytes())
-            out.write(pointers.astype("<i8").tobytes())
-            out.write(np.asarray(self._document_index, dtype="<i8").tobytes())
+        try:
+            with open(self._partial["idx"], "wb") as out:
+                out.write(INDEX_MAGIC)
+                out.write(struct.pack("<Q", INDEX_VERSION))
+                out.write(struct.pack("<B", self._code))
+                out.write(struct.pack("<Q", len(lengths)))
+                out.write(struct.pack("<Q", len(self._document_index)))
+                out.write(lengths.astype("<i4").tobytes())
+                out.write(pointers.astype("<i8").tobytes())
+                out.write(np.asarray(self._document_index, dtype="<i8").tobytes())
+        except BaseException:
+            self.abort()
+            raise
+        os.replace(self._partial["bin"], data_path(self.prefix))
+        os.replace(self._partial["idx"], index_path(self.prefix))
+
+    def abort(self) -> None:
+        """Close and delete the temporary files; the final ones are left as they were (idempotent)."""
+        self._finalized = True
+        self._bin.close()
+        for partial in self._partial.values():
+            partial.unlink(missing_ok=True)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -143,7 +162,12 @@ class IndexedDatasetWriter:
         if exc_type is None:
             self.finalize()
         else:
-            self._bin.close()
+            self.abort()
+
+
+def _partial_name(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place (same directory, hidden, per process)."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
 class IndexedDataset:

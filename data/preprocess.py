@@ -3,11 +3,17 @@
     python -m data.preprocess --input PATH... --tokenizer MODEL --output-prefix PREFIX \\
         [--workers N] [--json-key text] [--glob '*.txt']
 
-Inputs: text files (one document per file), ``.jsonl``/``.json`` files (one JSON object per line,
-the document is ``obj[json_key]``) and directories (searched recursively for ``--glob``, sorted).
-``--tokenizer`` is a SentencePiece ``.model`` or a Hugging Face ``tokenizer.json`` (or its directory; EOD =
-its eos). Every document gets the tokenizer's EOD id appended; empty documents are skipped. Writes
-``PREFIX.bin`` and ``PREFIX.idx``, uint16 when the vocab fits, else int32.
+Inputs: text files (one document per file, read as UTF-8 with undecodable bytes replaced),
+``.jsonl``/``.json`` files (one JSON object per line in UTF-8, the document is ``obj[json_key]``) and
+directories (searched recursively for ``--glob``, sorted). ``--tokenizer`` is a SentencePiece ``.model``
+or a Hugging Face ``tokenizer.json`` (or its directory; EOD = its eos). Every document gets the
+tokenizer's EOD id appended; empty documents are skipped. Writes ``PREFIX.bin`` and ``PREFIX.idx``,
+uint16 when the vocab fits, else int32, under temporary names renamed at the end (a failed run leaves
+no ``.bin`` without its ``.idx``).
+
+A bad input (a missing file, a JSON line that does not parse or lacks the key, bytes that are not
+UTF-8) stops the run with one line naming the file and line, exit code 2; an input that holds no
+document gets a warning (``--debug`` or ``CP_TRAIN_DEBUG=1`` adds tracebacks).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, InputError, run_entry_point
 from data.indexed import IndexedDatasetWriter, data_path, index_path, token_dtype_for_vocab
 from data.tokenizer import Tokenizer, load_tokenizer
 
@@ -62,8 +70,21 @@ def list_input_files(inputs: Sequence[PathLike], glob: str = "*") -> list[Path]:
         elif item.is_file():
             files.append(item)
         else:
-            raise FileNotFoundError(f"input {item} does not exist")
+            raise InputError(f"--input {item} does not exist: pass existing files or directories")
     return files
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the non-blank lines of ``path``; InputError at the first line that is not UTF-8."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise InputError(f"{path}:{number}: not UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                                 f"{err.start + 1}); convert the file to UTF-8") from None
+            if line.strip():
+                yield number, line
 
 
 def iter_documents(files: Iterable[Path], json_key: str = "text") -> Iterator[str]:
@@ -72,18 +93,15 @@ def iter_documents(files: Iterable[Path], json_key: str = "text") -> Iterator[st
         if path.suffix not in JSON_SUFFIXES:
             yield path.read_text(encoding="utf-8", errors="replace")
             continue
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number} is not valid JSON ({err.msg})") from None
-                if not isinstance(record, dict) or json_key not in record:
-                    raise ValueError(f"{path}:{number} has no {json_key!r} field; pass the right "
-                                     f"--json-key")
-                yield str(record[json_key])
+        for number, line in _json_lines(path):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{path}:{number} is not valid JSON ({err.msg} at column {err.colno}); "
+                                 f"each line must be one JSON object") from None
+            if not isinstance(record, dict) or json_key not in record:
+                raise InputError(f"{path}:{number} has no {json_key!r} field; pass the right --json-key")
+            yield str(record[json_key])
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -105,7 +123,10 @@ def preprocess(documents: Iterable[str], tokenizer_model: PathLike, output_prefi
 
     ``workers > 1`` tokenizes in that many processes; the output is identical either way.
     """
-    tokenizer = load_tokenizer(tokenizer_model)
+    try:
+        tokenizer = load_tokenizer(tokenizer_model)
+    except FileNotFoundError as error:
+        raise InputError(f"--tokenizer: {error}") from None
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -148,21 +169,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json-key", default="text", help="field holding the text in .jsonl")
     parser.add_argument("--glob", default="*", help="file pattern inside directories (default *)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=f"print tracebacks of errors (also {DEBUG_ENV}=1)")
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> PreprocessSummary:
+def warn(text: str) -> None:
+    print(f"data.preprocess: warning: {text}", file=sys.stderr, flush=True)
+
+
+def run(argv: Sequence[str] | None = None) -> PreprocessSummary:
+    """Preprocess as the command line ``argv`` says; raises ``InputError`` for a bad input."""
     args = parse_args(argv)
     files = list_input_files(args.input, args.glob)
     if not files:
-        raise SystemExit(f"no input files found in {args.input} (glob {args.glob!r})")
+        raise InputError(f"no input files found in {' '.join(args.input)} (glob {args.glob!r}): "
+                         f"pass files or directories that hold some")
+    for path in files:
+        if path.stat().st_size == 0:
+            warn(f"{path} is empty: it adds no document")
     has_json = any(p.suffix in JSON_SUFFIXES for p in files)
     summary = preprocess(iter_documents(files, args.json_key), args.tokenizer, args.output_prefix,
                          workers=args.workers, progress=not args.quiet,
                          total=None if has_json else len(files))
+    if summary.documents == 0:
+        warn(f"the inputs hold no document: {data_path(args.output_prefix)} is an empty dataset")
     print(summary)
     return summary
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: one line and exit code 2 for a bad input (see the module docstring)."""
+    def command(args: list[str]) -> int:
+        run(args)
+        return 0
+
+    return run_entry_point("data.preprocess", command, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

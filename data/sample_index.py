@@ -2,11 +2,17 @@
 
 - document index ``int64[E * D]``: the dataset's documents (sequence ids of the indexed data)
   repeated for ``E`` epochs, each epoch in its own shuffled order;
-- sample index ``int64[N + 1, 2]``: row ``j`` is ``(position in the document index, token
+- sample index ``int64[M + 1, 2]``: row ``j`` is ``(position in the document index, token
   offset)`` where sample ``j`` starts; sample ``j`` is the ``seq_len + 1`` tokens of the
   concatenated shuffled documents from token ``j * seq_len`` on (consecutive samples share one
   token: the last label of one is the first input of the next);
-- shuffle index ``int64[N]``: a permutation of the samples, the order the dataset serves them.
+- shuffle index ``int64[N]``: the order the dataset serves the samples: the samples are cut into
+  blocks of one epoch's worth (``tokens per epoch // seq_len`` samples) and each block is shuffled
+  on its own; ``M`` covers the blocks the ``N`` samples reach.
+
+Epoch ``e``'s document order and block ``b``'s shuffle are drawn from their own generators, seeded by
+``(seed, e)`` and ``(seed, b)``: the first ``k`` samples are the same whatever ``N`` is, so a run that
+trains longer (more samples) continues the very same stream.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: epochs and sample blocks seeded one by one
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
 
@@ -36,22 +42,37 @@ def epochs_needed(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
     return -(-needed // tokens_per_epoch)
 
 
+def samples_per_block(tokens_per_epoch: int, seq_len: int) -> int:
+    """Samples shuffled together: one epoch's worth (at least 1)."""
+    return max(1, tokens_per_epoch // seq_len)
+
+
+def _generator(seed: int, stream: int, index: int) -> np.random.Generator:
+    """The generator of epoch (``stream`` 0) or sample block (``stream`` 1) ``index``."""
+    return np.random.default_rng([seed % 2**64, stream, index])
+
+
 def build_indices(sizes: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int,
                   seed: int) -> SampleIndices:
-    """The three indices for ``documents`` (ids into ``sizes``, the token count per sequence)."""
+    """The three indices for ``documents`` (ids into ``sizes``, the token count per sequence); the first
+    ``k`` entries of the served order do not depend on ``num_samples``."""
     tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
-    num_epochs = epochs_needed(tokens_per_epoch, seq_len, num_samples)
-    rng = np.random.RandomState(seed % 2**32)
+    block = samples_per_block(tokens_per_epoch, seq_len)
+    blocks = -(-num_samples // block)
+    indexed_samples = blocks * block
+    num_epochs = epochs_needed(tokens_per_epoch, seq_len, indexed_samples)
     document_index = np.concatenate(
-        [documents[rng.permutation(len(documents))] for _ in range(num_epochs)]).astype(np.int64)
+        [documents[_generator(seed, 0, e).permutation(len(documents))] for e in range(num_epochs)]
+    ).astype(np.int64)
     token_ends = np.cumsum(sizes[document_index].astype(np.int64))
     token_starts = np.concatenate([[0], token_ends[:-1]])
-    first_token = np.arange(num_samples + 1, dtype=np.int64) * seq_len
+    first_token = np.arange(indexed_samples + 1, dtype=np.int64) * seq_len
     # the document holding a token is the last one starting at or before it (skips empty ones)
     position = np.searchsorted(token_ends, first_token, side="right")
     sample_index = np.stack([position, first_token - token_starts[position]], axis=1)
-    shuffle_index = rng.permutation(num_samples).astype(np.int64)
-    return SampleIndices(document_index, sample_index.astype(np.int64), shuffle_index)
+    shuffle_index = np.concatenate(
+        [b * block + _generator(seed, 1, b).permutation(block) for b in range(blocks)])[:num_samples]
+    return SampleIndices(document_index, sample_index.astype(np.int64), shuffle_index.astype(np.int64))
 
 
 def cache_key(sizes: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int,

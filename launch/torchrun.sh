@@ -3,6 +3,8 @@
 #   launch/torchrun.sh launch/configs/gpt-125m-cp8.yaml [--set train.steps=100 ...]
 #   NPROC=2 launch/torchrun.sh launch/configs/cpu-tiny.yaml
 # NPROC defaults to the number of visible GPUs (2 without GPUs). Extra torchrun options: TORCHRUN_ARGS.
+# Runs torchrun through cp_train.launch (same options): a failure ends with one line and the failed
+# rank's exit code (2: config or input error, 1: failed run) instead of torchrun's traceback and exit 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:?usage: launch/torchrun.sh CONFIG.yaml [train.py flags]}"
@@ -10,5 +12,5 @@ shift
 if [[ -z "${NPROC:-}" ]]; then
   NPROC=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
 fi
-exec torchrun --standalone --nproc-per-node "${NPROC}" ${TORCHRUN_ARGS:-} \
+exec python -m cp_train.launch --standalone --nproc-per-node "${NPROC}" ${TORCHRUN_ARGS:-} \
   train.py --config "${config}" "$@"

@@ -111,7 +111,7 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
     Uses the default process group when one exists (it is then left alone by
     ``destroy_parallel``); otherwise creates it from torchrun's environment. ``dp`` defaults
     to ``world // (tp*cp)``. ``backend`` defaults to nccl when CUDA is available, else gloo.
-    ``timeout_minutes`` bounds collectives on the groups created here.
+    ``timeout_minutes`` bounds collectives on the groups created here (fractions of a minute work).
     """
     global _STATE
     check_sizes(tp, cp, 1 if dp is None else dp)

@@ -112,3 +112,17 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(spawn_world, saved
     assert resumed["step_at_start"] == 6
     assert resumed["losses"] == {step: saved["losses"][step] for step in (7, 8)}
     assert (checkpoints / LATEST).read_text().strip() == step_dir_name(STEPS)  # the retried save completed
+
+
+def test_training_longer_continues_the_same_sample_stream(spawn_world, corpus, tmp_path) -> None:
+    """A run of N steps resumed with train.steps = 2N sees the batches an uninterrupted 2N-step run sees."""
+    world, half = spawn_world(2), STEPS // 2
+    short = run(world, LAYOUT, corpus, tmp_path / "short", **{"train.steps": half,
+                                                                "checkpoint.save": str(tmp_path / "ck")})
+    longer = run(world, LAYOUT, corpus, tmp_path / "longer", **{"checkpoint.load": str(tmp_path / "ck")})
+    whole = run(world, LAYOUT, corpus, tmp_path / "whole")
+    for rank in range(2):
+        assert short[rank]["batches"] == {s: whole[rank]["batches"][s] for s in range(1, half + 1)}
+        assert longer[rank]["batches"] == {s: whole[rank]["batches"][s] for s in range(half + 1, STEPS + 1)}
+    assert longer[0]["step_at_start"] == half
+    assert any(f"train.steps {half} -> {STEPS}" in m for m in longer[0]["messages"]), longer[0]["messages"]

@@ -175,3 +175,8 @@ def test_train_script_reports_config_errors(capsys, monkeypatch) -> None:
     assert "unknown config key 'model.hidden'" in capsys.readouterr().err
     assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--seq-len", "250"]) == 2
     assert "data.seq_len 250 is not divisible by 2*cp = 4" in capsys.readouterr().err
+    assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--tensor-parallel", "2"]) == 2
+    assert capsys.readouterr().err == ("train.py: error: unrecognized arguments: --tensor-parallel 2 (see python "
+                                       "train.py --help)\n")
+    assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--set", "optimizer.eps=nan"]) == 2
+    assert capsys.readouterr().err == "train.py: error: optimizer.eps must be a finite number, got 'nan'\n"

@@ -9,6 +9,7 @@ import torch
 import data.gpt_dataset as gpt_dataset_module
 from data.gpt_dataset import GPTDataset, cu_seqlens, split_documents, train_valid_split
 from data.indexed import IndexedDataset, IndexedDatasetWriter
+from data.sample_index import samples_per_block
 
 EOD, PAD = 2, 3
 
@@ -40,7 +41,13 @@ def test_samples_equal_naive_concatenation_of_shuffled_documents(indexed):
     assert order[:len(docs)].tolist() != order[len(docs):2 * len(docs)].tolist()
     stream = np.concatenate([indexed[d] for d in order]).astype(np.int64)
     shuffle = np.asarray(ds.indices.shuffle_index)
-    assert sorted(shuffle.tolist()) == list(range(num_samples))
+    block = samples_per_block(int(indexed.sequence_lengths.sum()), seq_len)
+    assert len(shuffle) == num_samples and len(set(shuffle.tolist())) == num_samples
+    for start in range(0, num_samples, block):  # each epoch's worth of samples is shuffled on its own
+        part = shuffle[start:start + block].tolist()
+        assert all(start <= j < start + block for j in part)
+        if len(part) == block:
+            assert sorted(part) == list(range(start, start + block))
     assert shuffle.tolist() != list(range(num_samples))
     for i in range(num_samples):
         tokens, lengths = ds.sample_tokens(i)
@@ -53,6 +60,16 @@ def test_samples_equal_naive_concatenation_of_shuffled_documents(indexed):
         assert item["loss_mask"].dtype == torch.float32
         np.testing.assert_array_equal(item["tokens"].numpy(), tokens[:-1])
         np.testing.assert_array_equal(item["labels"].numpy(), tokens[1:])
+
+
+def test_more_samples_continue_the_same_stream(tmp_path, indexed):
+    """Training longer (more samples) must not reorder the samples a shorter run already served."""
+    short = GPTDataset(indexed, 16, 40, seed=5, cache_dir=tmp_path)
+    long = GPTDataset(indexed, 16, 150, seed=5, cache_dir=tmp_path)  # several more epochs
+    assert not long.loaded_from_cache
+    for i in range(40):
+        assert short[i]["tokens"].tolist() == long[i]["tokens"].tolist(), f"sample {i} moved"
+    assert len({tuple(long[i]["tokens"].tolist()) for i in range(150)}) > 140
 
 
 def test_seed_changes_order_and_is_reproducible(tmp_path, indexed):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cp_train.errors import InputError
 from data.indexed import IndexedDataset, data_path, index_path
-from data.preprocess import list_input_files, main
+from data.preprocess import list_input_files, run
 from data.tokenizer import Tokenizer, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +41,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Tokenizer, list[str], list[Path]]:
 
 
 def _run(tokenizer_model: Path, inputs: list[Path], prefix: Path, *extra: str):
-    return main(["--input", *map(str, inputs), "--tokenizer", str(tokenizer_model),
+    return run(["--input", *map(str, inputs), "--tokenizer", str(tokenizer_model),
                  "--output-prefix", str(prefix), "--quiet", *extra])
 
 
@@ -86,13 +88,13 @@ def test_json_key_selects_the_field(tmp_path, corpus):
 
 def test_bad_inputs(tmp_path, corpus):
     model = corpus[0]
-    with pytest.raises(FileNotFoundError, match=r"missing\.txt does not exist"):
+    with pytest.raises(InputError, match=r"missing\.txt does not exist"):
         _run(model, [tmp_path / "missing.txt"], tmp_path / "x")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "ok"}\n{not json\n')
     with pytest.raises(ValueError, match=r"broken\.jsonl:2 is not valid JSON"):
         _run(model, [broken], tmp_path / "x")
-    with pytest.raises(FileNotFoundError, match=r"none\.model is missing"):
+    with pytest.raises(InputError, match=r"--tokenizer: .*none\.model is missing"):
         _run(tmp_path / "none.model", [broken], tmp_path / "x")
 
 
@@ -106,3 +108,51 @@ def test_command_line(tmp_path, corpus):
     assert result.returncode == 0, result.stderr
     assert f"{len(expected)} documents" in result.stdout
     assert len(IndexedDataset(prefix)) == len(expected)
+
+
+def _command(tokenizer_model: Path, inputs: list[Path], prefix: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "data.preprocess", "--input", *map(str, inputs), "--tokenizer",
+                           str(tokenizer_model), "--output-prefix", str(prefix), "--quiet", *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_command_line_errors_are_one_line_naming_the_file(tmp_path, corpus):
+    """Each bad input through ``python -m data.preprocess``: exit code 2, one line naming the file (and line),
+    no traceback, and no output files left behind (an earlier good output stays as it was)."""
+    model = corpus[0]
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "fine"}\n')
+    cases = {  # name -> (file contents, expected message)
+        "missing.jsonl": (None, r"--input \S*missing\.jsonl does not exist"),
+        "broken.jsonl": (b'{"text": "ok"}\n{not json\n', r"broken\.jsonl:2 is not valid JSON \(.*column 2\)"),
+        "nokey.jsonl": (b'{"text": "ok"}\n\n{"body": "x"}\n', r"nokey\.jsonl:3 has no 'text' field; pass the right "
+                                                              r"--json-key"),
+        "latin1.jsonl": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"latin1\.jsonl:2: not UTF-8 \(byte 0xe9 at "
+                                                                    r"column 14\); convert the file to UTF-8"),
+    }
+    prefix = tmp_path / "out" / "data"
+    assert _command(model, [good], prefix).returncode == 0
+    before = (data_path(prefix).read_bytes(), index_path(prefix).read_bytes())
+    for name, (contents, message) in cases.items():
+        if contents is not None:
+            (tmp_path / name).write_bytes(contents)
+        done = _command(model, [good, tmp_path / name], prefix, "--workers", "2" if name == "broken.jsonl" else "1")
+        output = done.stdout + done.stderr
+        assert done.returncode == 2, (name, output)
+        lines = [line for line in output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("data.preprocess: error: "), (name, output)
+        assert re.search(message, lines[0]), (name, lines[0])
+        assert "Traceback" not in output
+        assert (data_path(prefix).read_bytes(), index_path(prefix).read_bytes()) == before, name
+        assert sorted(p.name for p in prefix.parent.iterdir()) == ["data.bin", "data.idx"], name
+
+
+def test_command_line_warns_about_empty_inputs(tmp_path, corpus):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    done = _command(corpus[0], [empty], tmp_path / "e")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        f"data.preprocess: warning: {empty} is empty: it adds no document",
+        f"data.preprocess: warning: the inputs hold no document: {tmp_path / 'e.bin'} is an empty dataset"]
+    assert len(IndexedDataset(tmp_path / "e")) == 0

@@ -91,17 +91,20 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def train_layout(state: ParallelState, prefix: str, run_dir: str, overrides: dict[str, Any] | None = None,
                  until_step: int | None = None, want: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Train the tiny run on this layout. Returns the per-step losses, gradient norms and eval losses,
-    every rank's loss tokens in its first step, a digest of the first step's full gradients (equal on
-    every rank), rank 0's first-step full gradients, and rank 0's full ``want`` states ("params",
-    "optimizer") at the start (after any resume) and at the end."""
+    """Train the tiny run on this layout. Returns the per-step losses, gradient norms and eval losses, a
+    digest of each step's input tokens (this rank's), every rank's loss tokens in its first step, a digest
+    of the first step's full gradients (equal on every rank), rank 0's first-step full gradients, and rank
+    0's full ``want`` states ("params", "optimizer") at the start (after any resume) and at the end."""
     trainer = Trainer(tiny_config(prefix, run_dir, state.sizes, **(overrides or {})), state)
     out: dict[str, Any] = {"start": {w: full_state(trainer, w) for w in want},
                            "consumed_at_start": trainer.loader.consumed_samples, "step_at_start": trainer.step}
     first: list[Any] = []
+    batches: dict[int, str] = {}  # step -> digest of this rank's input tokens
     forward_backward = trainer.forward_backward
 
     def recording_forward_backward(micro_batches: list[dict[str, torch.Tensor]]) -> Any:
+        batches[trainer.step + 1] = hashlib.sha256(b"".join(mb["tokens"].numpy().tobytes()
+                                                            for mb in micro_batches)).hexdigest()
         result = forward_backward(micro_batches)
         if not first:
             first.append(result)
@@ -116,7 +119,7 @@ def train_layout(state: ParallelState, prefix: str, run_dir: str, overrides: dic
     trainer.grad_callback = on_gradients
     result = trainer.train(until_step)
     out.update({"losses": result.losses, "grad_norms": result.grad_norms, "eval_losses": result.eval_losses,
-                "messages": result.messages, "local_tokens": first[0].local_tokens,
+                "messages": result.messages, "local_tokens": first[0].local_tokens, "batches": batches,
                 "end": {w: full_state(trainer, w) for w in want}})
     if state.rank != 0:  # keep the pickled answer small: only rank 0 sends full tensors
         out.pop("grads", None)

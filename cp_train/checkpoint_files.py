@@ -1,0 +1,181 @@
+"""The files of a checkpoint directory: which checkpoint to resume from, whether it is complete, pruning.
+
+A checkpoint ``ROOT/step_XXXXXXXX/`` is complete when its ``meta.json`` parses, its DCP ``.metadata``
+loads, and every shard file ``.metadata`` refers to exists and is long enough. ``ROOT/latest`` names the
+newest complete checkpoint (it moves only after a save finished). Every problem is an ``InputError``
+naming the file and the ``--load`` that would work instead; RNG files are optional (a missing one means
+the RNG is re-derived, see ``checkpoint.load_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from cp_train.errors import InputError
+
+LATEST = "latest"
+META = "meta.json"
+DCP_METADATA = ".metadata"
+META_KEYS = ("step", "consumed_samples", "layout", "config")
+STEP_DIR = re.compile(r"step_(\d{8})")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """``root``'s ``step_XXXXXXXX`` directories, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name))
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``path/meta.json``; InputError naming the file when it is missing, truncated or lacks a key."""
+    meta_file = path / META
+    try:
+        meta = json.loads(meta_file.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{meta_file} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise InputError(f"{meta_file} is truncated or damaged (not valid JSON)") from None
+    missing = [key for key in META_KEYS if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise InputError(f"{meta_file} lacks {', '.join(missing)}")
+    return meta
+
+
+def check_shards(path: Path) -> None:
+    """InputError naming the file unless ``.metadata`` loads and every shard it refers to is all there."""
+    metadata_file = path / DCP_METADATA
+    if not metadata_file.is_file():
+        raise InputError(f"{metadata_file} is missing")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as error:
+        raise InputError(f"{metadata_file} is truncated or damaged ({type(error).__name__})") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise InputError(f"shard {shard} is missing")
+        actual = shard.stat().st_size
+        if actual < size:
+            raise InputError(f"shard {shard} is truncated ({actual} bytes, {DCP_METADATA} needs {size})")
+
+
+def check_complete(path: Path) -> dict[str, Any]:
+    """``path``'s meta when ``path`` is a complete checkpoint; InputError naming the first problem."""
+    meta = read_meta(path)
+    check_shards(path)
+    return meta
+
+
+def is_complete(path: Path) -> bool:
+    try:
+        check_complete(path)
+    except InputError:
+        return False
+    return True
+
+
+def newest_complete(root: Path, before: Path | None = None) -> Path | None:
+    """The newest complete checkpoint in ``root`` (older than ``before`` when given), or None."""
+    for path in reversed(step_dirs(root)):
+        if (before is None or path.name < before.name) and is_complete(path):
+            return path
+    return None
+
+
+def _instead(root: Path, broken: Path | None = None) -> str:
+    """What to do when a checkpoint of ``root`` cannot be used: the ``--load`` of the newest complete one."""
+    good = newest_complete(root, before=broken) or newest_complete(root)
+    if good is not None and good != broken:
+        return f"resume from the newest complete checkpoint with --load {good}"
+    return f"no complete checkpoint is left in {root}: start afresh (delete {root / LATEST} or use another --save)"
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return STEP_DIR.fullmatch(path.name) is not None or (path / META).exists() or (path / DCP_METADATA).exists()
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The complete checkpoint ``path`` names: ``path`` itself when it is one checkpoint directory, else
+    ``path/latest``'s target; None when ``path`` holds none yet. InputError naming the file when the
+    checkpoint named is incomplete or damaged (and the ``--load`` of the newest complete one)."""
+    given = Path(path)
+    if _is_checkpoint_dir(given):
+        try:
+            check_complete(given)
+        except InputError as error:
+            raise InputError(f"checkpoint {given} is incomplete: {error}; {_instead(given.parent, given)}") from None
+        return given
+    pointer = given / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    target = given / name
+    try:
+        if not target.is_dir():
+            raise InputError(f"{target} does not exist")
+        check_complete(target)
+    except InputError as error:
+        raise InputError(f"{pointer} names {name}, an incomplete checkpoint: {error}; "
+                         f"{_instead(given, target)}") from None
+    return target
+
+
+def resume_source(load: str | None, save: str | None) -> Path | None:
+    """The checkpoint a run resumes from: ``load`` (checkpoint.load: a directory with ``latest``, or one
+    checkpoint), else ``save``'s ``latest`` (auto-resume; None: off), else None. InputError naming the path."""
+    if load:
+        if not Path(load).exists():
+            raise InputError(f"checkpoint.load (--load) {load} does not exist")
+        found = find_checkpoint(load)
+        if found is None:
+            newest = newest_complete(Path(load))
+            hint = f"; its newest complete checkpoint is {newest}: --load {newest}" if newest else ""
+            raise InputError(f"checkpoint.load (--load) {load} holds no checkpoint (no `latest`, no {META}){hint}")
+        return found
+    return find_checkpoint(save) if save else None
+
+
+def resume_hint(save: str | None, resumed_from: Path | None) -> str:
+    """Where to resume from after a failure: the newest complete checkpoint in ``save``, else the one the run
+    started from."""
+    last = (newest_complete(Path(save)) if save else None) or resumed_from
+    if last is None:
+        return "no checkpoint was saved (set --save and --save-interval to keep some)"
+    return f"the last checkpoint is {last}: resume from it with --load {last}"
+
+
+def latest_name(root: Path) -> str | None:
+    pointer = root / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete the step directories of ``root`` older than its newest ``keep`` complete checkpoints (complete
+    or not; ``keep`` 0: none). Directories newer than the newest complete one are left alone. Returns the
+    deleted ones."""
+    if keep <= 0:
+        return []
+    complete = [p for p in step_dirs(root) if is_complete(p)]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    doomed = [p for p in step_dirs(root) if p.name < oldest_kept.name]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

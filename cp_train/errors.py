@@ -1,0 +1,161 @@
+"""Failures the user can act on, and how an entry point reports any failure: one line and an exit code.
+
+- ``InputError`` (exit 2): a config key, a flag or an input file (data, tokenizer, checkpoint) that cannot be
+  used. The message names the key or the file and says what to change. ``config.ConfigError`` is one.
+- ``RunFailure`` (exit 1): the run started and cannot go on (a non-finite loss, a full disk, a collective that
+  timed out). The message says what happened and what to do next.
+
+Both are raised alike on every rank (``agree`` turns a check made on some ranks into an error on all), so
+rank 0 alone prints them. Any other exception (a bug, or the machine failing) makes each rank that hits it
+print one line naming the exception, its first message line and where it was raised (exit 1). No traceback
+is printed unless ``--debug`` is given or ``CP_TRAIN_DEBUG=1`` is set. Under torchrun the same line goes to
+torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure summary shows it instead of a link,
+and the ranks that leave the report to rank 0 exit a little later, so that the summary's root cause is rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+DEBUG_ENV = "CP_TRAIN_DEBUG"
+DEBUG_FLAG = "--debug"
+QUIET_RANK_EXIT_DELAY_S = 2.0  # under torchrun, ranks that leave the report to rank 0 exit this much later
+T = TypeVar("T")
+
+
+class CpTrainError(Exception):
+    """A failure with a message written for the user; ``exit_code`` is what the process exits with."""
+
+    exit_code = 1
+    everywhere = True  # raised alike on every rank: rank 0 reports it, the others exit quietly
+
+
+class InputError(CpTrainError, ValueError):
+    """A config value, flag or input file that cannot be used (exit code 2)."""
+
+    exit_code = 2
+
+
+class RunFailure(CpTrainError):
+    """The run cannot go on (exit code 1)."""
+
+
+def this_rank() -> int:
+    """The global rank from torchrun's environment (0 outside torchrun)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def debug_requested(argv: Sequence[str]) -> bool:
+    return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def one_line(text: str) -> str:
+    """``text`` without line breaks (the first non-empty line when it is a multi-line report)."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _origin(error: BaseException) -> str:
+    """``file:line in function`` of the innermost frame that raised ``error``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "unknown location"
+    frame = frames[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+
+
+def _rank_prefix() -> str:
+    """``rank N: `` in a world of several processes, else nothing."""
+    try:
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        several = False
+    return f"rank {this_rank()}: " if several else ""
+
+
+def describe(error: BaseException, explain: Callable[[BaseException], str | None] | None = None
+             ) -> tuple[str, int, bool]:
+    """``(line, exit code, print on this rank)`` for ``error``. ``explain`` may turn other exceptions
+    (a failed collective, say) into a message for the user."""
+    if isinstance(error, CpTrainError):
+        if error.everywhere:
+            return one_line(str(error)), error.exit_code, this_rank() == 0
+        return f"{_rank_prefix()}{one_line(str(error))}", error.exit_code, True
+    explained = explain(error) if explain is not None else None
+    if explained:
+        return f"{_rank_prefix()}{explained}", 1, True
+    message = one_line(str(error))
+    return (f"{_rank_prefix()}unexpected {type(error).__name__}{': ' + message if message else ''} "
+            f"(at {_origin(error)}; rerun with {DEBUG_FLAG} or {DEBUG_ENV}=1 for the traceback)", 1, True)
+
+
+def write_torchelastic_error_file(line: str) -> None:
+    """Give torchrun's failure summary ``line`` instead of its link to the docs (no-op outside torchrun)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"message": {"message": line,  # torchrun's format, without a traceback
+                                                       "extraInfo": {"timestamp": str(int(time.time()))}}}))
+    except OSError:
+        pass  # the summary then shows torchrun's default text
+
+
+def run_entry_point(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None,
+                    explain: Callable[[BaseException], str | None] | None = None) -> int:
+    """Run ``main(argv)`` and turn any exception into one line on stderr and an exit code (see the module
+    docstring); returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested(args)
+    try:
+        return main(args) or 0
+    except KeyboardInterrupt:
+        if this_rank() == 0:
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except SystemExit:
+        raise
+    except BaseException as error:  # noqa: BLE001 - every failure becomes one line and an exit code
+        line, code, here = describe(error, explain)
+        if debug:
+            print(f"{prog}: rank {this_rank()} traceback:", file=sys.stderr)
+            traceback.print_exception(error)
+        if here:
+            print(f"{prog}: {'error' if code == 2 else 'failed'}: {line}", file=sys.stderr, flush=True)
+        if not here and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)  # let rank 0 fail first: torchrun's summary names the first failure
+        write_torchelastic_error_file(line if here else f"{prog} exited with {code}: see rank 0's message")
+        return code
+
+
+def agree(check: Callable[[], T]) -> T:
+    """Run ``check()`` on this rank, then raise on every rank the first ``CpTrainError`` any rank raised
+    (lowest rank first), so that a check made on some ranks stops all of them alike. Collective over the
+    default process group (when one is initialised); returns ``check()``'s value."""
+    import torch.distributed as dist
+
+    value, failure = None, None
+    try:
+        value = check()
+    except CpTrainError as error:
+        failure = (type(error), str(error))
+    failures = [failure]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    for found in failures:
+        if found is not None:
+            kind, message = found
+            raise kind(message)
+    return value  # type: ignore[return-value]

@@ -1,0 +1,73 @@
+"""torchrun with a one-line failure report: ``python -m cp_train.launch [torchrun options] train.py [args]``.
+
+It takes torchrun's own arguments and runs torchrun's own launcher (``torch.distributed.run``). When a
+worker fails, plain torchrun logs the failure, prints a Python traceback of its own launcher and a
+failure summary, and exits with 1 whatever the workers' exit codes were. This launcher prints one line
+naming the first rank that failed instead, and exits with that rank's exit code: 2 for a config or input
+error, 1 for a failed run, 128 + N for a rank killed by signal N. ``launch/torchrun.sh`` and
+``launch/slurm.sbatch`` use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+PROG = "cp_train.launch"
+QUIETED_LOGGERS = "torch.distributed.elastic.multiprocessing"  # log each failure: the summary line says it all
+
+
+def exit_code_of(code: int) -> int:
+    """A worker's exit code as a shell reports it (a negative code is a signal: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def summarize(failure: ChildFailedError) -> tuple[str, int]:
+    """(one line, exit code). The root cause is a rank that exited by itself, else one killed by a signal
+    other than SIGTERM (which torchrun sends to the other ranks once one failed), else any; the earliest
+    (then the lowest rank) of them."""
+    failures = failure.failures
+
+    def cause_first(rank: int) -> tuple[int, int, int]:
+        code = failures[rank].exitcode
+        kind = 0 if code > 0 else 1 if code != -signal.SIGTERM else 2
+        return kind, failures[rank].timestamp, rank
+
+    root = min(failures, key=cause_first)
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(failures):
+        code = failures[rank].exitcode
+        how = f"killed by {failures[rank].signal_name()}" if code < 0 else f"exit code {code}"
+        groups.setdefault(how, []).append(rank)
+    code = exit_code_of(failures[root].exitcode) or 1
+    ranks = "; ".join(f"{how} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                      for how, r in groups.items())
+    return f"{PROG}: {Path(failure.name).name} failed with exit code {code} ({ranks})", code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(QUIETED_LOGGERS):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as failure:
+        line, code = summarize(failure)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as stop:
+        print(f"{PROG}: stopped by {signal.Signals(stop.sigval).name}", file=sys.stderr, flush=True)
+        return 128 + int(stop.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

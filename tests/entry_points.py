@@ -1,0 +1,132 @@
+"""Running ``train.py`` as a user does, for the failure tests: ``python train.py`` (a world of one),
+``torchrun`` (``python -m torch.distributed.run``) or ``python -m cp_train.launch`` with 2 ranks.
+
+Runs use the tiny model of ``trainer_cases`` on its synthetic corpus, written as a YAML config.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cp_train.config import dump_yaml
+from parallel.spawn import free_port
+from tests import trainer_cases
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "train.py")
+PROJECT_FRAME = re.compile(r'File "[^"]*(cp_train|model|parallel|data)/[^"]*\.py"|File "[^"]*train\.py"')
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "CP_TRAIN_DEBUG"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def write_config(path: Path, corpus: str, run_dir: Path, cp: int = 1, **overrides: Any) -> Path:
+    """The tiny run (tp 1, ``cp``, dp from the world) as a YAML file; ``overrides`` are dotted keys."""
+    values = {"train.eval_interval": 0, "logging.console": True, "logging.interval": 1, "parallel.dp": None,
+              **overrides}
+    path.write_text(dump_yaml(trainer_cases.tiny_config(corpus, str(run_dir), (1, cp, 1), **values)))
+    return path
+
+
+def command(args: Sequence[str], world: int = 1, launcher: str = "torchrun") -> list[str]:
+    """``python train.py ARGS`` for a world of one, else 2+ ranks through ``torchrun`` or ``cp_train.launch``."""
+    if world == 1:
+        return [sys.executable, TRAIN, *args]
+    module = "torch.distributed.run" if launcher == "torchrun" else "cp_train.launch"
+    return [sys.executable, "-m", module, "--nproc-per-node", str(world), "--master-port", str(free_port()),
+            TRAIN, *args]
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    output: str  # stdout and stderr together
+
+    def lines(self, prefix: str) -> list[str]:
+        return [line for line in self.output.splitlines() if line.startswith(prefix)]
+
+
+def run(args: Sequence[str], world: int = 1, launcher: str = "torchrun", cwd: Path | None = None,
+        timeout: float = 300, wrap: Sequence[str] = ()) -> Outcome:
+    done = subprocess.run([*wrap, *command(args, world, launcher)], cwd=cwd or REPO, env=environment(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return Outcome(done.returncode, done.stdout)
+
+
+def run_many(cases: dict[str, list[str]], **kwargs: Any) -> dict[str, Outcome]:
+    """Several ``run``s, two at a time (each is mostly a Python + torch start-up)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run, args, **kwargs) for name, args in cases.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def assert_one_line(outcome: Outcome, code: int, pattern: str, prog: str = "train.py") -> str:
+    """``outcome`` exited with ``code`` after printing one ``prog: error|failed:`` line matching ``pattern``,
+    and no traceback at all; returns that line."""
+    kind = "error" if code == 2 else "failed"
+    lines = outcome.lines(f"{prog}: ")
+    assert outcome.returncode == code, outcome.output[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: {kind}: "), outcome.output[-3000:]
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in outcome.output, outcome.output[-3000:]
+    return lines[0]
+
+
+def rank_pids(launcher_pid: int, timeout: float = 60) -> dict[int, int]:
+    """``{rank: pid}`` of the workers a torchrun process started (read from /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids: dict[int, int] = {}
+        for task in Path(f"/proc/{launcher_pid}/task").glob("*"):
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            for child in map(int, children):
+                try:
+                    environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
+                if ranks:
+                    pids[int(ranks[0])] = child
+        if pids:
+            return pids
+        time.sleep(0.1)
+    raise TimeoutError(f"no workers of process {launcher_pid} found")
+
+
+def wait_for_step(metrics: Path, step: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait until ``metrics`` (a metrics.jsonl) holds a record of ``step`` or later."""
+    deadline = time.monotonic() + timeout
+    pattern = re.compile(r'"step": (\d+)')
+    while time.monotonic() < deadline:
+        if metrics.is_file() and any(int(m) >= step for m in pattern.findall(metrics.read_text())):
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended before step {step}:\n{process.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached within {timeout} s")
+
+
+def start(args: Sequence[str], world: int, launcher: str = "torchrun") -> subprocess.Popen:
+    return subprocess.Popen(command(args, world, launcher), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def signal_rank(process: subprocess.Popen, rank: int, signum: signal.Signals) -> int:
+    pid = rank_pids(process.pid)[rank]
+    os.kill(pid, signum)
+    return pid
