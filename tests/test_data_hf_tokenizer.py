@@ -64,7 +64,7 @@ def test_trainer_resolves_a_tokenizer_directory(tokenizer_dir, tmp_path) -> None
     assert config.model.vocab_size == 768
     small = build_config([("test", {"data.prefix": "x", "data.tokenizer": str(tokenizer_dir),
                                     "model.vocab_size": 512})])
-    with pytest.raises(ValueError, match=r"produces ids up to 699 but model.vocab_size is 512"):
+    with pytest.raises(ValueError, match=r"model.vocab_size 512 is smaller than the 700 ids of the tokenizer"):
         build.resolve_data(small, None)
 
 
