@@ -66,7 +66,8 @@ class StepPlan:
 class RankPlan:
     """Everything rank ``rank`` of ``world`` does; ``rows`` per sample (or all samples when ``packed``).
     ``home`` places the accumulator of the rank's own block arriving after the last hop; ``areas`` is
-    every rank's mask area (query-key pairs), for the load balance."""
+    every rank's mask area (query-key pairs), for the load balance; ``max_calls`` the most dense kernel calls
+    any rank makes in one step (the same number on every rank, so choices made from it agree)."""
 
     world: int
     rank: int
@@ -75,6 +76,7 @@ class RankPlan:
     steps: tuple[StepPlan, ...]
     home: Selector
     areas: tuple[int, ...]
+    max_calls: int
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # per-device index tensors
 
     @property
@@ -135,8 +137,9 @@ def build_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, cau
             grad_rows=(0, 0) if step == 0 else (size(accumulator), size(covered(arriving, step)))))
     home_rows = covered(rank, world - 1) if world > 1 else []
     areas = tuple(sum(seg.area for source in range(world) for seg in segments[q][source]) for q in range(world))
+    max_calls = max(sum(len(seg.dense_calls()) for seg in pair) for row in segments for pair in row)
     return RankPlan(world, rank, rows, packed, tuple(steps), selector(home_rows, every) if home_rows else None,
-                    areas)
+                    areas, max_calls)
 
 
 @functools.cache

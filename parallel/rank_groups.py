@@ -23,6 +23,8 @@ class RankGroups:
     dp: Groups
     dp_cp: Groups  # gradient reduction
     tp_cp: Groups
+    cp_ulysses: Groups = ()  # adjacent CP ranks (hybrid CP: all-to-all inside, the ring across)
+    cp_ring: Groups = ()  # CP ranks with the same place in their Ulysses group
 
 
 def check_sizes(tp: int, cp: int, dp: int) -> None:
@@ -53,13 +55,26 @@ def _groups_along(sizes: dict[str, int], along: tuple[str, ...]) -> Groups:
     return tuple(groups)
 
 
-def compute_rank_groups(world_size: int, tp: int, cp: int, dp: int) -> RankGroups:
-    """All TP, CP, DP, DP x CP and TP x CP groups of the layout (pure; raises ValueError)."""
+def check_ulysses(cp: int, ulysses: int) -> None:
+    """ValueError naming the keys unless ``ulysses`` (the Ulysses degree inside CP) divides ``cp``."""
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1:
+        raise ValueError(f"parallel.ulysses_size must be an integer >= 1, got {ulysses!r}")
+    if cp % ulysses:
+        raise ValueError(f"parallel.ulysses_size {ulysses} does not divide parallel.cp {cp}: cp = ulysses_size x "
+                         f"ring size; choose a ulysses_size among the divisors of {cp}")
+
+
+def compute_rank_groups(world_size: int, tp: int, cp: int, dp: int, ulysses: int = 1) -> RankGroups:
+    """All TP, CP, DP, DP x CP and TP x CP groups of the layout, and the CP groups' Ulysses (adjacent CP
+    ranks, ``ulysses`` of them) and ring (same place in their Ulysses group) subgroups (pure; ValueError)."""
     check_world(world_size, tp, cp, dp)
+    check_ulysses(cp, ulysses)
     sizes = dict(zip(AXIS_ORDER, (tp, cp, dp), strict=True))
+    split = {"tp": tp, "ulysses": ulysses, "ring": cp // ulysses, "dp": dp}  # cp rank = ring * ulysses + place
     return RankGroups(tp=_groups_along(sizes, ("tp",)), cp=_groups_along(sizes, ("cp",)),
                       dp=_groups_along(sizes, ("dp",)), dp_cp=_groups_along(sizes, ("cp", "dp")),
-                      tp_cp=_groups_along(sizes, ("tp", "cp")))
+                      tp_cp=_groups_along(sizes, ("tp", "cp")), cp_ulysses=_groups_along(split, ("ulysses",)),
+                      cp_ring=_groups_along(split, ("ring",)))
 
 
 def rank_coordinates(rank: int, tp: int, cp: int, dp: int) -> tuple[int, int, int]:

@@ -26,10 +26,14 @@ from parallel.ring_core import RingSpec, ring_backward, ring_forward
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def default_head_chunks(device: torch.device, kv_heads: int) -> int:
-    """One kv head per chunk on CPU (bounds ring buffers at no speed cost); two on GPUs, so that the
-    backward's last dK/dV hop of one chunk travels during the next chunk's compute."""
-    return kv_heads if device.type == "cpu" else min(2, kv_heads)
+def default_head_chunks(device: torch.device, kv_heads: int, plan: RankPlan | None = None) -> int:
+    """Two on GPUs, so that the backward's last dK/dV hop of one chunk travels during the next chunk's
+    compute. On CPU one kv head per chunk when each ring step is one or two big kernel calls (it bounds
+    the ring's buffers at no speed cost), one chunk when packed documents make many small calls (small
+    calls run slower, and their buffers are small anyway)."""
+    if device.type != "cpu":
+        return min(2, kv_heads)
+    return kv_heads if plan is None or plan.max_calls <= 2 else 1
 
 
 def default_overlap(device: torch.device) -> bool:
@@ -143,14 +147,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    if plan is None:
+        plan = attention_plan(group, layout, causal, q.shape[1], document_ids, position_ids)
     spec = RingSpec(
         layout=layout, causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         kernel=select_kernel(q.device, q.dtype, q.shape[-1], backend, deterministic),
-        head_chunks=head_chunks if head_chunks is not None else default_head_chunks(q.device, k.shape[2]),
+        head_chunks=head_chunks if head_chunks is not None else default_head_chunks(q.device, k.shape[2], plan),
         overlap=default_overlap(q.device) if overlap is None else overlap, varlen=q.device.type == "cuda")
-    if plan is None:
-        plan = attention_plan(group, layout, causal, q.shape[1], document_ids, position_ids)
     out, lse = _RingAttention.apply(q, k, v, group, spec, plan)
     return (out, lse) if return_lse else out
 

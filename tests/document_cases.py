@@ -88,14 +88,16 @@ def gather_by_position(local: torch.Tensor, positions: torch.Tensor, seqlen: int
     return full
 
 
-def run_documents(q, k, v, dout, docs, layout: str, causal: bool, scale: float = 0.25) -> dict[str, torch.Tensor]:
+def run_documents(q, k, v, dout, docs, layout: str, causal: bool, scale: float = 0.25,
+                  head_chunks: int | None = None) -> dict[str, torch.Tensor]:
     """This rank's slice through ``context_parallel_attention`` with ``document_ids``; the full results."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     group = dist.group.WORLD if dist.is_initialized() else None
     positions = layout_positions(layout, docs, rank, world)
     local = [_take(x, positions).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
     out, lse = context_parallel_attention(*local[:3], group, layout, causal, scale, return_lse=True,
-                                          document_ids=_take(docs, positions), position_ids=positions)
+                                          head_chunks=head_chunks, document_ids=_take(docs, positions),
+                                          position_ids=positions)
     out.backward(local[3])
     got = {"out": out.detach(), "lse": lse.transpose(1, 2).contiguous(), "dq": local[0].grad,
            "dk": local[1].grad, "dv": local[2].grad}
@@ -154,7 +156,7 @@ def count_work(layout: str, causal: bool, seqlen: int, spec: str) -> dict[str, f
 
     kernels.TorchCpuFlash.forward = counting_forward
     try:
-        run_documents(q, k, v, dout, docs, layout, causal)
+        run_documents(q, k, v, dout, docs, layout, causal, head_chunks=2)
     finally:
         kernels.TorchCpuFlash.forward = original
     return {**kernels.KERNEL_CALLS, "kv_bytes": ring_comm.BYTES_SENT[0], "grad_bytes": ring_comm.BYTES_SENT[1],
