@@ -31,7 +31,8 @@ def train(argv: list[str]) -> int:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
     parallel = config.parallel
-    with parallel_context(parallel.tp, parallel.cp, dp, parallel.backend, parallel.timeout_minutes) as state:
+    with parallel_context(parallel.tp, parallel.cp, dp, parallel.backend, parallel.timeout_minutes,
+                          parallel.ulysses_size) as state:
         trace_collectives(state, parallel.timeout_minutes)
         run_training(config, state)
     return 0

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from bench.common import median, peak_memory_mb, reset_peak_memory
 from parallel.balanced_layout import balanced_positions
+from parallel.cp_attention import attention_plan, context_parallel_attention
 from parallel.layout import sequence_positions
-from parallel.ring_attention import attention_plan, context_parallel_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -32,8 +32,9 @@ from cp_train.metrics import gpu_peak_tflops
 from model import GPTModel, model_flops_per_token
 from parallel import kernels
 from parallel.attention_plan import plan_for_layout
-from parallel.ring_attention import context_parallel_attention, default_head_chunks, default_overlap
-from parallel.ring_core import RingSpec, ring_backward, ring_forward
+from parallel.attention_spec import AttentionSpec
+from parallel.cp_attention import context_parallel_attention, default_head_chunks, default_overlap
+from parallel.ring_core import ring_backward, ring_forward
 
 MODELS = {"gpt-125m": "launch/configs/gpt-125m-cp8.yaml", "gpt-1b": "launch/configs/gpt-1b-128k-cp8.yaml"}
 
@@ -69,7 +70,7 @@ def attention_cases(q, k, v, dout, device: torch.device) -> dict[str, Callable[[
         context_parallel_attention(*leaves, None, causal=True).backward(dout)
 
     scale = q.shape[-1] ** -0.5
-    spec = RingSpec("contiguous", True, scale, kernels.select_kernel(device, q.dtype, q.shape[-1]),
+    spec = AttentionSpec("ring", "contiguous", True, scale, kernels.select_kernel(device, q.dtype, q.shape[-1]),
                     default_head_chunks(device, k.shape[2]), default_overlap(device))
 
     plan = plan_for_layout("contiguous", True, 1, 0, q.shape[1])

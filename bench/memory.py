@@ -31,13 +31,13 @@ from parallel.layout import sequence_positions  # noqa: E402
 from parallel.spawn import SpawnedWorld  # noqa: E402
 
 
-def measure_block(config: ModelConfig, seq: int, batch: int, repeats: int) -> dict:
+def measure_block(config: ModelConfig, layout: str, seq: int, batch: int, repeats: int) -> dict:
     """Run on every rank of a world that is the CP group: peak added MB and seconds of fwd + bwd."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    block = Block(config, 0, cp_group=dist.group.WORLD, cp_layout=config.attention_layout)
+    block = Block(config, 0, cp_group=dist.group.WORLD, cp_layout=layout)
     local = seq // world
-    positions = sequence_positions(seq, rank, world, config.attention_layout if world > 1 else "contiguous")
+    positions = sequence_positions(seq, rank, world, layout if world > 1 else "contiguous")
     cos, sin = rope_tables(positions.expand(batch, local), config.head_dim, config.rope_theta)
     x = torch.randn(batch, local, config.hidden_size, requires_grad=True)
     dout = torch.randn(batch, local, config.hidden_size)
@@ -55,13 +55,13 @@ def measure_block(config: ModelConfig, seq: int, batch: int, repeats: int) -> di
 
 def run(config: ModelConfig, cp: int, args: argparse.Namespace) -> dict:
     with SpawnedWorld(cp, threads=max(1, args.threads // cp), timeout_s=3600) as world:
-        per_rank = world.run(measure_block, config, args.seq, args.batch, args.repeats)
+        per_rank = world.run(measure_block, config, args.layout, args.seq, args.batch, args.repeats)
     peak = median([max(r["added_mb"][i] for r in per_rank) for i in range(args.repeats)])
     seconds = median([max(r["seconds"][i] for r in per_rank) for i in range(args.repeats)])
     tokens = args.batch * args.seq // cp
     return {"cp": cp, "mlp_chunks": config.mlp_chunks, "seq": args.seq, "tokens_per_rank": tokens,
             "hidden": config.hidden_size, "ffn": config.ffn_hidden_size, "heads": config.num_heads,
-            "kv_heads": config.num_kv_heads, "layout": config.attention_layout,
+            "kv_heads": config.num_kv_heads, "layout": args.layout,
             "peak_mb_per_rank": peak, "kb_per_token": 1024 * peak / tokens, "ms_fwd_bwd": 1000 * seconds}
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     def config(chunks: int) -> ModelConfig:
         return ModelConfig(vocab_size=256, num_layers=1, hidden_size=args.hidden, num_heads=args.heads,
                            num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, max_position_embeddings=args.seq,
-                           mlp_chunks=chunks, attention_layout=args.layout)
+                           mlp_chunks=chunks)
 
     runs = [(1, c) for c in args.chunks] + [(cp, c) for c in args.cp_chunks for cp in args.cps]
     records, seen = [], set()
@@ -92,7 +92,7 @@ def main() -> None:
         if (cp, chunks) in seen:
             continue
         seen.add((cp, chunks))
-        config(chunks).validate(1, cp, args.seq)
+        config(chunks).validate(1, cp, args.seq, args.layout)
         records.append(run(config(chunks), cp, args))
     base = next(r for r in records if r["cp"] == 1 and r["mlp_chunks"] == 1)["peak_mb_per_rank"]
     for record in records:

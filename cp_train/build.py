@@ -149,20 +149,23 @@ def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, cons
     workers = config.data.num_workers if config.data.num_workers is not None else (2 if cuda else 0)
     return build_data_loader(dataset, config.train.micro_batch_size, config.train.global_batch_size,
                              dp_rank=state.dp.rank, dp_size=state.dp.size, cp_rank=state.cp.rank,
-                             cp_size=state.cp.size, layout=config.model.attention_layout,
+                             cp_size=state.cp.size, layout=config.parallel.cp_layout,
                              consumed_samples=consumed_samples, num_workers=workers, pin_memory=cuda)
 
 
 def build_model(config: Config, state: ParallelState, device: torch.device, hf_dir: str | None = None) -> GPTModel:
     """The GPT on this rank's TP and CP groups, fp32 parameters (autocast handles bf16): initialised from the
     seed, or with ``hf_dir`` this rank's shards of the Hugging Face Llama weights there."""
+    parallel = config.parallel
     try:
-        config.model.validate(state.tp.size, state.cp.size, config.data.seq_len)
+        config.model.validate(state.tp.size, state.cp.size, config.data.seq_len, parallel.cp_layout)
     except ValueError as error:
         raise ConfigError(f"model: {error}") from None
     if hf_dir is None:
-        return GPTModel(config.model, state.tp.group, state.cp.group, device=device)
-    model = empty_model(config.model, state.tp.group, state.cp.group, device=device)
+        return GPTModel(config.model, state.tp.group, state.cp_groups, parallel.cp_layout, device=device,
+                        cp_algorithm=parallel.cp_algorithm)
+    model = empty_model(config.model, state.tp.group, state.cp_groups, parallel.cp_layout, device=device,
+                        cp_algorithm=parallel.cp_algorithm)
     load_llama_weights(model, hf_dir)
     return model
 

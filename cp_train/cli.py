@@ -14,7 +14,11 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--tp-size": ("parallel.tp", int, "tensor-parallel size", ("--tensor-model-parallel-size",)),
     "--cp-size": ("parallel.cp", int, "context-parallel size", ("--context-parallel-size",)),
     "--dp-size": ("parallel.dp", int, "data-parallel size (default: world / (tp*cp))", ()),
-    "--cp-layout": ("model.attention_layout", str, "contiguous, zigzag or stripe", ()),
+    "--cp-layout": ("parallel.cp_layout", str, "contiguous, zigzag, stripe or balanced", ()),
+    "--cp-algorithm": ("parallel.cp_algorithm", str, "ring, allgather, ulysses or hybrid (or p2p, all_gather, a2a, "
+                       "a2a+p2p)", ("--cp-comm-type",)),
+    "--ulysses-size": ("parallel.ulysses_size", int, "hybrid: CP ranks per Ulysses group",
+                       ("--hierarchical-context-parallel-size",)),
     "--seq-len": ("data.seq_len", int, "tokens per sample", ("--seq-length",)),
     "--micro-batch-size": ("train.micro_batch_size", int, "samples per micro-batch per DP rank", ()),
     "--global-batch-size": ("train.global_batch_size", int, "samples per optimizer step", ()),

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from parallel.state import ParallelState
 
 TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
+          "all_gather_single", "reduce_scatter_single",
           "all_to_all_single", "all_to_all", "broadcast", "reduce", "gather", "scatter", "barrier",
           "monitored_barrier", "send", "recv", "batch_isend_irecv", "all_gather_object",
           "broadcast_object_list", "gather_object", "scatter_object_list")

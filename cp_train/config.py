@@ -35,6 +35,9 @@ class ParallelConfig:
     dp: int | None = None  # None: world // (tp * cp)
     backend: str | None = None  # None: nccl on CUDA, else gloo
     timeout_minutes: float = 10.0  # bounds every collective; fractions work (0.05 = 3 s)
+    cp_layout: str = "zigzag"  # contiguous | zigzag | stripe | balanced (how the sequence is split over CP)
+    cp_algorithm: str = "ring"  # ring | allgather | ulysses | hybrid (Megatron's p2p, all_gather, a2a, a2a+p2p)
+    ulysses_size: int = 1  # hybrid: adjacent CP ranks per Ulysses group (cp = ulysses_size x ring size)
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     explicit_keys: ClassVar[frozenset[str]] = frozenset()  # dotted keys a layer set (per instance, build_config)
+    deprecations: ClassVar[tuple[str, ...]] = ()  # notes on deprecated keys read (per instance, build_config)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -251,11 +255,19 @@ def parse_override(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+DEPRECATED_KEYS = {"model.attention_layout": "parallel.cp_layout"}  # old key -> new key (still read)
+
+
 def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
-    """Defaults updated by each ``(source, {dotted key: value})`` layer in order (later wins)."""
+    """Defaults updated by each ``(source, {dotted key: value})`` layer in order (later wins). Deprecated keys
+    set the new key and leave a one-line note in ``config.deprecations``."""
     config = Config()
+    notes = []
     for source, values in layers:
         for key, value in values.items():
+            if key in DEPRECATED_KEYS:
+                notes.append(f"{source}: {key} is deprecated, use {DEPRECATED_KEYS[key]} (read as that)")
+                key = DEPRECATED_KEYS[key]
             try:
                 kind = field_type(key)
             except ConfigError as error:
@@ -263,7 +275,8 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
             section, name = key.split(".", 1)
             setattr(getattr(config, section), name, coerce(key, value, kind))
     config.model.resolve()
-    config.explicit_keys = frozenset(key for _, values in layers for key in values)
+    config.explicit_keys = frozenset(DEPRECATED_KEYS.get(key, key) for _, values in layers for key in values)
+    config.deprecations = tuple(notes)
     if config.checkpoint.init_from_hf:
         from cp_train.hf_init import apply_hf_model  # the model's shape comes from the HF config.json
         apply_hf_model(config)

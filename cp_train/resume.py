@@ -15,10 +15,11 @@ from cp_train.config import Config
 from cp_train.errors import InputError
 
 DATA_STREAM_KEYS = ("train.global_batch_size", "data.seq_len", "data.prefix", "data.tokenizer", "data.seed",
-                    "data.valid_fraction", "data.eod_id", "data.mask_eod_loss", "data.reset_position_ids")
+                    "data.valid_fraction", "data.eod_id", "data.mask_eod_loss", "data.reset_position_ids",
+                    "data.document_mask")
 MODEL_KEYS = ("model.vocab_size", "model.num_layers", "model.hidden_size", "model.num_heads",
               "model.num_kv_heads", "model.ffn_hidden_size", "model.tie_embeddings", "model.rope_theta",
-              "model.norm_eps")
+              "model.norm_eps", "model.rope_scaling")
 GUARDED_KEYS = DATA_STREAM_KEYS + MODEL_KEYS
 QUIET_SECTIONS = ("logging", "checkpoint")  # where a run is written and read: changes are not worth a note
 

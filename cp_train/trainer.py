@@ -40,7 +40,8 @@ from cp_train.rng import derived_seed, restore_rng_state, seed_everything
 from cp_train.sinks import MetricsSinks
 from cp_train.validate import validate
 from model import model_flops_per_token
-from parallel.attention_plan import RankPlan
+from parallel.attention_spec import canonical_algorithm
+from parallel.cp_plan import CPPlan
 from parallel.state import ParallelState
 
 MicroBatch = dict[str, torch.Tensor]
@@ -88,6 +89,12 @@ class Trainer:
         if (state.tp.size, state.cp.size, state.dp.size) != (config.parallel.tp, config.parallel.cp, self.dp):
             raise ValueError(f"config layout (tp, cp, dp) = ({config.parallel.tp}, {config.parallel.cp}, {self.dp}) "
                              f"differs from the parallel state's {state.sizes}")
+        ulysses = state.cp_ulysses.size if state.cp_ulysses else 1
+        if config.parallel.cp > 1 and canonical_algorithm(config.parallel.cp_algorithm) == "hybrid" \
+                and ulysses != config.parallel.ulysses_size:
+            raise ValueError(f"parallel.ulysses_size {config.parallel.ulysses_size} differs from the parallel state's "
+                             f"Ulysses groups of {ulysses}: initialise it with ulysses_size="
+                             f"{config.parallel.ulysses_size}")
         self.device = build.select_device(state)
         if config.train.deterministic:
             build.use_deterministic_algorithms()
@@ -113,6 +120,8 @@ class Trainer:
         self._pending_messages: list[str] = []
         if hf_dir is not None:
             self._note(hf_init_message(config))
+        for note in config.deprecations:
+            self._note(note)
         if resume is not None:
             consumed = self._load(resume)
         self.train_data, self.valid_data = build.build_datasets(config, self.sources, state)
@@ -170,7 +179,7 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _losses(self, mb: MicroBatch) -> tuple[torch.Tensor, RankPlan | None]:
+    def _losses(self, mb: MicroBatch) -> tuple[torch.Tensor, CPPlan | None]:
         """Per-token losses of one micro-batch (attention per document when ``data.document_mask``) and the
         attention plan they used (None without a ring)."""
         documents = mb["document_ids"] if self.config.data.document_mask else None
@@ -251,7 +260,8 @@ class Trainer:
         meta = {"step": self.step, "consumed_samples": self.loader.consumed_samples,
                 "scheduler": {"step": self.step, **self.schedule.state_dict()},
                 "layout": {"tp": self.state.tp.size, "cp": self.state.cp.size, "dp": self.state.dp.size,
-                           "world_size": self.state.world_size, "attention_layout": self.config.model.attention_layout},
+                           "world_size": self.state.world_size, "cp_layout": self.config.parallel.cp_layout,
+                           "cp_algorithm": self.config.parallel.cp_algorithm},
                 "config": self.config.to_dict(), "torch": torch.__version__}
         path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state, keep=ckpt.keep)
         self._last_saved = self.step

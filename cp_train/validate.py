@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from cp_train.config import Config, ConfigError, field_type
-from parallel.layout import check_layout
+from parallel.attention_spec import canonical_algorithm, check_algorithm, check_heads
+from parallel.layout import LAYOUTS, check_layout
+from parallel.rank_groups import check_ulysses
 from parallel.rank_groups import resolve_dp as resolve_layout_dp
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -52,6 +54,20 @@ def _choice(key: str, value: object, choices: tuple) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
+def _check_cp_algorithm(config: Config) -> None:
+    """parallel.cp_algorithm and parallel.ulysses_size against cp and the heads per TP rank."""
+    parallel, model = config.parallel, config.model
+    try:
+        algorithm = canonical_algorithm(parallel.cp_algorithm)
+        check_ulysses(parallel.cp, parallel.ulysses_size)
+        check_algorithm(algorithm, parallel.cp, parallel.ulysses_size)
+        if parallel.cp > 1 and model.num_heads % parallel.tp == 0 and model.num_kv_heads % parallel.tp == 0:
+            degree = parallel.ulysses_size if algorithm == "hybrid" else parallel.cp
+            check_heads(algorithm, model.num_heads // parallel.tp, model.num_kv_heads // parallel.tp, degree)
+    except ValueError as error:
+        raise ConfigError(f"parallel.cp_algorithm={parallel.cp_algorithm}: {error}") from None
+
+
 def validate(config: Config, world_size: int) -> int:
     """Raise ConfigError unless ``config`` runs on ``world_size`` ranks; return the DP size."""
     dp = resolve_dp(config, world_size)
@@ -88,12 +104,14 @@ def validate(config: Config, world_size: int) -> int:
         raise ConfigError(f"train.global_batch_size {train.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_micro_step}; "
                           f"the global batch is micro batch * dp * gradient-accumulation steps")
+    _choice("parallel.cp_layout", config.parallel.cp_layout, LAYOUTS)
+    _check_cp_algorithm(config)
     if cp > 1:
         try:
-            check_layout(data.seq_len, cp, model.attention_layout, what="data.seq_len")
+            check_layout(data.seq_len, cp, config.parallel.cp_layout, what="data.seq_len")
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        if model.attention_layout == "balanced" and not data.document_mask:
+        if config.parallel.cp_layout == "balanced" and not data.document_mask:
             raise ConfigError("the balanced CP layout balances the per-document mask: set data.document_mask=true "
                               "or choose another layout (zigzag, stripe, contiguous)")
     if data.seq_len > model.max_position_embeddings:
@@ -111,7 +129,8 @@ def validate(config: Config, world_size: int) -> int:
     if data.prefix is not None and data.tokenizer is None and model.vocab_size is None:
         raise ConfigError("data.prefix without data.tokenizer needs model.vocab_size")
     try:  # an unset vocab_size comes from the tokenizer and is checked again then
-        dataclasses.replace(model, vocab_size=model.vocab_size or tp).validate(tp, cp, data.seq_len)
+        dataclasses.replace(model, vocab_size=model.vocab_size or tp).validate(tp, cp, data.seq_len,
+                                                                               config.parallel.cp_layout)
     except ValueError as error:
         raise ConfigError(f"model: {error}") from None
     return dp

@@ -17,8 +17,9 @@ from torch import nn
 
 from model.config import ModelConfig, param_seed
 from model.rope import apply_rope
-from parallel.attention_plan import RankPlan
-from parallel.ring_attention import context_parallel_attention
+from parallel.attention_spec import CPGroups
+from parallel.cp_attention import as_groups, context_parallel_attention
+from parallel.cp_plan import CPPlan
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_and_rank
 
 
@@ -27,17 +28,18 @@ class Attention(nn.Module):
     of the sequence in ``cp_layout``, replicated over ``tp_group``.
 
     Local heads: ``num_heads / tp`` query heads and ``num_kv_heads / tp`` kv heads. ``cp_group``
-    None means no CP (the local sequence is the whole sequence).
+    None means no CP (the local sequence is the whole sequence); ``cp_algorithm`` how CP attends.
     """
 
     def __init__(self, config: ModelConfig, layer: int, tp_group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
+                 cp_algorithm: str = "ring", dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         tp, _ = group_size_and_rank(tp_group)
-        cp, _ = group_size_and_rank(cp_group)
-        self.cp_group = cp_group
-        self.cp_layout = (cp_layout or config.attention_layout) if cp > 1 else "contiguous"  # cp=1: all alike
+        self.cp_groups = as_groups(cp_group)
+        self.cp_layout = cp_layout if self.cp_groups.size > 1 else "contiguous"  # cp=1: all alike
+        self.cp_algorithm = cp_algorithm
         self.backend = config.attention_backend
         self.head_dim = config.head_dim
         self.group_size = config.num_heads // config.num_kv_heads  # query heads per kv head
@@ -55,14 +57,14 @@ class Attention(nn.Module):
                                       dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                plan: RankPlan | None = None) -> torch.Tensor:
+                plan: CPPlan | None = None) -> torch.Tensor:
         """``x`` ``[B, n, hidden]``; ``cos``/``sin`` from ``rope_tables`` of this rank's global positions;
-        ``plan`` the batch's ring plan (``parallel.ring_attention.attention_plan``; None: built here)."""
+        ``plan`` the batch's CP plan (``parallel.cp_attention.attention_plan``; None: built here)."""
         batch, n, _ = x.shape
         qkv = self.qkv(x).view(batch, n, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, : self.group_size].reshape(batch, n, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, self.group_size], qkv[:, :, :, self.group_size + 1].contiguous()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = context_parallel_attention(q, k, v, self.cp_group, self.cp_layout, causal=True, backend=self.backend,
-                                         plan=plan)
+        out = context_parallel_attention(q, k, v, self.cp_groups, self.cp_layout, causal=True,
+                                         backend=self.backend, plan=plan, algorithm=self.cp_algorithm)
         return self.proj(out.reshape(batch, n, self.local_heads * self.head_dim))

@@ -10,7 +10,8 @@ from torch.utils.checkpoint import checkpoint
 from model.attention import Attention
 from model.config import ModelConfig
 from model.mlp import MLP
-from parallel.attention_plan import RankPlan
+from parallel.attention_spec import CPGroups
+from parallel.cp_plan import CPPlan
 
 
 class Block(nn.Module):
@@ -22,21 +23,23 @@ class Block(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layer: int, tp_group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
+                 cp_algorithm: str = "ring", dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.checkpointing = config.activation_checkpointing
         self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
-        self.attention = Attention(config, layer, tp_group, cp_group, cp_layout, dtype=dtype, device=device)
+        self.attention = Attention(config, layer, tp_group, cp_group, cp_layout, cp_algorithm, dtype=dtype,
+                                   device=device)
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
         self.mlp = MLP(config, layer, tp_group, dtype=dtype, device=device)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: RankPlan | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: CPPlan | None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, plan)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                plan: RankPlan | None = None) -> torch.Tensor:
+                plan: CPPlan | None = None) -> torch.Tensor:
         """``cos``/``sin``: the RoPE tables of this rank's global positions (``model.rope.rope_tables``);
         ``plan``: the attention's ring plan for this batch (``GPTModel.forward`` builds it once)."""
         if self.checkpointing and torch.is_grad_enabled():

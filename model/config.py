@@ -17,8 +17,8 @@ class ModelConfig:
 
     ``mlp_chunks``: the MLP runs over this many slices of the local sequence, each under
     activation checkpointing (1: one plain pass). ``activation_checkpointing``: recompute
-    each block in the backward. ``attention_layout``: the CP layout of the sequence
-    (``contiguous``, ``zigzag`` or ``stripe``). ``attention_backend``: kernel for the ring
+    each block in the backward (the CP layout and algorithm are parallelism settings: ``GPTModel``'s
+    ``cp_layout`` and ``cp_algorithm``). ``attention_backend``: kernel for the attention
     (None: the best available, see parallel/kernels.py; also used without a CP group).
     ``seed`` alone fixes the initial weights, whatever the layout. ``rope_scaling``: RoPE scaling
     with Hugging Face's fields and semantics (``linear``, ``llama3``, ``yarn``; see model/rope.py),
@@ -38,7 +38,6 @@ class ModelConfig:
     tie_embeddings: bool = False
     mlp_chunks: int = 1
     activation_checkpointing: bool = False
-    attention_layout: str = "zigzag"
     attention_backend: str | None = None
     init_std: float = 0.02
     seed: int = 1234
@@ -57,7 +56,7 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def validate(self, tp: int = 1, cp: int = 1, seq_len: int | None = None) -> None:
+    def validate(self, tp: int = 1, cp: int = 1, seq_len: int | None = None, layout: str = "zigzag") -> None:
         """Raise ``ValueError`` saying what to change when this model cannot run at (tp, cp).
 
         ``seq_len`` (global tokens per sample), when given, is checked against the layout too.
@@ -89,19 +88,18 @@ class ModelConfig:
             if value % tp != 0:
                 raise ValueError(f"{name} {value} is not divisible by tp = {tp}; "
                                  f"choose a tp that divides {value} or make {name} a multiple of {tp}")
-        if self.attention_layout not in LAYOUTS:
-            raise ValueError(f"unknown attention_layout {self.attention_layout!r}; choose one of "
-                             f"{', '.join(LAYOUTS)}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of "
                              f"{', '.join(BACKENDS)} or None")
         if seq_len is not None:
-            self.check_sequence(seq_len, cp)
+            self.check_sequence(seq_len, cp, layout)
 
-    def check_sequence(self, seq_len: int, cp: int, layout: str | None = None) -> None:
+    def check_sequence(self, seq_len: int, cp: int, layout: str = "zigzag") -> None:
         """Raise ``ValueError`` unless ``seq_len`` global tokens split evenly over ``cp`` ranks in ``layout``."""
         if cp > 1:  # at cp = 1 every layout is the whole sequence
-            check_layout(seq_len, cp, layout or self.attention_layout)
+            check_layout(seq_len, cp, layout)
         if seq_len > self.max_position_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.max_position_embeddings}; raise max_position_embeddings")

@@ -19,9 +19,10 @@ from torch import nn
 from model.block import Block
 from model.config import ModelConfig, param_seed
 from model.rope import rope_tables
-from parallel.attention_plan import RankPlan
-from parallel.layout import LAYOUTS, sequence_positions
-from parallel.ring_attention import attention_plan
+from parallel.attention_spec import CPGroups, canonical_algorithm, check_heads
+from parallel.cp_attention import as_groups, attention_plan
+from parallel.cp_plan import CPPlan
+from parallel.layout import sequence_positions
 from parallel.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -36,25 +37,31 @@ def _is_int(x: torch.Tensor) -> bool:
 
 
 class GPTModel(nn.Module):
-    """GPT over a TP group and a CP group (None: size 1). ``cp_layout`` overrides ``config.attention_layout``."""
+    """GPT over a TP group and a CP group (None: size 1; ``CPGroups`` with the Ulysses and ring subgroups
+    for the hybrid algorithm). ``cp_layout``: how the sequence is split over CP (``parallel/layout.py``);
+    ``cp_algorithm``: ring, allgather, ulysses or hybrid (``parallel/attention_spec.py``)."""
 
     def __init__(self, config: ModelConfig, tp_group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 cp_algorithm: str = "ring") -> None:
         super().__init__()
         self.tp_size, _ = group_size_and_rank(tp_group)
-        self.cp_size, self.cp_rank = group_size_and_rank(cp_group)
-        config.validate(self.tp_size, self.cp_size)
-        self.cp_layout = cp_layout or config.attention_layout
-        if self.cp_layout not in LAYOUTS:
-            raise ValueError(f"unknown cp_layout {self.cp_layout!r}; choose one of {', '.join(LAYOUTS)}")
-        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
+        self.cp_groups = as_groups(cp_group)
+        self.cp_size, self.cp_rank = self.cp_groups.size, self.cp_groups.rank
+        config.validate(self.tp_size, self.cp_size, layout=cp_layout)
+        self.cp_algorithm = canonical_algorithm(cp_algorithm) if self.cp_size > 1 else "ring"
+        degree = self.cp_groups.ulysses_size if self.cp_algorithm == "hybrid" else self.cp_size
+        check_heads(self.cp_algorithm, config.num_heads // self.tp_size, config.num_kv_heads // self.tp_size,
+                    degree)
+        self.cp_layout = cp_layout
+        self.config, self.tp_group, self.cp_group = config, tp_group, self.cp_groups.cp
         factory = {"dtype": dtype, "device": device}
         self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group,
                                                 seed=param_seed(config.seed, "embedding"),
                                                 init_std=config.init_std, **factory)
-        self.layers = nn.ModuleList(Block(config, i, tp_group, cp_group, self.cp_layout, **factory)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i, tp_group, self.cp_groups, self.cp_layout, self.cp_algorithm,
+                                          **factory) for i in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, **factory)
         self.lm_head = None if config.tie_embeddings else ColumnParallelLinear(
             config.hidden_size, config.vocab_size, bias=False, group=tp_group,
@@ -82,14 +89,15 @@ class GPTModel(nn.Module):
                                  f"{x.dtype} {tuple(x.shape)}")
 
     def attention_plan(self, local_len: int, document_ids: torch.Tensor | None = None,
-                       position_ids: torch.Tensor | None = None) -> RankPlan | None:
-        """The attention's ring plan for a batch (every layer uses it): see ``forward``'s arguments."""
+                       position_ids: torch.Tensor | None = None) -> CPPlan | None:
+        """The attention's plan for a batch (every layer uses it): see ``forward``'s arguments."""
         layout = self.cp_layout if self.cp_size > 1 else "contiguous"
-        return attention_plan(self.cp_group, layout, True, local_len, document_ids, position_ids)
+        return attention_plan(self.cp_groups, layout, True, local_len, document_ids, position_ids,
+                              self.cp_algorithm)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                plan: RankPlan | None = None) -> torch.Tensor:
+                plan: CPPlan | None = None) -> torch.Tensor:
         """tokens ``[B, n]`` (this rank's slice in the CP layout); position_ids ``[B, n]`` global positions
         (None: those of the layout; restarting at each document is fine); labels ``[B, n]`` global class ids
         (``-100``: ignored, loss 0); document_ids ``[B, n]`` the tokens' documents, non-decreasing along each

@@ -25,6 +25,7 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.hf_config import hf_config, model_fields, read_hf_config
 from model.hf_weights import HFTensor, WeightFiles, hf_tensors, split_qkv, write_weights
+from parallel.attention_spec import CPGroups
 from parallel.tensor_parallel import group_size_and_rank
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -33,11 +34,12 @@ __all__ = ["empty_model", "load_llama", "load_llama_weights", "save_llama"]
 
 
 def empty_model(config: ModelConfig, tp_group: dist.ProcessGroup | None = None,
-                cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
-                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> GPTModel:
+                cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                cp_algorithm: str = "ring") -> GPTModel:
     """A ``GPTModel`` with allocated but uninitialised parameters (no random init: built on the meta device)."""
     with torch.device("meta"):
-        model = GPTModel(config, tp_group, cp_group, cp_layout, dtype=dtype)
+        model = GPTModel(config, tp_group, cp_group, cp_layout, dtype=dtype, cp_algorithm=cp_algorithm)
     partitioned = {name: p.partition_dim for name, p in model.named_parameters()
                    if getattr(p, "tensor_model_parallel", False)}
     model.to_empty(device=device or "cpu")
@@ -91,15 +93,17 @@ def _load_qkv(files: WeightFiles, entries: list[HFTensor], param: torch.Tensor, 
 
 
 def load_llama(path: str | Path, tp_group: dist.ProcessGroup | None = None,
-               cp_group: dist.ProcessGroup | None = None, cp_layout: str | None = None,
-               dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> GPTModel:
-    """The HF Llama in directory ``path`` as a ``GPTModel`` on ``tp_group`` x ``cp_group`` (None: size 1).
+               cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
+               dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+               cp_algorithm: str = "ring") -> GPTModel:
+    """The HF Llama in directory ``path`` as a ``GPTModel`` on ``tp_group`` x ``cp_group`` (None: size 1),
+    split over CP in ``cp_layout`` and attending with ``cp_algorithm``.
 
     ``dtype``: parameter dtype (None: torch's default, fp32; the stored weights are cast); ``device``:
     where the parameters live (None: CPU). Each rank reads only its TP shard of every tensor.
     """
     config = ModelConfig(**model_fields(read_hf_config(path)))
-    model = empty_model(config, tp_group, cp_group, cp_layout, dtype, device)
+    model = empty_model(config, tp_group, cp_group, cp_layout, dtype, device, cp_algorithm)
     load_llama_weights(model, path)
     return model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel.compat import all_gather_single
 from parallel.layout import STATIC_LAYOUTS, sequence_positions
 
 
@@ -36,7 +37,7 @@ def gather_mask_inputs(document_ids: torch.Tensor, position_ids: torch.Tensor | 
         every = mine.unsqueeze(0)
     else:
         every = torch.empty((world * 2, batch, n), dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(every, mine.contiguous(), group=group)
+        all_gather_single(every, mine.contiguous(), group=group)
         every = every.view(world, 2, batch, n)
     every = every.cpu()
     return every[:, 0], every[:, 1]

@@ -15,7 +15,7 @@ dK/dV accumulator of a block starts on the first rank that uses it, travels the 
 grows by the rows each rank touches and arrives home at the block's owner, which adds it to its own
 share. dQ stays local. Nothing saved is recomputed. Buffers are dropped as soon as they are sent.
 
-Overlap policy (``RingSpec.overlap``, chosen by device in ``ring_attention``): two hops of each
+Overlap policy (``AttentionSpec.overlap``, chosen by device in ``ring_attention``): two hops of each
 chunk's backward have no kernel call of their own chunk to hide behind, the first K/V hop and the
 dK/dV accumulator's last hop home. With ``overlap`` (GPUs) the first K/V hop is posted before the
 chunk's local step and the last dK/dV hop lands after the *next* chunk's local step, so both travel
@@ -25,32 +25,17 @@ during compute, at the price of one more K/V and one more dK/dV buffer alive at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from parallel import ring_varlen
 from parallel.attention_plan import RankPlan, Selector, StepPlan
-from parallel.kernels import KERNEL_CALLS, AttentionKernel
+from parallel.attention_spec import AttentionSpec
+from parallel.kernels import KERNEL_CALLS
 from parallel.ring_comm import RingComm, Transfer
 from parallel.ring_varlen import varlen_calls
 from parallel.varlen import merge_block
 
 KV_TAG, GRAD_TAG = 0, 1
-
-
-@dataclass(frozen=True)
-class RingSpec:
-    """How one ring attention call runs (decided once per call site): CP ``layout``, ``causal``, softmax
-    ``scale``, the block ``kernel``, the number of kv-head chunks and the overlap policy (above)."""
-
-    layout: str
-    causal: bool
-    scale: float
-    kernel: AttentionKernel
-    head_chunks: int
-    overlap: bool
-    varlen: bool = False  # steps of many segments as varlen calls (parallel/ring_varlen.py; GPUs)
 
 
 def head_chunk_bounds(kv_heads: int, chunks: int) -> list[tuple[int, int]]:
@@ -93,7 +78,7 @@ def _rows(x: torch.Tensor, plan: RankPlan) -> torch.Tensor:
     return x.reshape(1, -1, *x.shape[2:]) if plan.packed else x
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: RingSpec,
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: AttentionSpec,
                  plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the ring: returns out [B, n, H, D] (accumulator dtype) and lse [B, n, H]."""
     shape = q.shape
@@ -146,7 +131,7 @@ def _add_grad(total: torch.Tensor, part: torch.Tensor, target: tuple[int, int] |
         total.flatten(0, 1).index_add_(0, target, part.to(total.dtype))
 
 
-def _varlen(spec: RingSpec, step: StepPlan) -> bool:
+def _varlen(spec: AttentionSpec, step: StepPlan) -> bool:
     """Varlen calls for steps of many segments (packed documents); dense views where a step is one or two
     calls (the one-document layouts), which gathers nothing."""
     return spec.varlen and len(step.calls) > 2
@@ -158,7 +143,7 @@ def _covers(target: tuple[int, int] | torch.Tensor, rows: int) -> bool:
 
 
 def _step_grads(plan: RankPlan, index: int, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor],
-                dq: torch.Tensor, spec: RingSpec) -> Grads:
+                dq: torch.Tensor, spec: AttentionSpec) -> Grads:
     """One step's backward: adds its dq share into ``dq``; returns (dk, dv, accumulator rows) per call.
 
     ``rows`` = (dout, q, out, lse) of the chunk's query heads; ``held`` the K/V store of the step.
@@ -190,7 +175,7 @@ def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]], home: S
 
 
 def _local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], dq_c: torch.Tensor,
-                 dk_c: torch.Tensor, dv_c: torch.Tensor, spec: RingSpec) -> None:
+                 dk_c: torch.Tensor, dv_c: torch.Tensor, spec: AttentionSpec) -> None:
     """The local step: dq, dk, dv of the chunk's own block, written straight into the outputs."""
     dq_c.zero_()
     grads = _step_grads(plan, 0, rows, held, dq_c, spec)
@@ -206,7 +191,7 @@ def _local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torc
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, comm: RingComm | None, spec: RingSpec, plan: RankPlan
+                  lse: torch.Tensor, comm: RingComm | None, spec: AttentionSpec, plan: RankPlan
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype."""
     q_shape, kv_shape = q.shape, k.shape
@@ -216,7 +201,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     group_size = heads // kv_heads
     acc = accumulator_dtype(q.dtype)
     dq = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
-    dk = torch.empty(batch, n, kv_heads, dim, dtype=acc, device=q.device)
+    dk = torch.empty(*k.shape[:2], kv_heads, dim, dtype=acc, device=q.device)  # k may hold other rows (all-gather)
     dv = torch.empty_like(dk)
     homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []  # dK/dV hops still travelling home
     for k0, k1 in head_chunk_bounds(kv_heads, spec.head_chunks):

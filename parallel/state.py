@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallel.attention_spec import CPGroups
 from parallel.rank_groups import (  # noqa: F401  (re-exported)
     AXIS_ORDER,
     Groups,
     RankGroups,
     check_sizes,
+    check_ulysses,
     check_world,
     compute_rank_groups,
     rank_coordinates,
@@ -65,6 +67,14 @@ class ParallelState:
     dp_cp_mesh: DeviceMesh
     tp_cp_mesh: DeviceMesh
     owns_default_group: bool
+    cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
+    cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
+
+    @property
+    def cp_groups(self) -> CPGroups:
+        """The CP group and, for hybrid CP, its Ulysses and ring subgroups (what the attention takes)."""
+        return CPGroups(self.cp.group, self.cp_ulysses.group if self.cp_ulysses else None,
+                        self.cp_ring.group if self.cp_ring else None)
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -105,20 +115,24 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
 
 
 def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
-                        timeout_minutes: float = 10.0) -> ParallelState:
+                        timeout_minutes: float = 10.0, ulysses_size: int = 1) -> ParallelState:
     """Build every group once and make it the current state (returned).
 
     Uses the default process group when one exists (it is then left alone by
     ``destroy_parallel``); otherwise creates it from torchrun's environment. ``dp`` defaults
     to ``world // (tp*cp)``. ``backend`` defaults to nccl when CUDA is available, else gloo.
     ``timeout_minutes`` bounds collectives on the groups created here (fractions of a minute work).
+    ``ulysses_size`` > 1 also builds the CP subgroups of hybrid CP (``cp_ulysses``, ``cp_ring``).
     """
     global _STATE
     check_sizes(tp, cp, 1 if dp is None else dp)
+    check_ulysses(cp, ulysses_size)
     if not timeout_minutes > 0:
         raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
     if _STATE is not None:
-        if _STATE.sizes == (tp, cp, dp or _STATE.dp.size) and backend in (None, _STATE.backend):
+        ulysses = _STATE.cp_ulysses.size if _STATE.cp_ulysses else 1
+        if (_STATE.sizes == (tp, cp, dp or _STATE.dp.size) and backend in (None, _STATE.backend)
+                and ulysses == ulysses_size):
             return _STATE
         raise RuntimeError(f"parallel state already initialised with (tp, cp, dp) = {_STATE.sizes}; "
                            f"call destroy_parallel() before initialising (tp={tp}, cp={cp}, dp={dp})")
@@ -139,7 +153,7 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
         _init_default_group(backend, timeout)
     try:
         dp = resolve_dp(dist.get_world_size(), tp, cp, dp)
-        _STATE = _build_state(tp, cp, dp, backend, timeout, created)
+        _STATE = _build_state(tp, cp, dp, backend, timeout, created, ulysses_size)
     except BaseException:
         if created:
             dist.destroy_process_group()
@@ -147,7 +161,21 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
     return _STATE
 
 
-def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, created: bool) -> ParallelState:
+def _subgroups(groups: Groups, backend: str, timeout: timedelta) -> AxisGroup:
+    """Create every group of ``groups`` (every rank creates all of them, in order) and return this rank's."""
+    mine = None
+    for ranks in groups:
+        override = _subgroup_override(backend, timeout)
+        group = dist.new_group(list(ranks), timeout=timeout, backend=backend,
+                               pg_options=override[1] if override else None)
+        if dist.get_rank() in ranks:
+            mine = AxisGroup(size=len(ranks), rank=ranks.index(dist.get_rank()), group=group, ranks=ranks)
+    assert mine is not None
+    return mine
+
+
+def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, created: bool,
+                 ulysses: int = 1) -> ParallelState:
     device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
     per_dim = {name: _subgroup_override(backend, timeout) for name in ("dp", "cp", "tp")}
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"),
@@ -160,7 +188,15 @@ def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, cr
         tp=_axis(mesh["tp"]), cp=cp_axis, dp=_axis(mesh["dp"]), dp_cp=_axis(dp_cp_mesh),
         tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % cp],
         cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
-        tp_cp_mesh=tp_cp_mesh, owns_default_group=created)
+        tp_cp_mesh=tp_cp_mesh, owns_default_group=created, **_hybrid_axes(tp, cp, dp, ulysses, backend, timeout))
+
+
+def _hybrid_axes(tp: int, cp: int, dp: int, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:
+    if ulysses == 1:
+        return {}
+    groups = compute_rank_groups(tp * cp * dp, tp, cp, dp, ulysses)
+    return {"cp_ulysses": _subgroups(groups.cp_ulysses, backend, timeout),
+            "cp_ring": _subgroups(groups.cp_ring, backend, timeout)}
 
 
 def destroy_parallel() -> None:
@@ -175,27 +211,29 @@ def destroy_parallel() -> None:
         return
     default = dist.group.WORLD
     seen: set[int] = set()
-    for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp):
-        if axis.group is not default and id(axis.group) not in seen:
+    for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring):
+        if axis is not None and axis.group is not default and id(axis.group) not in seen:
             seen.add(id(axis.group))
             dist.destroy_process_group(axis.group)
 
 
 @contextmanager
 def parallel_context(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
-                     timeout_minutes: float = 10.0) -> Iterator[ParallelState]:
+                     timeout_minutes: float = 10.0, ulysses_size: int = 1) -> Iterator[ParallelState]:
     """``initialize_parallel`` for the ``with`` block, ``destroy_parallel`` after it."""
-    state = initialize_parallel(tp=tp, cp=cp, dp=dp, backend=backend, timeout_minutes=timeout_minutes)
+    state = initialize_parallel(tp=tp, cp=cp, dp=dp, backend=backend, timeout_minutes=timeout_minutes,
+                                ulysses_size=ulysses_size)
     try:
         yield state
     finally:
         destroy_parallel()
 
 
-def run_with_parallel(sizes: tuple[int, int, int | None], fn: Callable[..., Any], *args: Any,
-                      **kwargs: Any) -> Any:
-    """``fn(state, *args, **kwargs)`` inside ``parallel_context(*sizes)``; for ``SpawnedWorld.run``."""
-    with parallel_context(*sizes) as state:
+def run_with_parallel(sizes: tuple[int, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(state, *args, **kwargs)`` inside ``parallel_context`` of ``sizes`` = (tp, cp, dp) or (tp, cp, dp,
+    ulysses_size); for ``SpawnedWorld.run``."""
+    tp, cp, dp, *ulysses = sizes
+    with parallel_context(tp, cp, dp, ulysses_size=ulysses[0] if ulysses else 1) as state:
         return fn(state, *args, **kwargs)
 
 
@@ -241,6 +279,12 @@ def get_context_parallel_world_size() -> int:
 
 def get_context_parallel_global_ranks() -> tuple[int, ...]:
     return get_parallel_state().cp.ranks
+
+
+def get_hierarchical_context_parallel_groups() -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Hybrid CP's (Ulysses group of adjacent CP ranks, ring group across them); (None, None) without."""
+    groups = get_parallel_state().cp_groups
+    return groups.ulysses, groups.ring
 
 
 def get_context_parallel_ring_neighbours() -> tuple[int, int]:

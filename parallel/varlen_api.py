@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from parallel.attention_plan import plan_for_documents
-from parallel.ring_attention import check_package_options, context_parallel_attention
+from parallel.cp_attention import context_parallel_attention
+from parallel.cp_plan import CPPlan
+from parallel.package_api import check_package_options, default_group
 
 
 def _local_pieces(cu_seqlens: torch.Tensor, world: int, zigzag: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +55,11 @@ def _varlen(zigzag: bool, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_sc
         raise ValueError(f"q must be [local_tokens, heads, head_dim], got shape {tuple(q.shape)}")
     if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[0]:
         raise ValueError(f"cu_seqlens must be the local offsets [0, ..., {q.shape[0]}], got {cu_seqlens.tolist()}")
-    if group is None and dist.is_initialized():
-        group = dist.group.WORLD
+    group = default_group(group)
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
     docs, positions = _local_pieces(cu_seqlens.cpu(), world, zigzag)
-    plan = plan_for_documents(docs, positions, rank, causal)
+    ring = plan_for_documents(docs, positions, rank, causal)
+    plan = CPPlan("ring", ring, None, ring.packed, ring.areas, ring.max_calls)
     out, lse = context_parallel_attention(q[None], k[None], v[None], group, "zigzag" if zigzag else "contiguous",
                                           causal, softmax_scale, return_lse=True,
                                           deterministic=deterministic or None, plan=plan)

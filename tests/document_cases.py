@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from parallel import kernels, ring_comm
 from parallel.balanced_layout import balanced_positions
+from parallel.cp_attention import attention_plan, context_parallel_attention
 from parallel.layout import sequence_positions
-from parallel.ring_attention import attention_plan, context_parallel_attention
 from parallel.torch_kernels import expand_kv
 from parallel.varlen_api import ring_flash_attn_varlen_func, zigzag_ring_flash_attn_varlen_func
 from tests.numerics import rel_err
@@ -89,15 +89,19 @@ def gather_by_position(local: torch.Tensor, positions: torch.Tensor, seqlen: int
 
 
 def run_documents(q, k, v, dout, docs, layout: str, causal: bool, scale: float = 0.25,
-                  head_chunks: int | None = None) -> dict[str, torch.Tensor]:
-    """This rank's slice through ``context_parallel_attention`` with ``document_ids``; the full results."""
+                  head_chunks: int | None = None, algorithm: str = "ring", group=None,
+                  masked: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's slice through ``context_parallel_attention`` (with ``document_ids`` when ``masked``, over
+    ``group``: default the whole world); the full results."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    group = dist.group.WORLD if dist.is_initialized() else None
+    if group is None:
+        group = dist.group.WORLD if dist.is_initialized() else None
     positions = layout_positions(layout, docs, rank, world)
     local = [_take(x, positions).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
     out, lse = context_parallel_attention(*local[:3], group, layout, causal, scale, return_lse=True,
-                                          head_chunks=head_chunks, document_ids=_take(docs, positions),
-                                          position_ids=positions)
+                                          head_chunks=head_chunks, algorithm=algorithm,
+                                          document_ids=_take(docs, positions) if masked else None,
+                                          position_ids=positions if masked else None)
     out.backward(local[3])
     got = {"out": out.detach(), "lse": lse.transpose(1, 2).contiguous(), "dq": local[0].grad,
            "dk": local[1].grad, "dv": local[2].grad}
@@ -121,6 +125,21 @@ def check_cases(cases: list[tuple], seqlen: int) -> list[float]:
         docs = documents(spec, 2, seqlen, world, seed=number)
         ref = masked_reference(q, k, v, dout, docs, causal, 0.25)
         got = run_documents(q, k, v, dout, docs, layout, causal)
+        worst.append(max(rel_err(got[name], ref[name]) for name in ref))
+    return worst
+
+
+def check_algorithm_cases(state, algorithm: str, cases: list[tuple], seqlen: int) -> list[float]:
+    """Worst relative error of each ``(layout, causal, heads, kv_heads, spec)`` with ``algorithm`` over this
+    parallel state's CP groups (``spec`` None: no document mask; the balanced layout then gets one document)."""
+    worst = []
+    for number, (layout, causal, heads, kv_heads, spec) in enumerate(cases):
+        q, k, v, dout = inputs(seqlen, heads, kv_heads, seed=number)
+        docs = documents(spec or "one", 2, seqlen, state.cp.size, seed=number)
+        masked = spec is not None or layout == "balanced"
+        ref = masked_reference(q, k, v, dout, docs, causal, 0.25)
+        got = run_documents(q, k, v, dout, docs, layout, causal, algorithm=algorithm, group=state.cp_groups,
+                            masked=masked)
         worst.append(max(rel_err(got[name], ref[name]) for name in ref))
     return worst
 

@@ -92,10 +92,11 @@ def compare(got: Result, ref: Result) -> dict[str, float]:
             "grads": grads[worst], "worst_grad": worst}
 
 
-def run_sharded(state: ParallelState, config: ModelConfig, data: Batch, positions: bool = False) -> Result:
-    """``step`` on this rank's slice of ``data`` (CP layout ``config.attention_layout``), gathered."""
-    model = GPTModel(config, state.tp.group, state.cp.group)
-    local = {k: shard_sequence(v, state.cp.rank, state.cp.size, config.attention_layout) for k, v in data.items()}
+def run_sharded(state: ParallelState, config: ModelConfig, data: Batch, layout: str, positions: bool = False,
+                algorithm: str = "ring") -> Result:
+    """``step`` on this rank's slice of ``data`` (CP ``layout``, attention ``algorithm``), gathered."""
+    model = GPTModel(config, state.tp.group, state.cp_groups, layout, cp_algorithm=algorithm)
+    local = {k: shard_sequence(v, state.cp.rank, state.cp.size, layout) for k, v in data.items()}
     return gather_full(model, step(model, local, positions))
 
 
@@ -112,18 +113,17 @@ def check_layouts_on_rank(state: ParallelState, variants: list[dict[str, Any]]) 
         data = global_batch(ref_config)
         ref = step(GPTModel(ref_config), data)
         for layout in STATIC_LAYOUTS:
-            config = tiny_config(attention_layout=layout, **overrides)
-            got = run_sharded(state, config, data, variant.get("positions", False))
+            got = run_sharded(state, ref_config, data, layout, variant.get("positions", False))
             errors[f"{layout} {variant}"] = compare(got, ref)
     return errors
 
 
 def wrong_positions_error_on_rank(state: ParallelState) -> dict[str, float]:
     """Negative control: local instead of global positions must NOT match the reference."""
-    config = tiny_config(attention_layout="zigzag")
+    config = tiny_config()
     data = global_batch(config)
     ref = step(GPTModel(config), data)
-    model = GPTModel(config, state.tp.group, state.cp.group)
+    model = GPTModel(config, state.tp.group, state.cp.group, "zigzag")
     local = {k: shard_sequence(v, state.cp.rank, state.cp.size, "zigzag") for k, v in data.items()}
     local["positions"] = torch.arange(SEQ // state.cp.size).expand(BATCH, -1)  # every rank "starts at 0"
     got = gather_full(model, step(model, local, positions=True))
@@ -132,7 +132,7 @@ def wrong_positions_error_on_rank(state: ParallelState) -> dict[str, float]:
 
 def bad_sequence_messages_on_rank(state: ParallelState) -> list[str]:
     """The errors a CP model raises (before any communication) for sequences the layout cannot split."""
-    model = GPTModel(tiny_config(attention_layout="zigzag"), state.tp.group, state.cp.group)
+    model = GPTModel(tiny_config(), state.tp.group, state.cp.group, "zigzag")
     messages = []
     for local_len in (1, 3):
         try:
@@ -147,7 +147,7 @@ def packed_documents_on_rank(state: ParallelState, reset_positions: bool, layout
     """Worst relative error between a packed batch's per-token losses (documents masked unless ``masked`` is
     False, this rank's (tp, cp) groups) and each document run alone through the unsharded model, with the
     same positions."""
-    config = tiny_config(attention_layout=layout)
+    config = tiny_config()
     gen = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=gen)
@@ -163,10 +163,20 @@ def packed_documents_on_rank(state: ParallelState, reset_positions: bool, layout
             for doc in docs[b].unique():
                 rows = (docs[b] == doc).nonzero().squeeze(1)
                 alone[b, rows] = reference(tokens[b, rows][None], positions[b, rows][None], labels[b, rows][None])[0]
-    model = GPTModel(config, state.tp.group, state.cp.group)
+    model = GPTModel(config, state.tp.group, state.cp.group, layout)
     local = {name: shard_sequence(x, state.cp.rank, state.cp.size, layout)
              for name, x in (("tokens", tokens), ("labels", labels), ("docs", docs), ("positions", positions))}
     with torch.no_grad():
         losses = model(local["tokens"], local["positions"], local["labels"],
                        document_ids=local["docs"] if masked else None)
     return rel_err(gather_sequence(losses, state.cp.group, layout), alone)
+
+
+def check_algorithm_on_rank(state: ParallelState, algorithm: str) -> dict[str, float]:
+    """The model with ``algorithm`` CP attention against the unsharded model (zigzag and stripe layouts)."""
+    config = tiny_config()
+    data = global_batch(config)
+    ref = step(GPTModel(config), data)
+    return {layout: max(v for k, v in compare(run_sharded(state, config, data, layout, algorithm=algorithm),
+                                              ref).items() if k != "worst_grad")
+            for layout in ("zigzag", "stripe")}

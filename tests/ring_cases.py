@@ -11,13 +11,9 @@ import torch
 import torch.distributed as dist
 
 from parallel import kernels
+from parallel.cp_attention import context_parallel_attention
 from parallel.layout import gather_sequence, shard_sequence
-from parallel.ring_attention import (
-    context_parallel_attention,
-    ring_flash_attn_func,
-    stripe_flash_attn_func,
-    zigzag_ring_flash_attn_func,
-)
+from parallel.package_api import ring_flash_attn_func, stripe_flash_attn_func, zigzag_ring_flash_attn_func
 from tests.numerics import rel_err
 
 API = {"contiguous": ring_flash_attn_func, "zigzag": zigzag_ring_flash_attn_func,

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from parallel.attention_plan import plan_for_documents, plan_for_layout
+from parallel.attention_spec import AttentionSpec
 from parallel.layout import sequence_positions, shard_sequence, unshard_sequence
-from parallel.ring_core import RingSpec, ring_backward, ring_forward
+from parallel.ring_core import ring_backward, ring_forward
 
 
 @dataclass
@@ -43,7 +44,7 @@ class ThreadRingComm:
 
 
 def run_threaded_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, world: int,
-                      spec: RingSpec, documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                      spec: AttentionSpec, documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Forward and backward of the full-sequence inputs over ``world`` thread ranks in ``spec.layout``
     (``documents`` [B, S]: per-document masks); returns out, lse ([B, H, S]), dq, dk, dv of the whole
     sequence (accumulator dtype)."""

@@ -61,7 +61,8 @@ def test_checkpoint_files_and_latest_pointer(saved) -> None:
     assert found == checkpoints / step_dir_name(SAVE_AT)
     meta = json.loads((found / META).read_text())
     assert meta["step"] == SAVE_AT and meta["consumed_samples"] == SAVE_AT * trainer_cases.GLOBAL_BATCH
-    assert meta["layout"] == {"tp": 1, "cp": 2, "dp": 1, "world_size": 2, "attention_layout": "zigzag"}
+    assert meta["layout"] == {"tp": 1, "cp": 2, "dp": 1, "world_size": 2, "cp_layout": "zigzag",
+                              "cp_algorithm": "ring"}
     assert meta["config"]["train"]["steps"] == STEPS and meta["scheduler"]["step"] == SAVE_AT
     assert (found / ".metadata").is_file() and sorted(p.name for p in (found / "rng").iterdir()) == [
         "rank_00000.pt", "rank_00001.pt"]

@@ -113,7 +113,7 @@ VALIDATION_ERRORS = [
     ({"parallel.tp": 2, "parallel.cp": 2}, 6, r"world size 6 is not divisible by tp\*cp = 2\*2 = 4"),
     ({"parallel.cp": 0}, 2, "parallel.cp must be >= 1, got 0"),
     ({"data.seq_len": 66}, 2, r"data.seq_len 66 is not divisible by 2\*cp = 4 for the zigzag layout"),
-    ({"data.seq_len": 65, "model.attention_layout": "contiguous"}, 2, "data.seq_len 65 is not divisible by cp = 2"),
+    ({"data.seq_len": 65, "parallel.cp_layout": "contiguous"}, 2, "data.seq_len 65 is not divisible by cp = 2"),
     ({"train.global_batch_size": 6}, 4, r"global_batch_size 6 is not divisible by micro_batch_size\*dp = 2\*2 = 4"),
     ({"parallel.tp": 4, "parallel.cp": 1, "model.num_heads": 6, "model.hidden_size": 48}, 4,
      "num_heads 6 is not divisible by tp = 4"),
@@ -124,7 +124,7 @@ VALIDATION_ERRORS = [
     ({"model.hidden_size": 66}, 2, "hidden_size 66 is not divisible by num_heads 4"),
     ({"model.num_kv_heads": 3}, 2, "num_heads 4 is not divisible by num_kv_heads 3"),
     ({"data.seq_len": 512}, 2, "data.seq_len 512 exceeds model.max_position_embeddings 256"),
-    ({"model.attention_layout": "spiral"}, 2, "spiral"),
+    ({"parallel.cp_layout": "spiral"}, 2, "spiral"),
     ({"train.steps": 0}, 2, "train.steps must be >= 1, got 0"),
     ({"train.micro_batch_size": 0}, 2, "train.micro_batch_size must be >= 1"),
     ({"logging.interval": 0}, 2, "logging.interval must be >= 1"),
@@ -144,6 +144,22 @@ VALIDATION_ERRORS = [
     ({"data.prefix": "/x", "data.eod_id": None}, 2, "data.prefix without data.tokenizer needs data.eod_id"),
     ({"data.prefix": "/x", "data.eod_id": 2, "model.vocab_size": None}, 2,
      "data.prefix without data.tokenizer needs model.vocab_size"),
+    ({"parallel.cp_algorithm": "tree"}, 2, r"unknown CP algorithm 'tree'; choose one of ring, allgather, ulysses, "
+     r"hybrid \(or Megatron's p2p, all_gather, a2a, a2a\+p2p\)"),
+    ({"parallel.cp": 4, "parallel.cp_algorithm": "hybrid", "parallel.ulysses_size": 3}, 4,
+     "parallel.ulysses_size 3 does not divide parallel.cp 4"),
+    ({"parallel.cp": 4, "parallel.cp_algorithm": "hybrid", "parallel.ulysses_size": 1}, 4,
+     r"hybrid needs 1 < parallel.ulysses_size < parallel.cp, got ulysses_size 1 at cp 4"),
+    ({"parallel.cp": 4, "parallel.cp_algorithm": "a2a+p2p", "parallel.ulysses_size": 4}, 4,
+     r"hybrid needs 1 < parallel.ulysses_size < parallel.cp.*use cp_algorithm=ulysses"),
+    ({"parallel.cp": 2, "parallel.ulysses_size": 2}, 2, "ulysses_size 2 is only used by parallel.cp_algorithm=hybrid"),
+    ({"parallel.cp": 8, "parallel.cp_algorithm": "ulysses", "data.seq_len": 64}, 8,
+     r"parallel.cp_algorithm=ulysses: ulysses CP splits attention heads over 8 ranks: the 4 query heads per TP "
+     r"rank are not divisible by 8"),
+    ({"parallel.cp": 2, "parallel.tp": 2, "parallel.cp_algorithm": "a2a", "model.num_heads": 6,
+      "model.hidden_size": 48, "model.num_kv_heads": 6}, 4, r"the 3 query heads per TP rank are not divisible by 2"),
+    ({"parallel.cp": 4, "parallel.cp_algorithm": "ulysses", "model.num_heads": 12, "model.hidden_size": 96,
+      "model.num_kv_heads": 3}, 4, r"the 3 kv heads per TP rank neither divide nor are divisible by 4"),
 ]
 
 
@@ -180,3 +196,14 @@ def test_train_script_reports_config_errors(capsys, monkeypatch) -> None:
                                        "train.py --help)\n")
     assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--set", "optimizer.eps=nan"]) == 2
     assert capsys.readouterr().err == "train.py: error: optimizer.eps must be a finite number, got 'nan'\n"
+
+
+def test_cp_layout_moved_to_parallel_with_a_deprecation_note() -> None:
+    config = build_config([("old.yaml", {"model.attention_layout": "stripe"})])
+    assert config.parallel.cp_layout == "stripe"
+    assert config.deprecations == ("old.yaml: model.attention_layout is deprecated, use parallel.cp_layout "
+                                   "(read as that)",)
+    flags = parse_config(["--cp-layout", "balanced", "--cp-algorithm", "a2a+p2p", "--ulysses-size", "2"])
+    assert (flags.parallel.cp_layout, flags.parallel.cp_algorithm, flags.parallel.ulysses_size) == \
+        ("balanced", "a2a+p2p", 2)
+    assert parse_config(["--cp-comm-type", "all_gather"]).parallel.cp_algorithm == "all_gather"

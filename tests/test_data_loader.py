@@ -205,7 +205,7 @@ def test_gpu_runs_prefetch_into_pinned_memory(dataset):
     axis = SimpleNamespace(rank=0, size=1)
     state = SimpleNamespace(dp=axis, cp=axis)
     config = build_config([("test", {"data.seq_len": 16, "train.micro_batch_size": 2, "train.global_batch_size": 4,
-                                     "model.attention_layout": "zigzag"})])
+                                     "parallel.cp_layout": "zigzag"})])
     on_gpu = build.build_loader(config, dataset, state, 0, torch.device("cuda", 0)).loader
     on_cpu = build.build_loader(config, dataset, state, 0, torch.device("cpu")).loader
     assert (on_gpu.num_workers, on_gpu.pin_memory, on_gpu.prefetch_factor) == (2, True, 2)

@@ -17,8 +17,9 @@ import torch
 
 from parallel import kernels
 from parallel.attention_plan import plan_for_layout
+from parallel.attention_spec import AttentionSpec
 from parallel.flash_attn_api import FlashAttn2, FlashAttn3, flash_attn_call_form, parameter_names
-from parallel.ring_core import RingSpec, ring_backward, ring_forward
+from parallel.ring_core import ring_backward, ring_forward
 from tests import flash_attn_standins as standins
 from tests.numerics import rel_err
 
@@ -99,7 +100,8 @@ def test_ring_runs_through_the_flash_attn_call_forms(version: str) -> None:
     """The ring's own slicing (head chunks, row-sliced tasks, the merged lse) through a package kernel."""
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = _blocks(gen, 32, 32)
-    spec = RingSpec("zigzag", True, 0.25, FlashAttn2.load(standins.flash_attn_interface(version), version), 2, False)
+    kernel = FlashAttn2.load(standins.flash_attn_interface(version), version)
+    spec = AttentionSpec("ring", "zigzag", True, 0.25, kernel, 2, False)
     plan = plan_for_layout("zigzag", True, 1, 0, 32)
     out, lse = ring_forward(q, k, v, None, spec, plan)
     grads = ring_backward(dout, q, k, v, out.to(q.dtype), lse, None, spec, plan)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from model import GPTModel, ModelConfig, matmul_params, model_flops_per_token
 from model.mlp import MLP
 from model.rope import apply_rope, rope_tables
-from parallel.ring_attention import context_parallel_attention
+from parallel.cp_attention import context_parallel_attention
 from tests.model_cases import global_batch, step, tiny_config
 from tests.numerics import rel_err
 
@@ -24,16 +24,17 @@ from tests.numerics import rel_err
     ({"ffn_hidden_size": 65}, 2, 1, None, "ffn_hidden_size 65 is not divisible by tp = 2"),
     ({}, 1, 4, 6, r"sequence length 6 is shorter than 2\*cp = 8 for the zigzag layout at cp=4"),
     ({}, 1, 4, 12, r"sequence length 12 is not divisible by 2\*cp = 8 for the zigzag layout"),
-    ({"attention_layout": "contiguous"}, 1, 4, 3, "sequence length 3 is shorter than cp = 4"),
+    ({"layout": "contiguous"}, 1, 4, 3, "sequence length 3 is shorter than cp = 4"),
     ({}, 1, 1, 128, "sequence length 128 exceeds max_position_embeddings 64"),
-    ({"attention_layout": "spiral"}, 1, 1, None, "unknown attention_layout 'spiral'"),
+    ({"layout": "spiral"}, 1, 1, None, "unknown CP layout 'spiral'"),
     ({"attention_backend": "cudnn"}, 1, 1, None, "unknown attention_backend 'cudnn'"),
     ({"mlp_chunks": 0}, 1, 1, None, "mlp_chunks must be an integer >= 1"),
     ({}, 0, 1, None, "tp must be an integer >= 1"),
 ])
 def test_config_errors_say_what_to_change(overrides, tp, cp, seq, message) -> None:
+    layout = overrides.pop("layout", "zigzag")
     with pytest.raises(ValueError, match=message):
-        tiny_config(**overrides).validate(tp, cp, seq)
+        tiny_config(**overrides).validate(tp, cp, seq, layout)
     tiny_config().validate(2, 2, 32)  # the base config is fine
 
 
@@ -59,14 +60,14 @@ def test_model_rejects_bad_inputs() -> None:
     assert model(torch.zeros(1, 7, dtype=torch.long)).shape == (1, 7, 128), "any length without CP, zigzag too"
     with pytest.raises(ValueError, match="num_heads 4 is not divisible by num_kv_heads 3"):
         GPTModel(tiny_config(num_kv_heads=3))
-    with pytest.raises(ValueError, match="unknown cp_layout"):
+    with pytest.raises(ValueError, match="unknown CP layout 'spiral'"):
         GPTModel(tiny_config(), cp_layout="spiral")
 
 
 def test_init_depends_only_on_seed_and_config() -> None:
     base = dict(GPTModel(tiny_config()).named_parameters())
-    same = dict(GPTModel(tiny_config(attention_layout="stripe", mlp_chunks=4,
-                                     activation_checkpointing=True)).named_parameters())
+    same = dict(GPTModel(tiny_config(mlp_chunks=4, activation_checkpointing=True),
+                         cp_layout="stripe").named_parameters())
     other = dict(GPTModel(tiny_config(seed=8)).named_parameters())
     assert base.keys() == same.keys() == other.keys()
     assert all(torch.equal(base[n], same[n]) for n in base)

@@ -69,3 +69,10 @@ def test_packed_documents_equal_each_document_alone(spawn_world, tp: int, cp: in
         errors = spawn_world(WORLD).run(run_with_parallel, (tp, cp, None), model_cases.packed_documents_on_rank,
                                         False, "zigzag", False)
         assert min(errors) > 1e-3, errors
+
+
+@pytest.mark.parametrize("sizes,algorithm", [((2, 2, 1), "allgather"), ((2, 2, 1), "ulysses"),
+                                             ((1, 4, 1, 2), "hybrid"), ((1, 4, 1), "ulysses")])
+def test_cp_algorithms_match_unsharded_model(spawn_world, sizes: tuple, algorithm: str) -> None:
+    errors = spawn_world(WORLD).run(run_with_parallel, sizes, model_cases.check_algorithm_on_rank, algorithm)
+    assert max(max(e.values()) for e in errors) <= TOL, errors

@@ -245,3 +245,37 @@ def test_spawned_world8_groups_match_computed_coordinates(spawn_world) -> None:
         assert tag == "golden" and cp_ranks == cp_groups[rank], (rank, cp_ranks)
         other = cp_groups[rank][1 - cp_groups[rank].index(rank)]
         assert prev_rank == next_rank == other, (rank, prev_rank, next_rank)
+
+
+@pytest.mark.parametrize("world", [4, 8, 12, 16])
+def test_hybrid_cp_subgroups_match_brute_force(world: int) -> None:
+    """Ulysses groups are adjacent CP ranks; ring groups take the same place in every Ulysses group; both
+    partition every CP group."""
+    for tp, cp, dp in layouts(world):
+        for ulysses in (u for u in range(1, cp + 1) if cp % u == 0):
+            groups = compute_rank_groups(world, tp, cp, dp, ulysses)
+            expected_ulysses, expected_ring = set(), set()
+            for cp_group in groups.cp:  # members in CP-rank order
+                parts = [cp_group[i:i + ulysses] for i in range(0, cp, ulysses)]
+                expected_ulysses |= {tuple(part) for part in parts}
+                expected_ring |= {tuple(part[i] for part in parts) for i in range(ulysses)}
+            assert set(groups.cp_ulysses) == expected_ulysses and set(groups.cp_ring) == expected_ring
+            assert sorted(r for g in groups.cp_ulysses for r in g) == list(range(world))
+
+
+def test_ulysses_size_must_divide_cp() -> None:
+    with pytest.raises(ValueError, match=r"parallel.ulysses_size 3 does not divide parallel.cp 4"):
+        compute_rank_groups(8, 2, 4, 1, ulysses=3)
+
+
+def describe_hybrid_on_rank(state: ps.ParallelState) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    ulysses, ring = ps.get_hierarchical_context_parallel_groups()
+    total = torch.ones(1)
+    dist.all_reduce(total, group=ulysses)  # the groups are live
+    return state.cp_ulysses.ranks, state.cp_ring.ranks, int(total.item())
+
+
+def test_spawned_hybrid_subgroups(spawn_world) -> None:
+    results = spawn_world(8).run(ps.run_with_parallel, (2, 4, 1, 2), describe_hybrid_on_rank)
+    assert results[0] == ((0, 2), (0, 4), 2) and results[3] == ((1, 3), (3, 7), 2)
+    assert results[6] == ((4, 6), (2, 6), 2)

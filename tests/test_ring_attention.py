@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from parallel.attention_plan import plan_for_layout
+from parallel.attention_spec import AttentionSpec
+from parallel.cp_attention import context_parallel_attention
 from parallel.kernels import MathKernel, select_kernel
 from parallel.layout import STATIC_LAYOUTS
-from parallel.ring_attention import context_parallel_attention, zigzag_ring_flash_attn_func
-from parallel.ring_core import RingSpec
+from parallel.package_api import zigzag_ring_flash_attn_func
 from tests import ring_cases
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
@@ -153,7 +154,7 @@ def test_transfers_carry_only_the_rows_still_needed() -> None:
 def test_threaded_ring_harness_matches_the_reference(world: int, layout: str, overlap: bool) -> None:
     """The thread-rank harness the GPU suite uses for the ring's CUDA path, checked here on CPU."""
     q, k, v, dout = ring_cases.full_inputs(8 * world, 4, 2, 16, seed=6)
-    spec = RingSpec(layout, True, 0.25, select_kernel(q.device, q.dtype, 16), 2, overlap)
+    spec = AttentionSpec("ring", layout, True, 0.25, select_kernel(q.device, q.dtype, 16), 2, overlap)
     got = run_threaded_ring(q, k, v, dout, world, spec)
     out, lse = MathKernel().forward(q, k, v, True, 0.25)
     ref = dict(zip(("dq", "dk", "dv"), MathKernel().backward(dout, q, k, v, out, lse, True, 0.25), strict=True))

@@ -16,14 +16,25 @@ from tests import trainer_cases
 from tests.numerics import rel_err
 
 REFERENCE = (1, 1, 1)
-BALANCED = (1, 2, 1, "balanced")  # the balanced CP layout (the others run zigzag)
-LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1), BALANCED], 4: [(1, 4, 1), (2, 2, 1), (1, 2, 2)], 8: [(2, 2, 2)]}
+# (tp, cp, dp[, variant]): the variants run another CP layout or algorithm (the others: zigzag, ring)
+VARIANTS = {"balanced": {"parallel.cp_layout": "balanced"}, "allgather": {"parallel.cp_algorithm": "allgather"},
+            "ulysses": {"parallel.cp_algorithm": "ulysses"},
+            "hybrid": {"parallel.cp_algorithm": "hybrid", "parallel.ulysses_size": 2}}
+LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1), (1, 2, 1, "balanced"), (1, 2, 1, "allgather"), (1, 2, 1, "ulysses")],
+                    4: [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 2, 1, "allgather"), (1, 2, 2, "ulysses"),
+                        (1, 4, 1, "hybrid")], 8: [(2, 2, 2)]}
 LAYOUTS = [layout for layouts in LAYOUTS_BY_WORLD.values() for layout in layouts if layout != REFERENCE]
 STEP1_TOL, CURVE_TOL = 1e-6, 1e-5
 
 
 def _name(layout: tuple) -> str:
     return "tp{}-cp{}-dp{}".format(*layout[:3]) + "".join(f"-{extra}" for extra in layout[3:])
+
+
+def _sizes(layout: tuple) -> tuple[int, ...]:
+    """(tp, cp, dp) and, for hybrid CP, the Ulysses size."""
+    overrides = VARIANTS.get(layout[3], {}) if len(layout) > 3 else {}
+    return layout[:3] + ((overrides["parallel.ulysses_size"],) if "parallel.ulysses_size" in overrides else ())
 
 
 def worst_grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -45,9 +56,9 @@ def runs(spawn_world, corpus, tmp_path_factory) -> dict[tuple[int, int, int], li
     for world, layouts in LAYOUTS_BY_WORLD.items():
         for layout in layouts:
             run_dir = str(tmp_path_factory.mktemp(f"run-{_name(layout)}"))
-            overrides = {"model.attention_layout": layout[3]} if len(layout) > 3 else None
-            out[layout] = spawn_world(world).run(run_with_parallel, layout[:3], trainer_cases.train_layout, corpus,
-                                                 run_dir, overrides)
+            overrides = VARIANTS[layout[3]] if len(layout) > 3 else None
+            out[layout] = spawn_world(world).run(run_with_parallel, _sizes(layout), trainer_cases.train_layout,
+                                                 corpus, run_dir, overrides)
     return out
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from parallel import kernels
+from parallel.cp_attention import context_parallel_attention
 from parallel.layout import STATIC_LAYOUTS, gather_sequence, shard_sequence
-from parallel.ring_attention import context_parallel_attention
 from tests.numerics import rel_err
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from parallel import kernels
+from parallel.attention_spec import AttentionSpec
 from parallel.layout import STATIC_LAYOUTS
-from parallel.ring_core import RingSpec
 from parallel.torch_kernels import expand_kv
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
@@ -38,7 +38,7 @@ def _reference(q, k, v, dout, causal: bool, scale: float) -> dict[str, torch.Ten
 def test_fp32_ring_on_cuda_is_exact(world: int, layout: str, causal: bool, overlap: bool) -> None:
     q, k, v, dout = _full(64 * world, torch.float32)
     kernel = kernels.select_kernel(q.device, q.dtype, 64)
-    got = run_threaded_ring(q, k, v, dout, world, RingSpec(layout, causal, 0.125, kernel, 2, overlap))
+    got = run_threaded_ring(q, k, v, dout, world, AttentionSpec("ring", layout, causal, 0.125, kernel, 2, overlap))
     ref = _reference(q, k, v, dout, causal, 0.125)
     for name, value in ref.items():
         assert rel_err(got[name], value) < 2e-5, f"{name}: {rel_err(got[name], value):.2e}"
@@ -49,8 +49,8 @@ def test_bf16_ring_on_cuda_within_twice_the_local_kernel(world: int, layout: str
     q, k, v, dout = _full(256 * world, torch.bfloat16)
     kernel = kernels.select_kernel(q.device, q.dtype, 64)
     ref = _reference(q, k, v, dout, True, 0.125)
-    local = run_threaded_ring(q, k, v, dout, 1, RingSpec(layout, True, 0.125, kernel, 2, True))
-    ring = run_threaded_ring(q, k, v, dout, world, RingSpec(layout, True, 0.125, kernel, 2, True))
+    local = run_threaded_ring(q, k, v, dout, 1, AttentionSpec("ring", layout, True, 0.125, kernel, 2, True))
+    ring = run_threaded_ring(q, k, v, dout, world, AttentionSpec("ring", layout, True, 0.125, kernel, 2, True))
     for name in ("out", "dq", "dk", "dv"):
         ring_error = rel_err(ring[name].to(q.dtype), ref[name])
         local_error = rel_err(local[name].to(q.dtype), ref[name])
@@ -67,7 +67,8 @@ def test_documents_ring_on_cuda_with_varlen_steps(world: int, layout: str, dtype
     starts[:, 0] = False
     docs = torch.cumsum(starts.long(), 1)
     kernel = kernels.select_kernel(q.device, q.dtype, 64)
-    got = run_threaded_ring(q, k, v, dout, world, RingSpec(layout, True, 0.125, kernel, 2, True, varlen=True), docs)
+    spec = AttentionSpec("ring", layout, True, 0.125, kernel, 2, True, varlen=True)
+    got = run_threaded_ring(q, k, v, dout, world, spec, docs)
     visible = (docs[:, :, None] == docs[:, None, :]) & torch.ones(128 * world, 128 * world, dtype=torch.bool).tril()
     scores_mask = visible.cuda()[:, None]
     q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
