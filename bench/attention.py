@@ -3,17 +3,20 @@
     python -m bench.attention --seqlens 8192 --worlds 2 4 --layouts zigzag
     python -m bench.attention --worlds 2 4 --layouts zigzag balanced --documents 1 512 corpus
     python -m bench.attention --worlds 2 --layouts zigzag --torch-cp
+    python -m bench.attention --worlds 2 4 --layouts zigzag --algorithms ring allgather ulysses hybrid
 
 For each (seqlen, documents, fwd_only) the baseline ``local`` runs the whole sequence in one process with
 all ``--threads`` (PyTorch's SDPA for one document; the local kernel on the same per-document mask for
 ``--documents`` other than 1); each case then runs on ``world`` spawned gloo ranks with ``threads // world``
 threads each, in the same command. ``--documents``: ``1`` (one document per sample), a mean document
 length (random lengths), or ``corpus`` (the embedded corpus packed as the trainer packs it).
-``--torch-cp`` adds PyTorch's own ring attention (all-to-all rotation) on one document.
+``--torch-cp`` adds PyTorch's own ring attention (all-to-all rotation) on one document;
+``--algorithms`` the CP algorithms to time (hybrid: Ulysses groups of ``--ulysses-size``, at cp > that).
 
 Columns: ``ratio`` is time over the local run's; ``mem_ratio`` added memory per rank (peak RSS minus the
 RSS before the call) over the local run's; ``vs_1doc`` time over the same case with one document;
-``imbalance`` the busiest rank's share of the mask over the mean (see ``bench/balance.py``).
+``imbalance`` the busiest rank's share of the mask over the mean (see ``bench/balance.py``); ``sent MB`` what
+one rank sends per iteration (collectives counted as the share a ring algorithm sends).
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ import os
 
 from bench.attention_cases import DTYPES, time_case
 from bench.common import emit, median
+from parallel.attention_spec import ALGORITHMS
 from parallel.layout import LAYOUTS
 from parallel.spawn import SpawnedWorld
 
 
 def run_case(world: SpawnedWorld, args: argparse.Namespace, shape: dict, case: str, documents: str,
              fwd_only: bool) -> dict:
-    per_rank = world.run(time_case, case, shape, documents, fwd_only, args.warmup, args.repeats, args.head_chunks)
+    per_rank = world.run(time_case, case, shape, documents, fwd_only, args.warmup, args.repeats, args.head_chunks,
+                         args.ulysses_size)
     iteration = [max(r["times"][i] for r in per_rank) for i in range(args.repeats)]  # the slowest rank's
     seconds = median(iteration)
     area = per_rank[0]["area"] or shape["batch"] * shape["seqlen"] * (shape["seqlen"] + 1) // 2
@@ -39,7 +44,7 @@ def run_case(world: SpawnedWorld, args: argparse.Namespace, shape: dict, case: s
     return {"case": case, "world": world.world, "threads_per_rank": world.threads, "documents": documents,
             **shape, "fwd_only": fwd_only, "ms_per_iter": 1000.0 * seconds,
             "peak_mb_per_rank": max(r["added_mb"] for r in per_rank), "tflops": flops / seconds / 1e12,
-            "imbalance": per_rank[0]["imbalance"]}
+            "sent_mb_per_rank": max(r["sent_mb"] for r in per_rank), "imbalance": per_rank[0]["imbalance"]}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -49,6 +54,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "stripe"], choices=LAYOUTS)
     parser.add_argument("--documents", nargs="+", default=["1"], help="1, a mean document length, or corpus")
     parser.add_argument("--torch-cp", action="store_true", help="also time PyTorch's own ring attention")
+    parser.add_argument("--algorithms", nargs="+", default=["ring"], choices=list(ALGORITHMS))
+    parser.add_argument("--ulysses-size", type=int, default=2, help="hybrid: CP ranks per Ulysses group")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
@@ -61,7 +68,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    cases = [f"ring:{layout}" for layout in args.layouts] + (["torch_cp"] if args.torch_cp else [])
+    cases = [f"{algorithm}:{layout}" for algorithm in args.algorithms for layout in args.layouts]
+    cases += ["torch_cp"] if args.torch_cp else []
     records = []
     for seqlen in args.seqlens:
         shape = {"batch": args.batch, "seqlen": seqlen, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
@@ -75,13 +83,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for world_size in args.worlds:
                     with SpawnedWorld(world_size, threads=max(1, args.threads // world_size), timeout_s=3600) as world:
                         for case in cases:
-                            if case == "torch_cp" and documents != "1":
+                            if (case == "torch_cp" and documents != "1") or (
+                                    case.startswith("hybrid") and world_size <= args.ulysses_size):
                                 continue
                             record = run_case(world, args, shape, case, documents, fwd_only)
                             record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
                             record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
                             records.append(record)
-                for record in records[-1 - len(args.worlds) * len(cases):]:
+                for record in records[records.index(baseline):]:
                     key = (record["case"], record["world"])
                     if documents == "1":
                         one_doc[key] = record["ms_per_iter"]
@@ -93,7 +102,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    ("documents", "docs", text), ("fwd_only", "fwd_only", text), ("ms_per_iter", "ms/iter", num(1)),
                    ("peak_mb_per_rank", "peak MB/rank", num(1)), ("tflops", "TFLOP/s", num(4)),
                    ("ratio", "ring/local", num(3)), ("mem_ratio", "mem ring/local", num(3)),
-                   ("vs_1doc", "vs 1 doc", num(3)), ("imbalance", "imbalance", num(3))])
+                   ("sent_mb_per_rank", "sent MB/rank", num(1)), ("vs_1doc", "vs 1 doc", num(3)),
+                   ("imbalance", "imbalance", num(3))])
     return records
 
 

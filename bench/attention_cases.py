@@ -1,10 +1,10 @@
 """Rank-side timed attention cases for ``bench/attention.py`` (run in spawned gloo worlds).
 
 A case is ``"local"`` (the whole sequence in one process: PyTorch's SDPA for one document, the local
-kernel on the same mask for packed documents), ``"ring:<layout>"`` (``context_parallel_attention``)
-or ``"torch_cp"`` (PyTorch's own ring, ``_templated_ring_attention`` with all-to-all rotation, on
-zigzag shards; one document only). Plans are built before the timed iterations, as the model builds
-one per batch for all its layers.
+kernel on the same mask for packed documents), ``"<algorithm>:<layout>"`` (``context_parallel_attention``
+with that CP algorithm; hybrid uses Ulysses groups of ``ulysses`` ranks) or ``"torch_cp"`` (PyTorch's own
+ring, ``_templated_ring_attention`` with all-to-all rotation, on zigzag shards; one document only).
+Plans are built before the timed iterations, as the model builds one per batch for all its layers.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.common import median, peak_memory_mb, reset_peak_memory
+from parallel.attention_spec import CPGroups
 from parallel.balanced_layout import balanced_positions
 from parallel.cp_attention import attention_plan, context_parallel_attention
 from parallel.layout import sequence_positions
+from parallel.rank_groups import compute_rank_groups
+from parallel.ring_comm import BYTES_SENT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -81,8 +84,23 @@ def _torch_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
     return TorchRing.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
+def _groups(algorithm: str, ulysses: int) -> CPGroups:
+    """The world as the CP group (with hybrid's Ulysses and ring subgroups)."""
+    if algorithm != "hybrid":
+        return CPGroups(dist.group.WORLD)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = compute_rank_groups(world, 1, world, 1, ulysses)
+    mine = {}
+    for kind in ("cp_ulysses", "cp_ring"):
+        for ranks in getattr(layout, kind):  # every rank creates every group, in the same order
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine[kind] = group
+    return CPGroups(dist.group.WORLD, mine["cp_ulysses"], mine["cp_ring"])
+
+
 def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, warmup: int,
-              repeats: int, head_chunks: int | None = None) -> dict:
+              repeats: int, head_chunks: int | None = None, ulysses: int = 2) -> dict:
     """Time ``case`` on every rank; ``shape`` has batch, seqlen, heads, kv_heads, head_dim, dtype, causal."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -91,17 +109,18 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
     full = [torch.randn(batch, seqlen, h, shape["head_dim"], generator=gen, dtype=DTYPES[shape["dtype"]])
             for h in (shape["heads"], shape["kv_heads"], shape["kv_heads"], shape["heads"])]
     docs = document_ids(documents, batch, seqlen)
-    layout = case.split(":")[1] if case.startswith("ring:") else ("zigzag" if case == "torch_cp" else "contiguous")
+    algorithm, _, layout = case.partition(":")
+    layout = layout or ("zigzag" if case == "torch_cp" else "contiguous")
     positions = _positions(layout, docs, rank, world) if case != "local" else torch.arange(seqlen).expand(batch, -1)
     local = [torch.gather(x, 1, positions[:, :, None, None].expand(-1, -1, *x.shape[2:])) for x in full]
     del full
     q, k, v, dout = local
-    group = dist.group.WORLD if case.startswith("ring:") else None
+    group = _groups(algorithm, ulysses) if ":" in case else None
     one_document = documents == "1"
     masked = not one_document or layout == "balanced"  # the balanced layout always follows the documents
     plan = None if case == "torch_cp" or (case == "local" and one_document) else attention_plan(
         group, layout, causal, positions.shape[1], torch.gather(docs, 1, positions) if masked else None,
-        positions if masked else None)
+        positions if masked else None, algorithm if ":" in case else "ring")
     for x in (q, k, v):
         x.requires_grad_(not fwd_only)
 
@@ -114,23 +133,26 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
                                                      is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
                 out = out.transpose(1, 2)
             else:
-                out = context_parallel_attention(q, k, v, group, layout, causal, head_chunks=head_chunks, plan=plan)
+                out = context_parallel_attention(q, k, v, group, layout, causal, head_chunks=head_chunks, plan=plan,
+                                                 algorithm=algorithm if ":" in case else "ring")
             if not fwd_only:
                 out.backward(dout)
         for x in (q, k, v):
             x.grad = None
 
-    times, added = [], []
+    times, added, sent = [], [], 0
     for index in range(warmup + repeats):
         if world > 1:
             dist.barrier()
         base = reset_peak_memory()
+        before = sum(BYTES_SENT.values())
         start = time.perf_counter()
         step()
         elapsed = time.perf_counter() - start
         if index >= warmup:
             times.append(elapsed)
             added.append(peak_memory_mb() - base)
+            sent = sum(BYTES_SENT.values()) - before
     area = None if plan is None else sum(plan.areas) * batch ** (not plan.packed)
-    return {"times": times, "added_mb": median(added), "area": area,
+    return {"times": times, "added_mb": median(added), "area": area, "sent_mb": sent / 2**20,
             "imbalance": None if plan is None else plan.imbalance}

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from parallel.attention_spec import AttentionSpec
 from parallel.compat import all_gather_single, reduce_scatter_single
 from parallel.cp_plan import CPPlan
+from parallel.ring_comm import count_sent
 from parallel.ring_core import accumulator_dtype, head_chunk_bounds, ring_backward, ring_forward
 
 
@@ -25,6 +26,7 @@ def _start_gather(k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int], grou
     mine = torch.stack([k[:, :, heads[0]:heads[1]], v[:, :, heads[0]:heads[1]]])
     world = dist.get_world_size(group)
     every = torch.empty((world * 2, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
+    count_sent("all_gather", mine, world - 1)
     work = all_gather_single(every, mine, group=group, async_op=True)
     return work, every.view(world, *mine.shape)
 
@@ -98,6 +100,7 @@ class _AllGatherAttention(torch.autograd.Function):
             del every, kv
             grads = _in_rank_order(torch.stack([dk_all, dv_all]), plan, world, batch)
             mine = torch.empty(2, batch, n, h1 - h0, dim, dtype=grads.dtype, device=grads.device)
+            count_sent("reduce_scatter", grads, (world - 1) / world)
             scattering.append((reduce_scatter_single(mine, grads, group=group, async_op=True), mine, (h0, h1)))
             del grads, dk_all, dv_all
         for work, mine, (h0, h1) in scattering:

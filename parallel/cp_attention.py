@@ -29,12 +29,12 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None = None) -> int:
     """Two on GPUs, so that the backward's last dK/dV hop of one chunk travels during the next chunk's
-    compute. On CPU one kv head per chunk when each ring step is one or two big kernel calls (it bounds
+    compute. On CPU one kv head per chunk when each step is a few big kernel calls (it bounds
     the transient buffers at no speed cost), one chunk when packed documents make many small calls (small
     calls run slower, and their buffers are small anyway). The same on every rank."""
     if device.type != "cpu":
         return min(2, kv_heads)
-    return kv_heads if plan is None or plan.max_calls <= 2 else 1
+    return kv_heads if plan is None or plan.max_calls <= 4 else 1
 
 
 def default_overlap(device: torch.device) -> bool:

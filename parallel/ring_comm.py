@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-BYTES_SENT: Counter[int] = Counter()  # bytes this process sent, by tag (tests count them)
+BYTES_SENT: Counter[int | str] = Counter()  # bytes this process sent: by ring tag, or by collective name
+
+
+def count_sent(kind: str, tensor: torch.Tensor, share: float) -> None:
+    """Account ``share`` of ``tensor``'s bytes as sent by this rank in a ``kind`` collective (an all-gather
+    sends its input to world-1 ranks: share world-1; an all-to-all or reduce-scatter (world-1)/world)."""
+    BYTES_SENT[kind] += int(tensor.numel() * tensor.element_size() * share)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from parallel.attention_spec import AttentionSpec, CPGroups
 from parallel.cp_plan import CPPlan
 from parallel.ring_attention import ring_attention
+from parallel.ring_comm import count_sent
 
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -24,6 +25,7 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     batch, n, heads, dim = x.shape
     send = x.reshape(batch, n, u, heads // u, dim).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
+    count_sent("all_to_all", send, (u - 1) / u)
     dist.all_to_all_single(recv, send, group=group)
     return recv.permute(1, 0, 2, 3, 4).reshape(batch, u * n, heads // u, dim)
 
@@ -34,6 +36,7 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     batch, rows, heads, dim = x.shape
     send = x.reshape(batch, u, rows // u, heads, dim).permute(1, 0, 2, 3, 4).contiguous()
     recv = torch.empty_like(send)
+    count_sent("all_to_all", send, (u - 1) / u)
     dist.all_to_all_single(recv, send, group=group)
     return recv.permute(1, 2, 0, 3, 4).reshape(batch, rows // u, u * heads, dim)
 
