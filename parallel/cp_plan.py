@@ -18,7 +18,7 @@ document per sample in a static layout: that plan is cached) and returns a ``CPP
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,7 @@ class CPPlan:
     packed: bool
     areas: tuple[int, ...]
     max_calls: int = 1  # the most dense kernel calls any rank makes in one step (the same on every rank)
+    cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # device copies of ``order``
 
     @property
     def imbalance(self) -> float:

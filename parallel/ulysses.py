@@ -5,84 +5,165 @@ member's tokens (``u * n``) of ``H / u`` heads; the tokens are put in sequence o
 whole sequence for ``ulysses``; the ring across the Ulysses groups for ``hybrid``), put back in rank
 order, and a second all-to-all returns each rank its own tokens of every head. With fewer kv heads than
 ``u`` each kv head is repeated just enough for every rank to hold one (its gradient sums back).
-Autograd runs through the all-to-alls (each one's backward is the other).
+
+The heads go in chunks, so the all-to-alls of one chunk travel while another computes: chunk c+1's
+inputs and chunk c-1's output are in flight during chunk c's attention, in the forward and the
+backward alike.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from parallel.attention_spec import AttentionSpec, CPGroups
 from parallel.cp_plan import CPPlan
-from parallel.ring_attention import ring_attention
-from parallel.ring_comm import count_sent
+from parallel.ring_comm import RingComm, count_sent
+from parallel.ring_core import accumulator_dtype, ring_backward, ring_forward
+
+Pending = tuple[object, Callable[[], torch.Tensor]]  # (work, the result once it completed)
 
 
-def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[B, n, H, D]`` (this rank's tokens) -> ``[B, u*n, H/u, D]`` (the group's tokens, rank by rank)."""
+def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Start ``[B, n, h, D]`` (this rank's tokens) -> ``[B, u*n, h/u, D]`` (the group's tokens, rank by rank)."""
     u = dist.get_world_size(group)
     batch, n, heads, dim = x.shape
     send = x.reshape(batch, n, u, heads // u, dim).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     count_sent("all_to_all", send, (u - 1) / u)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 0, 2, 3, 4).reshape(batch, u * n, heads // u, dim)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return work, lambda: recv.permute(1, 0, 2, 3, 4).reshape(batch, u * n, heads // u, dim)
 
 
-def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The inverse of ``_seq_to_heads``: ``[B, u*n, h, D]`` -> ``[B, n, u*h, D]``."""
+def _post_heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Start the inverse: ``[B, u*n, h, D]`` -> ``[B, n, u*h, D]``."""
     u = dist.get_world_size(group)
     batch, rows, heads, dim = x.shape
     send = x.reshape(batch, u, rows // u, heads, dim).permute(1, 0, 2, 3, 4).contiguous()
     recv = torch.empty_like(send)
     count_sent("all_to_all", send, (u - 1) / u)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(batch, rows // u, u * heads, dim)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return work, lambda: recv.permute(1, 2, 0, 3, 4).reshape(batch, rows // u, u * heads, dim)
 
 
-class _AllToAll(torch.autograd.Function):
-    """``_seq_to_heads`` (``to_heads``) or ``_heads_to_seq``, with the other as its backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, to_heads: bool) -> torch.Tensor:
-        ctx.group, ctx.to_heads = group, to_heads
-        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        back = _heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)
-        return back, None, None
+def _done(pending: Pending) -> torch.Tensor:
+    work, result = pending
+    work.wait()
+    return result()
 
 
-def _reorder(x: torch.Tensor, order: torch.Tensor | None, packed: bool) -> torch.Tensor:
-    """Rows of ``x`` [B, rows, ...] in ``order`` (per sample, or of the folded batch when ``packed``)."""
-    if packed:
+def _order(plan: CPPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(order, its inverse) on ``device``: rank-order rows -> sequence order (cached in the plan)."""
+    if plan.order is None:
+        return None
+    key = ("order", str(device))
+    if key not in plan.cache:
+        order = plan.order.flatten()
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        plan.cache[key] = (order.to(device), inverse.to(device))
+    return plan.cache[key]
+
+
+def _in_order(x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
+    """Rows of ``x`` [B, rows, ...] in sequence order (the folded batch when the plan is packed)."""
+    if plan.packed:
         x = x.reshape(1, -1, *x.shape[2:])
-    return x if order is None else x.index_select(1, order.to(x.device).flatten())
+    order = _order(plan, x.device)
+    return x if order is None else x.index_select(1, order[0])
 
 
-def _restore(x: torch.Tensor, order: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """The inverse of ``_reorder``: back to rank order and ``batch`` samples."""
+def _in_rank_order(x: torch.Tensor, plan: CPPlan, batch: int) -> torch.Tensor:
+    order = _order(plan, x.device)
     if order is not None:
-        inverse = torch.empty_like(order.flatten())
-        inverse[order.flatten()] = torch.arange(inverse.numel())
-        x = x.index_select(1, inverse.to(x.device))
+        x = x.index_select(1, order[1])
     return x.reshape(batch, -1, *x.shape[2:])
+
+
+def chunk_count(heads: int, kv_heads: int, u: int, wanted: int) -> int:
+    """Head chunks (at most ``wanted``) whose q and kv heads both split over the ``u`` ranks of the group."""
+    return max(c for c in range(1, wanted + 1) if heads % (c * u) == 0 and kv_heads % (c * u) == 0)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, ring_group, spec: AttentionSpec, plan: CPPlan, chunks: int):
+        batch, n, heads, dim = q.shape
+        kv_heads = k.shape[2]
+        comm = RingComm(ring_group) if ring_group is not None else None
+        q_step, kv_step = heads // chunks, kv_heads // chunks
+
+        def post(c: int) -> list[Pending]:
+            return [_post_seq_to_heads(x[:, :, c * w:(c + 1) * w], group)
+                    for x, w in ((q, q_step), (k, kv_step), (v, kv_step))]
+
+        out = torch.empty(batch, n, heads, dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(batch, n, heads, dtype=accumulator_dtype(q.dtype), device=q.device)
+        saved, back, pending = [], [], post(0)
+        for c in range(chunks):
+            q_h, k_h, v_h = (_in_order(_done(p), plan) for p in pending)
+            pending = post(c + 1) if c + 1 < chunks else []
+            if plan.ring is None:
+                out_h, lse_h = spec.kernel.forward(q_h, k_h, v_h, spec.causal, spec.scale)
+                lse_h = lse_h.transpose(1, 2)
+            else:
+                out_h, lse_h = ring_forward(q_h, k_h, v_h, comm, spec, plan.ring)
+            out_h = out_h.to(q.dtype)
+            saved += [q_h, k_h, v_h, out_h, lse_h]
+            back.append((c, _post_heads_to_seq(_in_rank_order(out_h, plan, batch), group),
+                         _post_heads_to_seq(_in_rank_order(lse_h.to(lse.dtype).unsqueeze(-1), plan, batch), group)))
+        for c, out_pending, lse_pending in back:
+            out[:, :, c * q_step:(c + 1) * q_step] = _done(out_pending)
+            lse[:, :, c * q_step:(c + 1) * q_step] = _done(lse_pending).squeeze(-1)
+        ctx.save_for_backward(*saved)
+        ctx.group, ctx.comm, ctx.spec, ctx.plan, ctx.chunks = group, comm, spec, plan, chunks
+        ctx.shapes = (batch, n, heads, kv_heads, dim)
+        lse = lse.transpose(1, 2)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        group, comm, spec, plan, chunks = ctx.group, ctx.comm, ctx.spec, ctx.plan, ctx.chunks
+        batch, n, heads, kv_heads, dim = ctx.shapes
+        q_step, kv_step = heads // chunks, kv_heads // chunks
+        saved = ctx.saved_tensors
+        dq = torch.empty(batch, n, heads, dim, dtype=dout.dtype, device=dout.device)
+        dk = torch.empty(batch, n, kv_heads, dim, dtype=dout.dtype, device=dout.device)
+        dv = torch.empty_like(dk)
+
+        def post(c: int) -> Pending:
+            return _post_seq_to_heads(dout[:, :, c * q_step:(c + 1) * q_step].contiguous(), group)
+
+        back, pending = [], post(0)
+        for c in range(chunks):
+            dout_h = _in_order(_done(pending), plan)
+            pending = post(c + 1) if c + 1 < chunks else None
+            q_h, k_h, v_h, out_h, lse_h = saved[5 * c: 5 * c + 5]
+            if plan.ring is None:
+                grads = spec.kernel.backward(dout_h, q_h, k_h, v_h, out_h, lse_h.transpose(1, 2).contiguous(),
+                                             spec.causal, spec.scale)
+            else:
+                grads = ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, comm, spec, plan.ring)
+            back.append((c, [_post_heads_to_seq(_in_rank_order(g.to(dout.dtype), plan, batch), group)
+                             for g in grads]))
+        for c, (dq_p, dk_p, dv_p) in back:
+            dq[:, :, c * q_step:(c + 1) * q_step] = _done(dq_p)
+            dk[:, :, c * kv_step:(c + 1) * kv_step] = _done(dk_p)
+            dv[:, :, c * kv_step:(c + 1) * kv_step] = _done(dv_p)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
                       plan: CPPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, n, H, D] and lse [B, H, n] of this rank's tokens (the hybrid form when ``groups.ring`` is set)."""
+    """out [B, n, H, D] and lse [B, H, n] of this rank's tokens (the hybrid form when ``spec.algorithm`` is
+    hybrid). ``spec.head_chunks`` bounds the head chunks whose all-to-alls overlap the attention."""
     group = groups.ulysses if spec.algorithm == "hybrid" else groups.cp
     u = dist.get_world_size(group)
     if k.shape[2] < u:  # every rank needs a kv head: repeat each just enough
         k, v = (x.repeat_interleave(u // k.shape[2], dim=2) for x in (k, v))
-    batch = q.shape[0]
-    q, k, v = (_reorder(_AllToAll.apply(x, group, True), plan.order, plan.packed) for x in (q, k, v))
+    chunks = chunk_count(q.shape[2], k.shape[2], u, max(1, spec.head_chunks))
     ring_group = groups.ring if spec.algorithm == "hybrid" else None
-    out, lse = ring_attention(q, k, v, ring_group, spec, plan.ring)
-    out = _AllToAll.apply(_restore(out, plan.order, batch), group, False)
-    with torch.no_grad():  # the lse travels back like a head_dim of one
-        lse = _heads_to_seq(_restore(lse.transpose(1, 2).unsqueeze(-1), plan.order, batch), group)
-    return out, lse.squeeze(-1).transpose(1, 2)
+    return _UlyssesAttention.apply(q, k, v, group, ring_group, spec, plan, chunks)
