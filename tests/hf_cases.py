@@ -101,13 +101,13 @@ def logits_on_rank(state: ParallelState, paths: dict[str, str], tokens: torch.Te
     from model import hf_weights
 
     read = [0]
-    original = hf_weights.WeightFiles.read_rows
+    original = hf_weights.WeightFiles.read_block
 
-    def counting(self: Any, name: str, shape: Any, out: torch.Tensor, dim: int = 0, start: int = 0) -> None:
+    def counting(self: Any, name: str, shape: Any, out: torch.Tensor, starts: list[int]) -> None:
         read[0] += out.numel()
-        original(self, name, shape, out, dim, start)
+        original(self, name, shape, out, starts)
 
-    hf_weights.WeightFiles.read_rows = counting  # type: ignore[method-assign]
+    hf_weights.WeightFiles.read_block = counting  # type: ignore[method-assign]
     results = {}
     try:
         for name, path in paths.items():
@@ -116,7 +116,7 @@ def logits_on_rank(state: ParallelState, paths: dict[str, str], tokens: torch.Te
             held = sum(p.numel() for p in model.parameters())
             results[name] = {**full_logits_and_loss(model, tokens), "read": read[0], "held": held}
     finally:
-        hf_weights.WeightFiles.read_rows = original  # type: ignore[method-assign]
+        hf_weights.WeightFiles.read_block = original  # type: ignore[method-assign]
     return results
 
 
@@ -131,7 +131,7 @@ def train_from_hf_on_rank(state: ParallelState, corpus: str, run_dir: str, overr
                           tokens: torch.Tensor) -> dict[str, Any]:
     """The tiny trainer run with ``overrides`` (``checkpoint.init_from_hf`` among them): its full parameters at
     the start, its messages and losses, and the trained model's full logits on ``tokens``."""
-    trainer = trainer_cases.Trainer(trainer_cases.tiny_config(corpus, run_dir, state.sizes, **overrides), state)
+    trainer = trainer_cases.Trainer(trainer_cases.tiny_config(corpus, run_dir, state.dims, **overrides), state)
     start = trainer_cases.full_state(trainer, "params")
     result = trainer.train()
     trainer.model.eval()
