@@ -6,7 +6,10 @@ FSDP2 is given a divide factor of 1 with sum-only collectives, DDP a comm hook t
 
 FSDP2 (``shard_with_fsdp``): ``fully_shard`` on every block, then on the root, over the flattened
 ``dp_cp`` mesh, so parameters, gradients and AdamW state are DTensors holding 1 / (dp x cp) of each
-TP-local tensor. A TP-sharded parameter is sharded further within its TP rank's DP x CP group, along
+TP-local tensor. Each module gathers the next one's parameters while it computes (forward prefetch);
+``parallel.fsdp_reshard_after_forward`` false keeps the gathered parameters from the forward to the
+backward and from one micro-batch to the next (ZeRO-2: fewer gathers, one full copy of the
+parameters in the compute dtype). A TP-sharded parameter is sharded further within its TP rank's DP x CP group, along
 dim 0, or along dim 1 when TP already splits dim 0 at tp > 1 (column-parallel weights, embedding,
 head): a parameter's TP and FSDP splits then lie on different dims and its checkpoint view is a plain
 2-D DTensor (``checkpoint.py``). Runs in bf16 gather the parameters in bf16 and keep fp32 master
@@ -53,9 +56,17 @@ def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bo
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     common = {"mesh": mesh, "mp_policy": policy,
               "shard_placement_fn": lambda param: Shard(fsdp_shard_dim(param, tp_size))}
-    for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
+    last = len(model.layers) - 1
+    for index, block in enumerate(model.layers):  # the last block's parameters are needed again at once
+        fully_shard(block, reshard_after_forward=reshard_after_forward and index < last, **common)
     fully_shard(model, **common)
+    order = [model, *model.layers]  # each gathers the next block's parameters while it computes
+    for current, following in zip(order[:-1], order[1:], strict=True):
+        current.set_modules_to_forward_prefetch([following])
+    if mesh.device_type == "cpu" and hasattr(model, "_set_unshard_async_op"):
+        # without CUDA streams a synchronous all-gather blocks the process: issue them asynchronously, so the
+        # prefetched blocks' gathers run while the current block computes (measured in bench/fsdp.py)
+        model._set_unshard_async_op(True)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # the SUM over DP x CP, not the mean
@@ -82,10 +93,15 @@ def replicate_with_ddp(model: nn.Module, group: dist.ProcessGroup, bucket_mb: fl
 
 
 @contextmanager
-def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
-    """Run one micro-batch's backward with (``enabled``: the last micro-batch) or without the DP x CP reduction."""
+def gradient_sync(module: nn.Module, enabled: bool, keep_gathered: bool = False) -> Iterator[None]:
+    """Run one micro-batch's backward with (``enabled``: the last micro-batch) or without the DP x CP reduction.
+
+    ``keep_gathered`` (FSDP without resharding after forward, ZeRO-2): parameters stay gathered from one
+    micro-batch to the next, so each block is gathered once per step instead of once per micro-batch."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
+        if keep_gathered:
+            module.set_reshard_after_backward(enabled)
         yield
     elif isinstance(module, DistributedDataParallel) and not enabled:
         with module.no_sync():

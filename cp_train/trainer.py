@@ -202,7 +202,7 @@ class Trainer:
         areas = [0] * self.state.cp.size  # attention work per CP rank over the micro-batches
         for index, mb in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            with gradient_sync(self.module, last):
+            with gradient_sync(self.module, last, keep_gathered=not self.config.parallel.fsdp_reshard_after_forward):
                 with self._autocast():
                     token_losses, plan = self._losses(mb)
                 loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])
