@@ -38,7 +38,7 @@ from parallel.state import ParallelState, run_with_parallel  # noqa: E402
 EOD, VOCAB = 2, 8192
 MODEL = {"vocab_size": VOCAB, "num_layers": 4, "hidden_size": 192, "num_heads": 6, "num_kv_heads": 2,
          "ffn_hidden_size": 512, "max_position_embeddings": 512, "tie_embeddings": True}
-VARIANTS = {"ddp": {"parallel.fsdp": False}, "reducer": {"parallel.fsdp": False}, "fsdp": {"parallel.fsdp": True},
+VARIANTS = {"ddp": {"parallel.fsdp": False}, "fsdp": {"parallel.fsdp": True},
             "fsdp-zero2": {"parallel.fsdp": True, "parallel.fsdp_reshard_after_forward": False}}
 
 
@@ -52,32 +52,6 @@ def write_corpus(prefix: Path, tokens: int = 400_000, seed: int = 0) -> str:
             writer.add_document(np.append(body, EOD))
             written += body.size + 1
     return str(prefix)
-
-
-_REDUCERS: dict[int, Any] = {}
-
-
-def _use_reducer(trainer: Trainer) -> None:
-    import contextlib
-
-    from cp_train import trainer as trainer_module
-    from cp_train.grad_sync import GradientReducer
-
-    trainer.module = trainer.model
-    reducer = GradientReducer(trainer.params, trainer.state.dp_cp.group, trainer.config.train.grad_bucket_mb)
-    _REDUCERS[id(trainer.model)] = reducer
-    trainer.optimizer.zero_grad = lambda set_to_none=True: reducer.zero_grad()
-    original = trainer_module.gradient_sync
-    if getattr(original, "patched", False):
-        return
-
-    def sync(module, enabled, keep_gathered=False):
-        if id(module) in _REDUCERS:
-            return _REDUCERS[id(module)].sync() if enabled else contextlib.nullcontext()
-        return original(module, enabled, keep_gathered)
-
-    sync.patched = True
-    trainer_module.gradient_sync = sync
 
 
 def time_variants(state: ParallelState, prefix: str, root: str, steps: int, warmup: int, seq_len: int,
@@ -96,8 +70,6 @@ def time_variants(state: ParallelState, prefix: str, root: str, steps: int, warm
                        "logging.wandb": False, "logging.console": False, **overrides})
         trainers[name] = Trainer(build_config([("bench", values)]), state)
         batches[name] = iter(trainers[name].loader)
-        if name == "reducer":  # the hand-written bucketed reducer (cp_train/grad_sync.py) instead of DDP
-            _use_reducer(trainers[name])
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     held: dict[str, dict[str, int]] = {}
     for step in range(steps + warmup):
