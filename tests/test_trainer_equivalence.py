@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.state import run_with_parallel
+from cp_train import dry_run
+from parallel.state import ParallelDims, run_with_parallel
 from tests import trainer_cases
 from tests.numerics import rel_err
 
@@ -157,6 +158,20 @@ def test_fsdp_state_bytes_fall_with_dp_cp_and_tp(runs) -> None:
         assert abs(got / share - 1) <= 0.01, f"{layout}: state bytes per rank {got:.4f} of (1,1,1)'s, not {share:.4f}"
         by_rank = setup["state_bytes_by_rank"]
         assert max(by_rank) - min(by_rank) <= 0.01 * ref["state_bytes_per_rank"], f"{layout}: {by_rank}"
+
+
+def test_dry_run_plans_the_measured_state_bytes(runs, corpus) -> None:
+    """``train.py --dry-run``'s per-rank parameter, gradient and optimizer bytes (meta tensors) are the bytes the
+    runs measured, rank by rank, with DDP and with FSDP."""
+    for layout in [REFERENCE, *LAYOUTS]:
+        if layout[3:] not in ((), ("fsdp",)):
+            continue
+        overrides = {**VARIANTS.get(layout[3], {}), "parallel.backend": "gloo"} if layout[3:] else {}
+        dims = ParallelDims(tp=layout[0], cp=layout[1], dp=layout[2])
+        _, ranks, _, _ = dry_run.plan(trainer_cases.tiny_config(corpus, "unused", dims, **overrides), dims.world)
+        setup = runs[layout][0]["setup"]
+        for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "state_bytes"):
+            assert [getattr(rank, key) for rank in ranks] == setup[f"{key}_by_rank"], (layout, key)
 
 
 def test_meta_build_trains_like_a_full_build(runs) -> None:
