@@ -21,14 +21,13 @@ from cp_train.activations import block_peak, shapes_of  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from parallel.spawn import SpawnedWorld  # noqa: E402
 
+BLOCK = {"vocab_size": 256, "num_layers": 1, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2,
+         "ffn_hidden_size": 1024}  # bench/memory.py's block
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=8192, help="total sequence length (all CP ranks)")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--cases", nargs="+", default=["1,1", "1,4", "2,1", "2,4", "4,4"], help="cp,mlp_chunks")
     parser.add_argument("--threads", type=int, default=2, help="total threads, shared by the ranks")
     parser.add_argument("--repeats", type=int, default=3)
@@ -36,9 +35,7 @@ def main() -> None:
     records = []
     for case in args.cases:
         cp, chunks = (int(x) for x in case.split(","))
-        config = ModelConfig(vocab_size=256, num_layers=1, hidden_size=args.hidden, num_heads=args.heads,
-                             num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, max_position_embeddings=args.seq,
-                             mlp_chunks=chunks)
+        config = ModelConfig(**BLOCK, max_position_embeddings=args.seq, mlp_chunks=chunks)
         with SpawnedWorld(cp, threads=max(1, args.threads // cp), timeout_s=3600) as world:
             per_rank = world.run(measure_block, config, "zigzag", args.seq, 1, args.repeats)
         measured = median([max(r["added_mb"][i] for r in per_rank) for i in range(args.repeats)])

@@ -96,12 +96,12 @@ def replicate_with_ddp(model: nn.Module, group: dist.ProcessGroup, bucket_mb: fl
 def gradient_sync(module: nn.Module, enabled: bool, keep_gathered: bool = False) -> Iterator[None]:
     """Run one micro-batch's backward with (``enabled``: the last micro-batch) or without the DP x CP reduction.
 
-    ``keep_gathered`` (FSDP without resharding after forward, ZeRO-2): parameters stay gathered from one
-    micro-batch to the next, so each block is gathered once per step instead of once per micro-batch."""
+    FSDP: the root's parameters (embedding, norm, head: gathered for the whole forward and backward anyway)
+    stay gathered from one micro-batch to the next; with ``keep_gathered`` (no resharding after forward,
+    ZeRO-2) every block's do too, so each is gathered once per step instead of once per micro-batch."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
-        if keep_gathered:
-            module.set_reshard_after_backward(enabled)
+        module.set_reshard_after_backward(enabled, recurse=keep_gathered)
         yield
     elif isinstance(module, DistributedDataParallel) and not enabled:
         with module.no_sync():
