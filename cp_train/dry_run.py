@@ -73,8 +73,8 @@ def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: 
 
 
 def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, rank: int
-               ) -> tuple[int, int, int, int]:
-    """``(parameter, gradient, optimizer bytes, parameters held)`` of ``rank``, from meta tensors of its shapes."""
+               ) -> tuple[int, int, int]:
+    """``(parameter, gradient, optimizer)`` bytes of ``rank``, from meta tensors of its shapes."""
     fsdp = config.parallel.fsdp
     held, stored = [], []
     for param in full.values():
@@ -87,7 +87,7 @@ def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: Parall
     optimizer = build_optimizer(module, config.optimizer, torch.device("meta"))
     optimizer.step()  # AdamW creates its state (on the meta device, the step counts on the CPU)
     moments = [value for entry in optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
-    return _nbytes(stored), _nbytes(stored), _nbytes(moments), sum(p.numel() for p in held)
+    return _nbytes(stored), _nbytes(stored), _nbytes(moments)
 
 
 def transient_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, compute: int,
@@ -124,7 +124,7 @@ def plan(config: Config, world: int) -> tuple[ParallelDims, list[RankMemory], di
     transient = transient_bytes(config, full, dims, compute, accumulation)
     ranks = []
     for rank in range(dims.world):
-        params, grads, moments, _ = rank_state(config, full, dims, rank)
+        params, grads, moments = rank_state(config, full, dims, rank)
         ranks.append(RankMemory(rank, params, grads, moments, transient, activations["peak"]))
     assumed = {"device": "cuda" if cuda else "cpu", "compute": "bf16" if bf16 else "fp32", "tokens_per_rank": tokens,
                "accumulation": accumulation, "parameters": sum(p.numel() for p in full.values())}

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.hf_config import hf_config, model_fields, read_hf_config
 from model.hf_weights import HFTensor, WeightFiles, hf_tensors, split_qkv, write_weights
 from model.meta import allocate, meta_model
-from model.shards import local_region, local_tensor
+from model.shards import local_region, local_tensor, tensor_parallel_dim
 from parallel.attention_spec import CPGroups
 from parallel.tensor_parallel import group_size_and_rank
 
@@ -111,14 +112,18 @@ def load_llama(path: str | Path, tp_group: dist.ProcessGroup | None = None,
 
 
 def _full_tensor(model: GPTModel, name: str) -> torch.Tensor:
-    """Parameter ``name`` of ``model`` at full shape (gathered over the TP group when sharded; collective)."""
+    """Parameter ``name`` of ``model`` at full shape (gathered over FSDP's DP x CP group and then the TP group
+    when sharded; collective)."""
     param = model.get_parameter(name)
+    tensor = param.detach()
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
     tp, _ = group_size_and_rank(model.tp_group)
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return param.detach()
-    parts = [torch.empty_like(param.detach()) for _ in range(tp)]
-    dist.all_gather(parts, param.detach().contiguous(), group=model.tp_group)
-    return torch.cat(parts, dim=param.partition_dim)  # type: ignore[attr-defined]
+    if tp == 1 or tensor_parallel_dim(param) is None:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(tp)]
+    dist.all_gather(parts, tensor.contiguous(), group=model.tp_group)
+    return torch.cat(parts, dim=tensor_parallel_dim(param))
 
 
 FullTensor = Callable[[str], torch.Tensor]  # model parameter name -> its full (unsharded) tensor

@@ -138,15 +138,18 @@ def round_trip_on_rank(state: ParallelState, source: str, target: str) -> None:
 
 
 def train_from_hf_on_rank(state: ParallelState, corpus: str, run_dir: str, overrides: dict[str, Any],
-                          tokens: torch.Tensor) -> dict[str, Any]:
+                          tokens: torch.Tensor, save_to: str | None = None) -> dict[str, Any]:
     """The tiny trainer run with ``overrides`` (``checkpoint.init_from_hf`` among them): its full parameters at
     the start, its messages and losses, the trained model's full logits on ``tokens``, and how many weight
-    elements this rank read from the HF files and holds (its TP and FSDP shards)."""
+    elements this rank read from the HF files and holds (its TP and FSDP shards). ``save_to``: also write the
+    trained model there with ``save_llama`` (collective)."""
     with counting_reads() as read:
         trainer = trainer_cases.Trainer(trainer_cases.tiny_config(corpus, run_dir, state.dims, **overrides), state)
     held = sum(local_tensor(p).numel() for p in trainer.model.parameters())
     start = trainer_cases.full_state(trainer, "params")
     result = trainer.train()
+    if save_to is not None:
+        save_llama(trainer.model, save_to)
     trainer.model.eval()
     return {"start": start if state.rank == 0 else {}, "messages": result.messages, "losses": result.losses,
             "logits": full_logits_and_loss(trainer.model, tokens)["logits"], "read": read[0], "held": held}

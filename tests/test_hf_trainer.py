@@ -2,8 +2,8 @@
 
 A tp=2 x cp=2 run with FSDP starts from a random transformers model (its exact weights, each rank reading
 only its TP and FSDP shard), trains and saves a DCP checkpoint; the export of that checkpoint, loaded by
-transformers, must give the trained model's logits. Resuming the run (in another layout, without FSDP)
-uses the DCP checkpoint, not the HF weights.
+transformers, must give the trained model's logits, and ``save_llama`` of the sharded model must write the
+same tensors. Resuming the run (in another layout, without FSDP) uses the DCP checkpoint, not the HF weights.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from cp_train.cli import parse_config
 from cp_train.config import ConfigError
@@ -37,7 +38,7 @@ def test_init_from_hf_train_export_resume(spawn_world, tmp_path) -> None:
                  "parallel.fsdp": True}
     world = spawn_world(4)
     first = world.run(run_with_parallel, (2, 2, 1), hf_cases.train_from_hf_on_rank, corpus, str(tmp_path / "run"),
-                      overrides, tokens)
+                      overrides, tokens, str(tmp_path / "saved"))
     reference = dict(load_llama(hf_dir).named_parameters())
     start = first[0]["start"]
     assert start.keys() == reference.keys()
@@ -49,6 +50,9 @@ def test_init_from_hf_train_export_resume(spawn_world, tmp_path) -> None:
     assert sum(answer["held"] for answer in first) == total + tp_replicated, "the shards do not partition the model"
 
     out = export_main([str(checkpoints), str(tmp_path / "exported")])
+    saved, exported_files = load_file(tmp_path / "saved" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert saved.keys() == exported_files.keys()  # save_llama gathers the FSDP x TP shards like the DCP export
+    assert all(torch.equal(saved[name], exported_files[name]) for name in saved)
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
