@@ -13,19 +13,38 @@ from __future__ import annotations
 
 import os
 import sys
+from argparse import Namespace
 from collections.abc import Sequence
 
-from cp_train.cli import parse_config
+import torch
+
+from cp_train.cli import parse_args
 from cp_train.collectives import explain_collective_failure, trace_collectives
-from cp_train.errors import run_entry_point
+from cp_train.config import Config
+from cp_train.errors import run_entry_point, this_rank
 from cp_train.trainer import run_training
 from cp_train.validate import validate
 from parallel.spawn import free_port
 from parallel.state import parallel_context
 
 
+def dry_run(config: Config, args: Namespace) -> int:
+    """Print every rank's planned memory (``cp_train/dry_run.py``); rank 0 alone under torchrun."""
+    from cp_train.dry_run import dry_run_world, report
+
+    device_gib = args.device_memory_gib
+    if device_gib is None:
+        device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    text = report(config, dry_run_world(config), device_gib, args.config or "the command line")
+    if this_rank() == 0:
+        print(text)
+    return 0
+
+
 def train(argv: list[str]) -> int:
-    config = parse_config(argv)
+    config, args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(config, args)
     dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one (on a free port: several may run)
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

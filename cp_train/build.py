@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from cp_train.config import Config, ConfigError
+from cp_train.data_parallel import replicate_with_ddp, shard_with_fsdp
 from cp_train.errors import InputError, agree
 from data.gpt_dataset import GPTDataset, train_valid_split
 from data.indexed import IndexedDataset
@@ -23,7 +25,9 @@ from data.loader import StepLoader, build_data_loader
 from data.prepare_default import prepare_default_corpus
 from data.tokenizer import load_tokenizer, padded_vocab_size
 from model import GPTModel
-from model.hf import empty_model, load_llama_weights
+from model.hf import load_llama_weights
+from model.meta import allocate, materialize, meta_model
+from model.shards import full_shape, local_tensor
 from parallel.state import ParallelState
 
 
@@ -153,28 +157,47 @@ def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, cons
                              consumed_samples=consumed_samples, num_workers=workers, pin_memory=cuda)
 
 
-def build_model(config: Config, state: ParallelState, device: torch.device, hf_dir: str | None = None) -> GPTModel:
-    """The GPT on this rank's TP and CP groups, fp32 parameters (autocast handles bf16): initialised from the
-    seed, or with ``hf_dir`` this rank's shards of the Hugging Face Llama weights there."""
+BUILD_ON_META = True  # False: build the full model on the device first (the tests compare both builds)
+
+
+def build_model(config: Config, state: ParallelState, device: torch.device, hf_dir: str | None = None,
+                param_dtype: torch.dtype | None = None) -> tuple[GPTModel, nn.Module]:
+    """The GPT on this rank's TP and CP groups with fp32 parameters, and the module to call for training.
+
+    Built on the meta device, then (``parallel.fsdp``) sharded with FSDP2 over DP x CP, then given storage
+    for its local shards only, filled from the seeded initialisation or, with ``hf_dir``, from this rank's
+    blocks of the Hugging Face weights there. Without FSDP the model is wrapped in DDP over DP x CP. Both
+    SUM the gradients over DP x CP (``data_parallel.py``). ``param_dtype`` (bf16 runs): the dtype FSDP
+    gathers the parameters in. Returns ``(model, module)``: ``module`` is the DDP wrapper or the model."""
     parallel = config.parallel
     try:
         config.model.validate(state.tp.size, state.cp.size, config.data.seq_len, parallel.cp_layout)
     except ValueError as error:
         raise ConfigError(f"model: {error}") from None
-    if hf_dir is None:
-        return GPTModel(config.model, state.tp.group, state.cp_groups, parallel.cp_layout, device=device,
-                        cp_algorithm=parallel.cp_algorithm)
-    model = empty_model(config.model, state.tp.group, state.cp_groups, parallel.cp_layout, device=device,
-                        cp_algorithm=parallel.cp_algorithm)
-    load_llama_weights(model, hf_dir)
-    return model
+    groups = (config.model, state.tp.group, state.cp_groups, parallel.cp_layout)
+    on_meta = BUILD_ON_META or hf_dir is not None
+    if on_meta:
+        model = meta_model(*groups, cp_algorithm=parallel.cp_algorithm)
+    else:
+        model = GPTModel(*groups, device=device, cp_algorithm=parallel.cp_algorithm)
+    if parallel.fsdp:
+        shard_with_fsdp(model, state.dp_cp_mesh, parallel.fsdp_reshard_after_forward, param_dtype)
+    if on_meta:
+        allocate(model, device)
+        if hf_dir is None:
+            materialize(model)
+        else:
+            load_llama_weights(model, hf_dir)
+    if parallel.fsdp:
+        return model, model
+    return model, replicate_with_ddp(model, state.dp_cp.group, config.train.grad_bucket_mb)
 
 
-def describe(model: torch.nn.Module, state: ParallelState) -> dict[str, int]:
-    """Parameter counts: this rank's, and the whole model's (TP shards summed, replicated counted once)."""
-    local = sum(p.numel() for p in model.parameters())
-    sharded = sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
-    return {"parameters": (local - sharded) + sharded * state.tp.size, "parameters_per_rank": local}
+def describe(model: nn.Module, state: ParallelState) -> dict[str, int]:
+    """Parameter counts: this rank's (its TP and FSDP shards), and the whole model's."""
+    params = list(model.parameters())
+    return {"parameters": sum(full_shape(p, state.tp.size).numel() for p in params),
+            "parameters_per_rank": sum(local_tensor(p).numel() for p in params)}
 
 
 def run_dir_of(config: Config, run_name: str) -> Path:

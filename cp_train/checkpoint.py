@@ -8,9 +8,11 @@ Layout of a checkpoint directory ``ROOT``::
     ROOT/step_00000100/rng/rank_00003.pt   every rank's RNG states
     ROOT/step_00000100/meta.json  step, consumed_samples, scheduler, layout, config
 
-Model and optimizer tensors are saved as DTensors on the ``("dp", "cp", "tp")`` mesh: TP-sharded
-parameters (``partition_dim``) as ``Shard`` over ``tp``, everything else replicated, so DCP writes
-each shard once and loads them into any other (tp, cp, dp) layout. A crash during a save leaves
+Model and optimizer tensors are saved as DTensors of their full shape on the ``("dp_cp", "tp")`` mesh,
+with placements derived from the mesh dims that split each one (``ShardedState``): TP-sharded
+parameters (``partition_dim``) ``Shard`` over ``tp``, FSDP-sharded ones ``Shard`` over ``dp_cp``,
+replicated elsewhere. DCP writes each shard once and loads them into any other layout (tp, cp, dp),
+with FSDP on or off. A crash during a save leaves
 ``latest`` on the previous checkpoint; the partial directory is ignored (and replaced by the next save).
 A save that fails (a full disk, say) raises ``RunFailure`` on every rank naming the directory and the
 checkpoint ``latest`` still names. ``checkpoint_files.py`` checks a checkpoint's files before loading.
@@ -32,10 +34,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from cp_train.checkpoint_files import (  # noqa: F401  (re-exported)
     LATEST,
@@ -49,7 +51,8 @@ from cp_train.checkpoint_files import (  # noqa: F401  (re-exported)
 )
 from cp_train.errors import InputError, RunFailure, agree, one_line
 from cp_train.rng import capture_rng_state
-from parallel.state import ParallelState
+from model.shards import data_shards, full_shape, local_tensor, tensor_parallel_dim
+from parallel.state import ParallelDims, ParallelState
 
 DISK_FULL_MARKERS = ("no space left on device", "disk quota exceeded", "errno 28")
 
@@ -60,28 +63,38 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def checkpoint_placements(mesh_dim_names: tuple[str, ...], shards: dict[str, int]) -> list[Placement]:
+    """One placement per mesh dim, by name: ``Shard(dim)`` where ``shards`` splits the tensor over that dim's axis
+    (``{"tp": 0, "dp_cp": 1}``, say), ``Replicate()`` elsewhere."""
+    return [Shard(shards[name]) if name in shards else Replicate() for name in mesh_dim_names]
+
+
 class ShardedState:
-    """Model and optimizer state as DTensors on ``state.mesh`` (the DCP view of this rank's shards)."""
+    """Model and optimizer state as DTensors on ``state.shard_mesh`` (``("dp_cp", "tp")``): the DCP view of
+    this rank's shards, at the full shape of every tensor. A parameter's placements come from the mesh dims
+    that split it: its TP ``partition_dim`` over ``tp`` (tp > 1), its FSDP shard dim over ``dp_cp``; every other
+    dim is replicated. DCP writes each shard once and reshards on load (another layout, FSDP on or off)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState) -> None:
-        self.model, self.optimizer, self.mesh = model, optimizer, state.mesh
-        self.tp = state.tp.size
-        self.placements: dict[str, int | None] = {  # parameter -> its TP partition dim (None: replicated)
-            name: param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
-            for name, param in model.named_parameters()}
+        self.model, self.optimizer, self.mesh = model, optimizer, state.shard_mesh
+        self.shapes: dict[str, torch.Size] = {}
+        self.placements: dict[str, list[Placement]] = {}
+        names = self.mesh.mesh_dim_names or ()
+        for name, param in model.named_parameters():
+            shards = data_shards(param)
+            if state.tp.size > 1 and tensor_parallel_dim(param) is not None:
+                shards["tp"] = tensor_parallel_dim(param)  # type: ignore[assignment]
+            if len(set(shards.values())) < len(shards):
+                raise ValueError(f"parameter {name} is split twice along one dim ({shards}): no 2-D DTensor view")
+            self.shapes[name] = full_shape(param, state.tp.size)
+            self.placements[name] = checkpoint_placements(names, shards)
 
     def _wrap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        dim = self.placements.get(name)
         if tensor.dim() == 0 or name not in self.placements:
             return tensor  # optimizer step counts: replicated plain tensors
-        shape = list(tensor.shape)
-        placement = Replicate()
-        if dim is not None:
-            shape[dim] *= self.tp
-            placement = Shard(dim)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(tensor, self.mesh, [Replicate(), Replicate(), placement], run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
+        shape = self.shapes[name]
+        return DTensor.from_local(local_tensor(tensor), self.mesh, self.placements[name], run_check=False,
+                                  shape=shape, stride=torch.empty(shape, device="meta").stride())
 
     def _init_optimizer_state(self) -> None:
         """Give a fresh optimizer its state tensors (a step with zero gradients at lr 0 changes no parameter),
@@ -110,15 +123,22 @@ class ShardedState:
                                         for fqn, entry in optim_sd["state"].items()},
                               "param_groups": optim_sd["param_groups"]}}
 
+    @torch.no_grad()
     def load_state_dict(self, loaded: dict[str, Any]) -> None:
-        """Copy a DCP-loaded ``state_dict()`` back into the model and the optimizer."""
-        def local(value: Any) -> Any:
-            return value.to_local() if isinstance(value, DTensor) else value
-        set_model_state_dict(self.model, {k: local(v) for k, v in loaded["model"].items()})
-        optim = loaded["optimizer"]
-        set_optimizer_state_dict(self.model, self.optimizer, {
-            "state": {fqn: {k: local(v) for k, v in entry.items()} for fqn, entry in optim["state"].items()},
-            "param_groups": optim["param_groups"]})
+        """Copy a DCP-loaded ``state_dict()`` back into the model's and the optimizer's local shards."""
+        def copy(target: torch.Tensor, value: Any) -> None:
+            source, destination = local_tensor(value), local_tensor(target)
+            if source.data_ptr() != destination.data_ptr():
+                destination.copy_(source)
+
+        for name, param in self.model.named_parameters():
+            copy(param, loaded["model"][name])
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+        for fqn, entry in optim_sd["state"].items():
+            for key, value in entry.items():
+                copy(value, loaded["optimizer"]["state"][fqn][key])
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": optim_sd["state"],
+                                                              "param_groups": loaded["optimizer"]["param_groups"]})
 
 
 def _causes(error: BaseException) -> list[BaseException]:
@@ -230,10 +250,9 @@ def load_checkpoint(path: Path, meta: dict[str, Any], sharded: ShardedState, sta
         raise InputError(f"checkpoint {path} does not load into this model ({_root_message(error)}); "
                          f"resume with the model it was saved with") from None
     sharded.load_state_dict(target)
-    saved = meta["layout"]
-    if (saved["tp"], saved["cp"], saved["dp"]) != state.sizes:
-        return None, (f"layout changed from (tp, cp, dp) = ({saved['tp']}, {saved['cp']}, {saved['dp']}) to "
-                      f"{state.sizes}: model and optimizer resharded")
+    saved = ParallelDims.from_layout(meta["layout"])
+    if saved != state.dims:
+        return None, f"layout changed from {saved} to {state.dims}: model and optimizer resharded"
     rng_file = path / "rng" / f"rank_{state.rank:05d}.pt"
     present = [rng_file.is_file()]
     if dist.get_world_size() > 1:

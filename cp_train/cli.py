@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (key, kind, text, aliases) in FLAGS.items():
         parser.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=kind.__name__.upper(),
                             help=f"{text} [{key}]")
+    parser.add_argument("--fsdp", dest="parallel.fsdp", action=argparse.BooleanOptionalAction, default=None,
+                        help="shard parameters, gradients and optimizer state over DP x CP with FSDP2 "
+                             "[parallel.fsdp]")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build on the meta device and print each rank's parameter, gradient, optimizer and "
+                             "activation memory; train nothing (no torchrun needed)")
+    parser.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+                        help="--dry-run: memory per device (default: this GPU's, else 80)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="any config key, e.g. --set model.hidden_size=512 (repeatable; wins over flags)")
     parser.add_argument(DEBUG_FLAG, action="store_true",
@@ -68,9 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+NOT_CONFIG = ("config", "overrides", "debug", "dry_run", "device_memory_gib")  # options of the command itself
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """The config from ``argv`` (YAML (``--config``) < flags < ``--set`` overrides) and the parsed options."""
+    args = build_parser().parse_args(argv)
+    flags = {key: value for key, value in vars(args).items() if key not in NOT_CONFIG and value is not None}
+    return load_config(args.config, flags, args.overrides), args
+
+
 def parse_config(argv: Sequence[str] | None = None) -> Config:
     """The config from ``argv``: YAML (``--config``) < flags < ``--set`` overrides."""
-    args = build_parser().parse_args(argv)
-    flags = {key: value for key, value in vars(args).items()
-             if key not in ("config", "overrides", "debug") and value is not None}
-    return load_config(args.config, flags, args.overrides)
+    return parse_args(argv)[0]

@@ -38,6 +38,8 @@ class ParallelConfig:
     cp_layout: str = "zigzag"  # contiguous | zigzag | stripe | balanced (how the sequence is split over CP)
     cp_algorithm: str = "ring"  # ring | allgather | ulysses | hybrid (Megatron's p2p, all_gather, a2a, a2a+p2p)
     ulysses_size: int = 1  # hybrid: adjacent CP ranks per Ulysses group (cp = ulysses_size x ring size)
+    fsdp: bool = False  # shard parameters, gradients and optimizer state over DP x CP (FSDP2); false: DDP
+    fsdp_reshard_after_forward: bool = True  # free the gathered parameters after forward (ZeRO-3); false: ZeRO-2
 
 
 @dataclass
@@ -83,7 +85,7 @@ class TrainConfig:
     eval_iters: int = 1  # global batches of the validation split per evaluation
     seed: int = 1234  # runtime RNG (torch, numpy, random), offset per rank
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
-    grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size
+    grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size (DDP, without parallel.fsdp)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_train.config import OptimizerConfig, ScheduleConfig
+from model.shards import data_shards, local_tensor, tensor_parallel_dim
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
@@ -58,26 +59,36 @@ class LRSchedule:
                 "decay_steps": self.decay_steps}
 
 
-def global_grad_norm(parameters: list[nn.Parameter], tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+def global_grad_norm(parameters: list[nn.Parameter], tp_group: dist.ProcessGroup | None,
+                     data_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """L2 norm of all gradients of the model (fp32 scalar, the same on every rank).
 
-    Call after the DP x CP reduction, when every rank of a TP group holds the same replicated gradients:
-    TP-sharded parameters (``tensor_model_parallel``) are summed over ``tp_group``, replicated ones
-    counted once.
+    Call after the DP x CP reduction. A gradient that is a sharded DTensor (FSDP) holds this rank's part of
+    the sum, disjoint from the other ranks' of ``data_group`` (DP x CP): its squares are summed over that
+    group; plain gradients are the whole sum, the same on every rank of the group, and counted once. Then
+    TP-sharded parameters (``tensor_model_parallel``) are summed over ``tp_group``, replicated ones counted once.
     """
-    sharded = [p.grad for p in parameters if p.grad is not None and getattr(p, "tensor_model_parallel", False)]
-    replicated = [p.grad for p in parameters if p.grad is not None and not getattr(p, "tensor_model_parallel", False)]
-    device = (sharded or replicated)[0].device
+    grads: dict[tuple[bool, bool], list[torch.Tensor]] = {}  # (TP-sharded, sharded over data) -> local grads
+    for param in parameters:
+        if param.grad is not None:
+            key = (tensor_parallel_dim(param) is not None, bool(data_shards(param.grad)))
+            grads.setdefault(key, []).append(local_tensor(param.grad))
+    device = next(g for group in grads.values() for g in group).device
 
-    def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-        if not grads:
+    def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if not tensors:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack(torch._foreach_norm([g.float() for g in grads])).square().sum()
+        return torch.stack(torch._foreach_norm([g.float() for g in tensors])).square().sum()
 
-    total = sum_of_squares(sharded)
+    # [tp-sharded, replicated over tp] x [sharded over data, whole]
+    sums = torch.stack([sum_of_squares(grads.get((tp, data), [])) for tp in (True, False) for data in (True, False)])
+    sharded_over_data = sums[0::2].contiguous()
+    if data_group is not None and dist.get_world_size(data_group) > 1 and any(data for _, data in grads):
+        dist.all_reduce(sharded_over_data, group=data_group)
+    tp_sharded, replicated = sharded_over_data + sums[1::2]
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(total, group=tp_group)
-    return (total + sum_of_squares(replicated)).sqrt()
+        dist.all_reduce(tp_sharded, group=tp_group)
+    return (tp_sharded + replicated).sqrt()
 
 
 def clip_gradients(parameters: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
@@ -86,4 +97,4 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: float, total_norm: 
         return
     coefficient = max_norm / (float(total_norm) + 1e-6)
     if coefficient < 1.0:
-        torch._foreach_mul_([p.grad for p in parameters if p.grad is not None], coefficient)
+        torch._foreach_mul_([local_tensor(p.grad) for p in parameters if p.grad is not None], coefficient)

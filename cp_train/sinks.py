@@ -46,6 +46,11 @@ def progress_bar(step: int, total: int, width: int = 20) -> str:
 def console_line(record: dict[str, Any], total_steps: int, started: float, first_step: int) -> str:
     """One line per record: progress, loss, lr, grad norm, throughput, MFU, timings, memory, ETA."""
     step = record["step"]
+    if record.get("kind") == "setup":
+        gib = {key: record[f"{key}_bytes_per_rank"] / 2**30 for key in ("state", "parameter", "gradient", "optimizer")}
+        return (f"setup: {record['parameters']:,} parameters, {record['parameters_per_rank']:,} per rank; state "
+                f"{gib['state']:.3f} GiB per rank (parameters {gib['parameter']:.3f}, gradients "
+                f"{gib['gradient']:.3f}, optimizer {gib['optimizer']:.3f}; the largest rank)")
     if record.get("kind") == "eval":
         return f"eval  step {step:>{len(str(total_steps))}}/{total_steps} | val loss {record['loss']:.4f} | " \
                f"val ppl {record['perplexity']:.2f}"
@@ -128,7 +133,9 @@ class MetricsSinks:
         if self.console:
             print(console_line(record, self.total_steps, self.started, self.first_step), file=self.stream,
                   flush=True)
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and record.get("kind") == "setup":
+            self.wandb_run.summary.update({f"setup/{k}": v for k, v in record.items() if isinstance(v, int | float)})
+        elif self.wandb_run is not None:
             prefix = "eval/" if record.get("kind") == "eval" else "train/"
             self.wandb_run.log({prefix + k: v for k, v in record.items() if isinstance(v, int | float)
                                 and k != "step"}, step=record["step"])

@@ -4,7 +4,8 @@ evaluation, checkpoints and metrics.
 ``Trainer(config, state)`` builds everything on the current parallel state (``parallel.state``) and
 resumes from ``checkpoint.load`` (or ``checkpoint.save``'s ``latest``); ``train()`` runs to
 ``train.steps``. Collectives use the groups of ``state``: the loss token count, the loss and the
-gradients are summed over DP x CP, the gradient norm over TP.
+gradients are summed over DP x CP (by FSDP2 with ``parallel.fsdp``, else by DDP), the gradient norm
+over TP (and over DP x CP for FSDP's sharded gradients).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from cp_train import build
 from cp_train.checkpoint import ShardedState, load_checkpoint, read_meta, save_checkpoint
 from cp_train.checkpoint_files import resume_hint, resume_source
 from cp_train.config import Config, dump_yaml
+from cp_train.data_parallel import gradient_sync
 from cp_train.errors import RunFailure, agree
-from cp_train.grad_sync import GradientReducer
 from cp_train.hf_init import hf_init_message
 from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
 from cp_train.metrics import (
@@ -38,11 +39,12 @@ from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_g
 from cp_train.resume import check_resume
 from cp_train.rng import derived_seed, restore_rng_state, seed_everything
 from cp_train.sinks import MetricsSinks
+from cp_train.state_bytes import setup_record
 from cp_train.validate import validate
 from model import model_flops_per_token
 from parallel.attention_spec import canonical_algorithm
 from parallel.cp_plan import CPPlan
-from parallel.state import ParallelState
+from parallel.state import ParallelDims, ParallelState
 
 MicroBatch = dict[str, torch.Tensor]
 
@@ -86,9 +88,9 @@ class Trainer:
     def __init__(self, config: Config, state: ParallelState) -> None:
         self.config, self.state = config, state
         self.dp = validate(config, state.world_size)
-        if (state.tp.size, state.cp.size, state.dp.size) != (config.parallel.tp, config.parallel.cp, self.dp):
-            raise ValueError(f"config layout (tp, cp, dp) = ({config.parallel.tp}, {config.parallel.cp}, {self.dp}) "
-                             f"differs from the parallel state's {state.sizes}")
+        dims = ParallelDims(tp=config.parallel.tp, cp=config.parallel.cp, dp=self.dp)
+        if dims != state.dims:
+            raise ValueError(f"config layout {dims} differs from the parallel state's {state.dims}")
         ulysses = state.cp_ulysses.size if state.cp_ulysses else 1
         if config.parallel.cp > 1 and canonical_algorithm(config.parallel.cp_algorithm) == "hybrid" \
                 and ulysses != config.parallel.ulysses_size:
@@ -108,11 +110,11 @@ class Trainer:
         resume = agree(lambda: resume_source(ckpt.load, ckpt.save if ckpt.auto_resume else None))
         self._resumed_from = resume
         hf_dir = None if resume is not None else config.checkpoint.init_from_hf
-        self.model = build.build_model(config, state, self.device, hf_dir)
+        # model: the GPTModel (sharded by FSDP2 in place); module: what runs it (the DDP wrapper or the model)
+        self.model, self.module = build.build_model(config, state, self.device, hf_dir, self.autocast_dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.schedule = LRSchedule(config.optimizer, config.schedule, config.train.steps)
-        self.reducer = GradientReducer(self.params, state.dp_cp.group, config.train.grad_bucket_mb)
         self.sharded = ShardedState(self.model, self.optimizer, state)
         self.result = TrainResult()
         self.result.run_dir = str(self.run_dir)
@@ -184,23 +186,23 @@ class Trainer:
         attention plan they used (None without a ring)."""
         documents = mb["document_ids"] if self.config.data.document_mask else None
         plan = self.model.attention_plan(mb["tokens"].shape[1], documents, mb["position_ids"])
-        losses = self.model(mb["tokens"], mb["position_ids"], labels=mb["labels"], document_ids=documents, plan=plan)
+        losses = self.module(mb["tokens"], mb["position_ids"], labels=mb["labels"], document_ids=documents, plan=plan)
         return losses, plan
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> BatchLoss:
         """Accumulate the gradients of one global batch (this rank's micro-batches).
 
-        Each micro-batch backpropagates ``sum(masked token losses) / global loss tokens``; the last
-        backward runs under the reducer, so on return every gradient is summed over DP x CP."""
+        Each micro-batch backpropagates ``sum(masked token losses) / global loss tokens``; only the last
+        backward reduces, so on return every gradient is summed over DP x CP (FSDP: this rank's shard of it)."""
         group = self.state.dp_cp.group
-        self.reducer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=True)
         masks = [mb["loss_mask"] for mb in micro_batches]
         tokens = global_loss_tokens(masks, group)
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         areas = [0] * self.state.cp.size  # attention work per CP rank over the micro-batches
         for index, mb in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            with self.reducer.sync() if last else contextlib.nullcontext():
+            with gradient_sync(self.module, last, keep_gathered=not self.config.parallel.fsdp_reshard_after_forward):
                 with self._autocast():
                     token_losses, plan = self._losses(mb)
                 loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])
@@ -225,7 +227,7 @@ class Trainer:
             raise self._diverged(f"loss is {loss}")
         if self.grad_callback is not None:
             self.grad_callback(self.step + 1)
-        norm = global_grad_norm(self.params, self.state.tp.group)
+        norm = global_grad_norm(self.params, self.state.tp.group, self.state.dp_cp.group)
         if not math.isfinite(float(norm)):
             raise self._diverged(f"gradient norm is {float(norm)}", f" (loss {loss:.4f})")
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
@@ -240,7 +242,7 @@ class Trainer:
         if self.valid_data is None:
             return float("nan")
         loader = build.build_loader(self.config, self.valid_data, self.state, 0, self.device)
-        self.model.eval()
+        self.module.eval()
         local_sum, local_tokens = 0.0, 0.0
         for micro_batches in loader:
             for mb in self._to_device(micro_batches):
@@ -248,7 +250,7 @@ class Trainer:
                     token_losses, _ = self._losses(mb)
                 local_sum += float(masked_loss_sum(token_losses, mb["loss_mask"]))
                 local_tokens += float(mb["loss_mask"].sum())
-        self.model.train()
+        self.module.train()
         total, tokens = reduce_sums([local_sum, local_tokens], self.state.dp_cp.group, self.device)
         return total / max(tokens, 1.0)
 
@@ -259,9 +261,9 @@ class Trainer:
             return
         meta = {"step": self.step, "consumed_samples": self.loader.consumed_samples,
                 "scheduler": {"step": self.step, **self.schedule.state_dict()},
-                "layout": {"tp": self.state.tp.size, "cp": self.state.cp.size, "dp": self.state.dp.size,
-                           "world_size": self.state.world_size, "cp_layout": self.config.parallel.cp_layout,
-                           "cp_algorithm": self.config.parallel.cp_algorithm},
+                "layout": {**self.state.dims, "world_size": self.state.world_size,
+                           "cp_layout": self.config.parallel.cp_layout,
+                           "cp_algorithm": self.config.parallel.cp_algorithm, "fsdp": self.config.parallel.fsdp},
                 "config": self.config.to_dict(), "torch": torch.__version__}
         path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state, keep=ckpt.keep)
         self._last_saved = self.step
@@ -269,8 +271,7 @@ class Trainer:
 
     def _sinks(self) -> MetricsSinks:
         config = self.config
-        layout = {"tp": self.state.tp.size, "cp": self.state.cp.size, "dp": self.state.dp.size,
-                  "world_size": self.state.world_size, "seq_len": config.data.seq_len}
+        layout = {**self.state.dims, "world_size": self.state.world_size, "seq_len": config.data.seq_len}
         sinks = MetricsSinks(self.state.rank == 0, self.run_dir, self.run_name, config.train.steps, self.step,
                              config.to_dict(), layout, config.logging.wandb, config.logging.wandb_project,
                              config.logging.wandb_mode, config.logging.console, append=self.step > 0)
@@ -285,21 +286,25 @@ class Trainer:
         sinks = self._sinks()
         sizes = build.describe(self.model, state)
         peak, peak_source = peak_tflops(self.device, config.logging.peak_tflops, config.logging.cpu_peak_tflops)
+        sharding = "FSDP over dp x cp" if config.parallel.fsdp else "DDP"
         sinks.message(f"run {self.run_name}: {sizes['parameters']:,} parameters ({sizes['parameters_per_rank']:,} "
-                      f"per rank), world {state.world_size} = tp {state.tp.size} x cp {state.cp.size} x dp "
-                      f"{state.dp.size}, device {self.device}, run dir {self.run_dir}; peak {peak} TFLOP/s per "
+                      f"per rank, {sharding}), world {state.world_size} = tp {state.tp.size} x cp {state.cp.size} x "
+                      f"dp {state.dp.size}, device {self.device}, run dir {self.run_dir}; peak {peak} TFLOP/s per "
                       f"device ({peak_source})")
         self._flush(sinks)
         meter = IntervalMeter(config.train.global_batch_size * config.data.seq_len,
                               model_flops_per_token(config.model, config.data.seq_len), state.world_size, peak)
         reset_peak_memory(self.device)
         batches = iter(self.loader)
+        first = self.step
         try:
             while self.step < last:
                 started = time.perf_counter()
                 micro_batches = next(batches)
                 loaded = time.perf_counter()
                 out = self.train_step(micro_batches)
+                if self.step == first + 1:  # gradients and optimizer state exist now: measure them
+                    sinks.log(self._setup_record(sizes, first))
                 meter.add(out.loss, time.perf_counter() - started, loaded - started, out.imbalance)
                 self.result.losses[self.step] = out.loss
                 self.result.grad_norms[self.step] = out.grad_norm
@@ -314,12 +319,20 @@ class Trainer:
                     self.save()
                     self._flush(sinks)
                 meter.exclude(time.perf_counter() - paused)
+            if self.step == first:
+                sinks.log(self._setup_record(sizes, first))
             self.save()
             self._flush(sinks)
         finally:
             sinks.close()
         self.result.final_step = self.step
         return self.result
+
+    def _setup_record(self, sizes: dict[str, int], step: int) -> dict:
+        parallel = self.config.parallel
+        return setup_record(self.model, self.optimizer, sizes, {
+            "step": step, **self.state.dims, "world_size": self.state.world_size, "fsdp": parallel.fsdp,
+            "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward})
 
     def _log_eval(self, sinks: MetricsSinks) -> None:
         loss = self.evaluate()

@@ -104,6 +104,10 @@ def validate(config: Config, world_size: int) -> int:
         raise ConfigError(f"train.global_batch_size {train.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_micro_step}; "
                           f"the global batch is micro batch * dp * gradient-accumulation steps")
+    if config.parallel.fsdp and tp > 1 and model.hidden_size % (dp * cp):
+        raise ConfigError(f"parallel.fsdp at tp={tp} shards the column-parallel weights (and the embedding) along "
+                          f"model.hidden_size {model.hidden_size}, which must be divisible by dp*cp = {dp}*{cp} = "
+                          f"{dp * cp}; change the layout or set parallel.fsdp=false")
     _choice("parallel.cp_layout", config.parallel.cp_layout, LAYOUTS)
     _check_cp_algorithm(config)
     if cp > 1:

@@ -11,6 +11,9 @@ replicated (their gradients must be summed over CP and DP like every other gradi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,6 +33,16 @@ from parallel.tensor_parallel import (
     group_size_and_rank,
     vocab_parallel_cross_entropy,
 )
+
+
+def _embedding(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory: Any) -> VocabParallelEmbedding:
+    return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group,
+                                  seed=param_seed(config.seed, "embedding"), init_std=config.init_std, **factory)
+
+
+def _lm_head(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory: Any) -> ColumnParallelLinear:
+    return ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, group=tp_group,
+                                seed=param_seed(config.seed, "lm_head"), init_std=config.init_std, **factory)
 
 
 def _is_int(x: torch.Tensor) -> bool:
@@ -57,15 +70,22 @@ class GPTModel(nn.Module):
         self.cp_layout = cp_layout
         self.config, self.tp_group, self.cp_group = config, tp_group, self.cp_groups.cp
         factory = {"dtype": dtype, "device": device}
-        self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group,
-                                                seed=param_seed(config.seed, "embedding"),
-                                                init_std=config.init_std, **factory)
+        self.embedding = _embedding(config, tp_group, **factory)
         self.layers = nn.ModuleList(Block(config, i, tp_group, self.cp_groups, self.cp_layout, self.cp_algorithm,
                                           **factory) for i in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, **factory)
-        self.lm_head = None if config.tie_embeddings else ColumnParallelLinear(
-            config.hidden_size, config.vocab_size, bias=False, group=tp_group,
-            seed=param_seed(config.seed, "lm_head"), init_std=config.init_std, **factory)
+        self.lm_head = None if config.tie_embeddings else _lm_head(config, tp_group, **factory)
+
+    def reference_units(self) -> Iterator[tuple[str, nn.Module]]:
+        """``(name, module)`` for each child (the embedding, every block, the norm, the head), built one at a
+        time at full size (tp = 1) on the CPU from the seed: the values every layout's shards are cut from."""
+        config = self.config
+        yield "embedding", _embedding(config, None)
+        for i in range(config.num_layers):
+            yield f"layers.{i}", Block(config, i)
+        yield "norm", nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        if self.lm_head is not None:
+            yield "lm_head", _lm_head(config, None)
 
     def local_positions(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
         """Global positions ``[local_len]`` of this rank's tokens in the CP layout."""

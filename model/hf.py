@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.hf_config import hf_config, model_fields, read_hf_config
 from model.hf_weights import HFTensor, WeightFiles, hf_tensors, split_qkv, write_weights
+from model.meta import allocate, meta_model
+from model.shards import local_region, local_tensor, tensor_parallel_dim
 from parallel.attention_spec import CPGroups
 from parallel.tensor_parallel import group_size_and_rank
 
@@ -38,14 +41,8 @@ def empty_model(config: ModelConfig, tp_group: dist.ProcessGroup | None = None,
                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                 cp_algorithm: str = "ring") -> GPTModel:
     """A ``GPTModel`` with allocated but uninitialised parameters (no random init: built on the meta device)."""
-    with torch.device("meta"):
-        model = GPTModel(config, tp_group, cp_group, cp_layout, dtype=dtype, cp_algorithm=cp_algorithm)
-    partitioned = {name: p.partition_dim for name, p in model.named_parameters()
-                   if getattr(p, "tensor_model_parallel", False)}
-    model.to_empty(device=device or "cpu")
-    for name, dim in partitioned.items():  # to_empty makes new Parameters: restore the TP attributes
-        param = model.get_parameter(name)
-        param.tensor_model_parallel, param.partition_dim = True, dim  # type: ignore[attr-defined]
+    model = meta_model(config, tp_group, cp_group, cp_layout, dtype, cp_algorithm)
+    allocate(model, device or "cpu")
     return model
 
 
@@ -58,38 +55,44 @@ def _by_param(config: ModelConfig) -> dict[str, list[HFTensor]]:
 
 @torch.no_grad()
 def load_llama_weights(model: GPTModel, path: str | Path) -> None:
-    """Fill every parameter of ``model`` with its TP shard of the HF weights in directory ``path``.
+    """Fill every parameter of ``model`` with its block of the HF weights in directory ``path``: its TP shard,
+    and with FSDP (DTensor parameters) only its FSDP shard of that (``model.shards.local_region``).
 
     The weights' shapes must be those ``model.config`` implies (errors name the tensor and file).
     """
     files = WeightFiles(path)
     config = model.config
-    _, tp_rank = group_size_and_rank(model.tp_group)
+    tp_size, tp_rank = group_size_and_rank(model.tp_group)
     for name, entries in _by_param(config).items():
         param = model.get_parameter(name)
         for entry in entries:
             if entry.name not in files.files:
                 why = " (config.json says tie_word_embeddings = false)" if entry.name == "lm_head.weight" else ""
                 raise ValueError(f"tensor {entry.name} is missing from the weights in {path}{why}")
+        region, out = local_region(param, tp_rank, tp_size), local_tensor(param)
         if entries[0].part is not None:
-            _load_qkv(files, entries, param, config, tp_rank)
-            continue
-        entry, dim = entries[0], getattr(param, "partition_dim", 0)
-        start = tp_rank * param.shape[dim] if getattr(param, "tensor_model_parallel", False) else 0
-        files.read_rows(entry.name, entry.shape, param.data, dim, start)
+            _load_qkv(files, entries, out, region, config)
+        else:
+            files.read_block(entries[0].name, entries[0].shape, out, [s.start for s in region])
 
 
-def _load_qkv(files: WeightFiles, entries: list[HFTensor], param: torch.Tensor, config: ModelConfig,
-              tp_rank: int) -> None:
-    """The fused QKV shard: for each of this rank's kv heads g, its query heads' rows, then k_g, then v_g."""
+def _load_qkv(files: WeightFiles, entries: list[HFTensor], out: torch.Tensor, region: tuple[slice, ...],
+              config: ModelConfig) -> None:
+    """Rows ``region[0]`` (columns ``region[1]``) of the full fused QKV weight, laid out per kv head g as its
+    query heads' rows, then k_g, then v_g, read from HF's q, k and v tensors."""
     group, d = config.num_heads // config.num_kv_heads, config.head_dim
-    local = param.data.view(-1, group + 2, d, param.shape[-1])  # [local kv heads, group + 2, d, hidden]
     parts = {entry.part: entry for entry in entries}
-    for j in range(local.shape[0]):
-        g = tp_rank * local.shape[0] + j
-        files.read_rows(parts["q"].name, parts["q"].shape, local[j, :group].view(group * d, -1), 0, g * group * d)
-        files.read_rows(parts["k"].name, parts["k"].shape, local[j, group], 0, g * d)
-        files.read_rows(parts["v"].name, parts["v"].shape, local[j, group + 1], 0, g * d)
+    rows, columns = region
+    per_head = (group + 2) * d
+    for g in range(rows.start // per_head, -(-rows.stop // per_head)):
+        base = g * per_head  # fused rows of kv head g: q [base, base+group*d), k, v one head each
+        for part, first, count, source in (("q", base, group * d, g * group * d), ("k", base + group * d, d, g * d),
+                                           ("v", base + (group + 1) * d, d, g * d)):
+            lo, hi = max(first, rows.start), min(first + count, rows.stop)
+            if lo < hi:
+                entry = parts[part]
+                files.read_block(entry.name, entry.shape, out[lo - rows.start:hi - rows.start],
+                                 [source + lo - first, columns.start])
 
 
 def load_llama(path: str | Path, tp_group: dist.ProcessGroup | None = None,
@@ -109,14 +112,18 @@ def load_llama(path: str | Path, tp_group: dist.ProcessGroup | None = None,
 
 
 def _full_tensor(model: GPTModel, name: str) -> torch.Tensor:
-    """Parameter ``name`` of ``model`` at full shape (gathered over the TP group when sharded; collective)."""
+    """Parameter ``name`` of ``model`` at full shape (gathered over FSDP's DP x CP group and then the TP group
+    when sharded; collective)."""
     param = model.get_parameter(name)
+    tensor = param.detach()
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
     tp, _ = group_size_and_rank(model.tp_group)
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return param.detach()
-    parts = [torch.empty_like(param.detach()) for _ in range(tp)]
-    dist.all_gather(parts, param.detach().contiguous(), group=model.tp_group)
-    return torch.cat(parts, dim=param.partition_dim)  # type: ignore[attr-defined]
+    if tp == 1 or tensor_parallel_dim(param) is None:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(tp)]
+    dist.all_gather(parts, tensor.contiguous(), group=model.tp_group)
+    return torch.cat(parts, dim=tensor_parallel_dim(param))
 
 
 FullTensor = Callable[[str], torch.Tensor]  # model parameter name -> its full (unsharded) tensor

@@ -7,7 +7,7 @@ k_g, then v_g; ``o_proj`` -> ``attention.proj``; ``gate/up/down_proj`` -> ``mlp.
 ``model.norm`` -> ``norm``; ``lm_head`` -> ``lm_head`` (absent when the embeddings are tied).
 
 ``WeightFiles(dir)`` reads ``model.safetensors`` or the shards named by
-``model.safetensors.index.json``; ``read_rows`` copies a slice of one tensor into a preallocated
+``model.safetensors.index.json``; ``read_block`` copies a block of one tensor into a preallocated
 tensor in blocks, opening the file for that tensor only, so a reader's memory stays near the
 size of what it keeps. ``write_weights`` writes tensors produced one at a time into shards.
 """
@@ -98,27 +98,26 @@ class WeightFiles:
             raise KeyError(f"tensor {name} is not in the weights of {self.path}")
         return self.files[name]
 
-    def read_rows(self, name: str, shape: tuple[int, ...], out: torch.Tensor, dim: int = 0, start: int = 0) -> None:
-        """Copy ``tensor[name]`` narrowed to ``out.shape[dim]`` entries from ``start`` along ``dim`` into ``out``
-        (cast to its dtype), checking that the stored tensor has the full ``shape``."""
+    def read_block(self, name: str, shape: tuple[int, ...], out: torch.Tensor, starts: list[int]) -> None:
+        """Copy the block of ``tensor[name]`` that starts at ``starts`` (one index per dim) and has ``out``'s shape
+        into ``out`` (cast to its dtype), in blocks of rows, checking that the stored tensor has the full
+        ``shape``."""
         file = self.file_of(name)
         with safe_open(file, framework="pt") as handle:
             view = handle.get_slice(name)
             stored = tuple(view.get_shape())
             if stored != tuple(shape):
                 raise ValueError(f"tensor {name} in {file} has shape {list(stored)}; the config implies {list(shape)}")
-            if out.dim() == 1:
-                out.copy_(view[start:start + out.shape[0]])
+            if out.numel() == 0:
                 return
-            rows = out.shape[0]
-            block = max(1, BLOCK_ELEMENTS // max(1, out.shape[1]))
+            if out.dim() == 1:
+                out.copy_(view[starts[0]:starts[0] + out.shape[0]])
+                return
+            rows, (row, column), width = out.shape[0], starts, out.shape[1]
+            block = max(1, BLOCK_ELEMENTS // max(1, width))
             for first in range(0, rows, block):
                 last = min(rows, first + block)
-                if dim == 0:
-                    piece = view[start + first:start + last]
-                else:
-                    piece = view[first:last, start:start + out.shape[1]]
-                out[first:last].copy_(piece)
+                out[first:last].copy_(view[row + first:row + last, column:column + width])
 
 
 def plan_shards(tensors: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:

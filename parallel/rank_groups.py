@@ -2,16 +2,99 @@
 
 Rank order is Megatron's ``tp-cp-dp`` (TP fastest):
 ``rank = tp_rank + tp * (cp_rank + cp * dp_rank)``, i.e. ``arange(world).reshape(dp, cp, tp)``.
-A later ``pp`` axis goes after ``dp`` in ``AXIS_ORDER``.
+``ParallelDims`` holds the sizes keyed by axis name; a later axis (``pp``, ``ep``) is one more entry of
+``AXIS_ORDER`` (and of ``DATA_AXES`` when it splits the batch), not a rewrite of positional triples.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import product
 
 Groups = tuple[tuple[int, ...], ...]
 AXIS_ORDER = ("tp", "cp", "dp")  # fastest-varying first
+DATA_AXES = ("dp", "cp")  # the axes that split the global batch: gradients are summed (and FSDP shards) over them
+DATA_AXIS = "dp_cp"  # the name of their flattened mesh dimension
+
+
+class ParallelDims(Mapping[str, int]):
+    """Sizes of the parallel axes keyed by name, e.g. ``ParallelDims(tp=2, cp=4)`` (an axis left out has size 1).
+
+    Iterates in ``AXIS_ORDER`` (fastest-varying first); ``mesh_names`` / ``mesh_shape`` give the DeviceMesh
+    order (slowest first). Equal to any mapping with the same sizes; ``str`` is ``tp=2, cp=4, dp=1``.
+    """
+
+    def __init__(self, **sizes: int) -> None:
+        unknown = sorted(set(sizes) - set(AXIS_ORDER))
+        if unknown:
+            raise ValueError(f"unknown parallel axis {', '.join(unknown)}; the axes are {', '.join(AXIS_ORDER)}")
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+        self._sizes = {name: sizes.get(name, 1) for name in AXIS_ORDER}
+
+    @classmethod
+    def from_layout(cls, layout: Mapping[str, object]) -> ParallelDims:
+        """The axes of a mapping that may hold other keys too (a checkpoint's ``layout``: world_size, ...)."""
+        return cls(**{name: int(layout[name]) for name in AXIS_ORDER if name in layout})  # type: ignore[arg-type]
+
+    def __getitem__(self, axis: str) -> int:
+        return self._sizes[axis]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sizes)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._sizes.items()))
+
+    def __repr__(self) -> str:
+        return f"ParallelDims({self})"
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name}={size}" for name, size in self._sizes.items())
+
+    @property
+    def tp(self) -> int:
+        return self._sizes["tp"]
+
+    @property
+    def cp(self) -> int:
+        return self._sizes["cp"]
+
+    @property
+    def dp(self) -> int:
+        return self._sizes["dp"]
+
+    @property
+    def world(self) -> int:
+        return math.prod(self._sizes.values())
+
+    @property
+    def data(self) -> int:
+        """The size of the flattened data axes (``DATA_AXIS``: gradient sum, FSDP sharding)."""
+        return math.prod(self._sizes[name] for name in DATA_AXES)
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        return tuple(reversed(AXIS_ORDER))
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self._sizes[name] for name in self.mesh_names)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This global ``rank``'s index along every axis (ValueError outside the world)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside the world of size {'*'.join(AXIS_ORDER)} = {self.world}")
+        out = {}
+        for name, size in self._sizes.items():
+            rank, out[name] = divmod(rank, size)
+        return out
 
 
 @dataclass(frozen=True)
@@ -28,9 +111,7 @@ class RankGroups:
 
 
 def check_sizes(tp: int, cp: int, dp: int) -> None:
-    for name, size in (("tp", tp), ("cp", cp), ("dp", dp)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+    ParallelDims(tp=tp, cp=cp, dp=dp)
 
 
 def check_world(world_size: int, tp: int, cp: int, dp: int) -> None:
@@ -69,7 +150,7 @@ def compute_rank_groups(world_size: int, tp: int, cp: int, dp: int, ulysses: int
     ranks, ``ulysses`` of them) and ring (same place in their Ulysses group) subgroups (pure; ValueError)."""
     check_world(world_size, tp, cp, dp)
     check_ulysses(cp, ulysses)
-    sizes = dict(zip(AXIS_ORDER, (tp, cp, dp), strict=True))
+    sizes = dict(ParallelDims(tp=tp, cp=cp, dp=dp))
     split = {"tp": tp, "ulysses": ulysses, "ring": cp // ulysses, "dp": dp}  # cp rank = ring * ulysses + place
     return RankGroups(tp=_groups_along(sizes, ("tp",)), cp=_groups_along(sizes, ("cp",)),
                       dp=_groups_along(sizes, ("dp",)), dp_cp=_groups_along(sizes, ("cp", "dp")),
@@ -79,10 +160,8 @@ def compute_rank_groups(world_size: int, tp: int, cp: int, dp: int, ulysses: int
 
 def rank_coordinates(rank: int, tp: int, cp: int, dp: int) -> tuple[int, int, int]:
     """``(tp_rank, cp_rank, dp_rank)`` of global ``rank`` (pure; raises ValueError)."""
-    check_sizes(tp, cp, dp)
-    if not 0 <= rank < tp * cp * dp:
-        raise ValueError(f"rank {rank} is outside the world of size tp*cp*dp = {tp * cp * dp}")
-    return rank % tp, (rank // tp) % cp, rank // (tp * cp)
+    coordinates = ParallelDims(tp=tp, cp=cp, dp=dp).coordinates(rank)
+    return coordinates["tp"], coordinates["cp"], coordinates["dp"]
 
 
 def resolve_dp(world_size: int, tp: int, cp: int, dp: int | None) -> int:

@@ -23,7 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from parallel.attention_spec import CPGroups
 from parallel.rank_groups import (  # noqa: F401  (re-exported)
     AXIS_ORDER,
+    DATA_AXES,
+    DATA_AXIS,
     Groups,
+    ParallelDims,
     RankGroups,
     check_sizes,
     check_ulysses,
@@ -48,11 +51,13 @@ class AxisGroup:
 
 @dataclass(frozen=True)
 class ParallelState:
-    """The groups of this process. ``mesh`` has dims ``("dp", "cp", "tp")`` over
-    ``arange(world).reshape(dp, cp, tp)``; ``dp_cp_mesh`` / ``tp_cp_mesh`` are its flattenings
-    of ``("dp", "cp")`` / ``("cp", "tp")``. ``cp_prev_rank`` / ``cp_next_rank`` are the global
-    ranks of this rank's CP ring neighbours (itself when cp == 1)."""
+    """The groups of this process. ``dims`` holds the axis sizes by name; ``mesh`` has dims
+    ``("dp", "cp", "tp")`` over ``arange(world).reshape(dp, cp, tp)``; ``dp_cp_mesh`` / ``tp_cp_mesh`` are
+    its flattenings of ``("dp", "cp")`` / ``("cp", "tp")``; ``shard_mesh`` is the 2-D ``("dp_cp", "tp")``
+    mesh on the same groups (where FSDP-sharded, TP-sharded tensors live for DCP). ``cp_prev_rank`` /
+    ``cp_next_rank`` are the global ranks of this rank's CP ring neighbours (itself when cp == 1)."""
 
+    dims: ParallelDims
     world_size: int
     rank: int
     backend: str
@@ -66,6 +71,7 @@ class ParallelState:
     mesh: DeviceMesh
     dp_cp_mesh: DeviceMesh
     tp_cp_mesh: DeviceMesh
+    shard_mesh: DeviceMesh
     owns_default_group: bool
     cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
     cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
@@ -75,11 +81,6 @@ class ParallelState:
         """The CP group and, for hybrid CP, its Ulysses and ring subgroups (what the attention takes)."""
         return CPGroups(self.cp.group, self.cp_ulysses.group if self.cp_ulysses else None,
                         self.cp_ring.group if self.cp_ring else None)
-
-    @property
-    def sizes(self) -> tuple[int, int, int]:
-        """``(tp, cp, dp)``."""
-        return self.tp.size, self.cp.size, self.dp.size
 
 
 _STATE: ParallelState | None = None
@@ -131,10 +132,10 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
         raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
     if _STATE is not None:
         ulysses = _STATE.cp_ulysses.size if _STATE.cp_ulysses else 1
-        if (_STATE.sizes == (tp, cp, dp or _STATE.dp.size) and backend in (None, _STATE.backend)
+        if (_STATE.dims == ParallelDims(tp=tp, cp=cp, dp=dp or _STATE.dp.size) and backend in (None, _STATE.backend)
                 and ulysses == ulysses_size):
             return _STATE
-        raise RuntimeError(f"parallel state already initialised with (tp, cp, dp) = {_STATE.sizes}; "
+        raise RuntimeError(f"parallel state already initialised with {_STATE.dims}; "
                            f"call destroy_parallel() before initialising (tp={tp}, cp={cp}, dp={dp})")
     created = not dist.is_initialized()
     if created:
@@ -153,7 +154,7 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
         _init_default_group(backend, timeout)
     try:
         dp = resolve_dp(dist.get_world_size(), tp, cp, dp)
-        _STATE = _build_state(tp, cp, dp, backend, timeout, created, ulysses_size)
+        _STATE = _build_state(ParallelDims(tp=tp, cp=cp, dp=dp), backend, timeout, created, ulysses_size)
     except BaseException:
         if created:
             dist.destroy_process_group()
@@ -174,27 +175,31 @@ def _subgroups(groups: Groups, backend: str, timeout: timedelta) -> AxisGroup:
     return mine
 
 
-def _build_state(tp: int, cp: int, dp: int, backend: str, timeout: timedelta, created: bool,
+def _build_state(dims: ParallelDims, backend: str, timeout: timedelta, created: bool,
                  ulysses: int = 1) -> ParallelState:
     device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    per_dim = {name: _subgroup_override(backend, timeout) for name in ("dp", "cp", "tp")}
-    mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"),
+    per_dim = {name: _subgroup_override(backend, timeout) for name in dims.mesh_names}
+    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_names,
                             backend_override=per_dim if per_dim["dp"] else None)
-    dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=_subgroup_override(backend, timeout))
+    dp_cp_mesh = mesh[DATA_AXES]._flatten(DATA_AXIS, backend_override=_subgroup_override(backend, timeout))
     tp_cp_mesh = mesh["cp", "tp"]._flatten("tp_cp", backend_override=_subgroup_override(backend, timeout))
+    shard_mesh = DeviceMesh.from_group([dp_cp_mesh.get_group(), mesh["tp"].get_group()], device_type,
+                                       mesh=torch.arange(dims.world).reshape(dims.data, dims.tp),
+                                       mesh_dim_names=(DATA_AXIS, "tp"))
     cp_axis = _axis(mesh["cp"])
     return ParallelState(
-        world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,
+        dims=dims, world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,
         tp=_axis(mesh["tp"]), cp=cp_axis, dp=_axis(mesh["dp"]), dp_cp=_axis(dp_cp_mesh),
-        tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % cp],
-        cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
-        tp_cp_mesh=tp_cp_mesh, owns_default_group=created, **_hybrid_axes(tp, cp, dp, ulysses, backend, timeout))
+        tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % dims.cp],
+        cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % dims.cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
+        tp_cp_mesh=tp_cp_mesh, shard_mesh=shard_mesh, owns_default_group=created,
+        **_hybrid_axes(dims, ulysses, backend, timeout))
 
 
-def _hybrid_axes(tp: int, cp: int, dp: int, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:
+def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:
     if ulysses == 1:
         return {}
-    groups = compute_rank_groups(tp * cp * dp, tp, cp, dp, ulysses)
+    groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, ulysses)
     return {"cp_ulysses": _subgroups(groups.cp_ulysses, backend, timeout),
             "cp_ring": _subgroups(groups.cp_ring, backend, timeout)}
 
@@ -206,6 +211,7 @@ def destroy_parallel() -> None:
     state, _STATE = _STATE, None
     if state is None:
         return
+    _forget_meshes()
     if state.owns_default_group:
         dist.destroy_process_group()
         return
@@ -215,6 +221,17 @@ def destroy_parallel() -> None:
         if axis is not None and axis.group is not default and id(axis.group) not in seen:
             seen.add(id(axis.group))
             dist.destroy_process_group(axis.group)
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches: they compare meshes by shape and names, not by their groups,
+    so after a re-initialisation a DTensor op (``nn.Parameter(dtensor)``, say) could return a DTensor on the
+    old, destroyed groups. Private torch API: skipped where this torch lacks it."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()
 
 
 @contextmanager
@@ -229,10 +246,11 @@ def parallel_context(tp: int = 1, cp: int = 1, dp: int | None = None, backend: s
         destroy_parallel()
 
 
-def run_with_parallel(sizes: tuple[int, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(state, *args, **kwargs)`` inside ``parallel_context`` of ``sizes`` = (tp, cp, dp) or (tp, cp, dp,
-    ulysses_size); for ``SpawnedWorld.run``."""
-    tp, cp, dp, *ulysses = sizes
+def run_with_parallel(sizes: ParallelDims | tuple[int, ...], fn: Callable[..., Any], *args: Any,
+                      **kwargs: Any) -> Any:
+    """``fn(state, *args, **kwargs)`` inside ``parallel_context`` of ``sizes``: a ``ParallelDims``, or the
+    test shorthand (tp, cp, dp) / (tp, cp, dp, ulysses_size); for ``SpawnedWorld.run``."""
+    tp, cp, dp, *ulysses = (sizes.tp, sizes.cp, sizes.dp) if isinstance(sizes, ParallelDims) else sizes
     with parallel_context(tp, cp, dp, ulysses_size=ulysses[0] if ulysses else 1) as state:
         return fn(state, *args, **kwargs)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cp_train.config import dump_yaml
+from parallel.rank_groups import ParallelDims
 from parallel.spawn import free_port
 from tests import trainer_cases
 
@@ -39,7 +40,7 @@ def write_config(path: Path, corpus: str, run_dir: Path, cp: int = 1, **override
     """The tiny run (tp 1, ``cp``, dp from the world) as a YAML file; ``overrides`` are dotted keys."""
     values = {"train.eval_interval": 0, "logging.console": True, "logging.interval": 1, "parallel.dp": None,
               **overrides}
-    path.write_text(dump_yaml(trainer_cases.tiny_config(corpus, str(run_dir), (1, cp, 1), **values)))
+    path.write_text(dump_yaml(trainer_cases.tiny_config(corpus, str(run_dir), ParallelDims(cp=cp), **values)))
     return path
 
 

@@ -6,6 +6,8 @@ The reference is always transformers' own ``LlamaForCausalLM`` in fp32; nothing 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 from model.gpt import GPTModel
 from model.hf import load_llama, save_llama
+from model.shards import local_tensor
 from parallel.layout import gather_sequence, shard_sequence
 from parallel.state import ParallelState
 from tests import trainer_cases
@@ -95,28 +98,35 @@ def full_logits_and_loss(model: GPTModel, tokens: torch.Tensor) -> dict[str, tor
     return {"logits": logits, "loss": losses.double().sum() / count}
 
 
-def logits_on_rank(state: ParallelState, paths: dict[str, str], tokens: torch.Tensor) -> dict[str, Any]:
-    """Per model directory: the loaded model's full logits and loss at this layout (zigzag CP), and whether
-    this rank read exactly as many weight elements as its parameters hold (its TP shard, nothing more)."""
+@contextmanager
+def counting_reads() -> Iterator[list[int]]:
+    """Count the weight elements ``WeightFiles.read_block`` copies (``[count]``, updated in place)."""
     from model import hf_weights
 
     read = [0]
-    original = hf_weights.WeightFiles.read_rows
+    original = hf_weights.WeightFiles.read_block
 
-    def counting(self: Any, name: str, shape: Any, out: torch.Tensor, dim: int = 0, start: int = 0) -> None:
+    def counting(self: Any, name: str, shape: Any, out: torch.Tensor, starts: list[int]) -> None:
         read[0] += out.numel()
-        original(self, name, shape, out, dim, start)
+        original(self, name, shape, out, starts)
 
-    hf_weights.WeightFiles.read_rows = counting  # type: ignore[method-assign]
-    results = {}
+    hf_weights.WeightFiles.read_block = counting  # type: ignore[method-assign]
     try:
+        yield read
+    finally:
+        hf_weights.WeightFiles.read_block = original  # type: ignore[method-assign]
+
+
+def logits_on_rank(state: ParallelState, paths: dict[str, str], tokens: torch.Tensor) -> dict[str, Any]:
+    """Per model directory: the loaded model's full logits and loss at this layout (zigzag CP), and whether
+    this rank read exactly as many weight elements as its parameters hold (its TP shard, nothing more)."""
+    results = {}
+    with counting_reads() as read:
         for name, path in paths.items():
             read[0] = 0
             model = load_llama(path, state.tp.group, state.cp.group, "zigzag")
             held = sum(p.numel() for p in model.parameters())
             results[name] = {**full_logits_and_loss(model, tokens), "read": read[0], "held": held}
-    finally:
-        hf_weights.WeightFiles.read_rows = original  # type: ignore[method-assign]
     return results
 
 
@@ -128,12 +138,18 @@ def round_trip_on_rank(state: ParallelState, source: str, target: str) -> None:
 
 
 def train_from_hf_on_rank(state: ParallelState, corpus: str, run_dir: str, overrides: dict[str, Any],
-                          tokens: torch.Tensor) -> dict[str, Any]:
+                          tokens: torch.Tensor, save_to: str | None = None) -> dict[str, Any]:
     """The tiny trainer run with ``overrides`` (``checkpoint.init_from_hf`` among them): its full parameters at
-    the start, its messages and losses, and the trained model's full logits on ``tokens``."""
-    trainer = trainer_cases.Trainer(trainer_cases.tiny_config(corpus, run_dir, state.sizes, **overrides), state)
+    the start, its messages and losses, the trained model's full logits on ``tokens``, and how many weight
+    elements this rank read from the HF files and holds (its TP and FSDP shards). ``save_to``: also write the
+    trained model there with ``save_llama`` (collective)."""
+    with counting_reads() as read:
+        trainer = trainer_cases.Trainer(trainer_cases.tiny_config(corpus, run_dir, state.dims, **overrides), state)
+    held = sum(local_tensor(p).numel() for p in trainer.model.parameters())
     start = trainer_cases.full_state(trainer, "params")
     result = trainer.train()
+    if save_to is not None:
+        save_llama(trainer.model, save_to)
     trainer.model.eval()
     return {"start": start if state.rank == 0 else {}, "messages": result.messages, "losses": result.losses,
-            "logits": full_logits_and_loss(trainer.model, tokens)["logits"]}
+            "logits": full_logits_and_loss(trainer.model, tokens)["logits"], "read": read[0], "held": held}

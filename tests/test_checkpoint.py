@@ -1,10 +1,12 @@
-"""Checkpoints: exact resume in fresh processes, resume into other layouts, and interrupted saves.
+"""Checkpoints: exact resume in fresh processes, resume into other layouts and across FSDP on/off, and
+interrupted saves.
 
-A (1, 2, 1) run saves at step 4 of 8. Resuming it in fresh processes must reproduce the
-uninterrupted run's losses bitwise; resuming it with cp 2 -> 4, dp 1 -> 2 and tp 1 -> 2 must load
-the very same parameters and Adam moments (resharded by DCP), continue the data stream at the same
-global sample and match the uninterrupted losses within 1e-5; a save that dies part way must
-leave ``latest`` on the previous complete checkpoint.
+A (1, 2, 1) run saves at step 4 of 8, once with DDP and once with FSDP. Resuming either in the same
+setting must reproduce the uninterrupted run's losses bitwise (the DDP one in fresh processes); resuming
+with cp 2 -> 4, dp 1 -> 2, tp 1 -> 2, or with FSDP switched on or off, must load the very same parameters
+and Adam moments (resharded by DCP), continue the data stream at the same global sample and match the
+uninterrupted losses within 1e-5; a save that dies part way must leave ``latest`` on the previous
+complete checkpoint.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ import torch
 
 from cp_train.checkpoint import LATEST, META, find_checkpoint, step_dir_name
 from parallel.spawn import SpawnedWorld
-from parallel.state import run_with_parallel
+from parallel.state import ParallelDims, run_with_parallel
 from tests import trainer_cases
 
 STEPS, SAVE_AT, LAYOUT = 8, 4, (1, 2, 1)
-CHANGED_LAYOUTS = {"cp 2->4": (1, 4, 1), "dp 1->2": (1, 2, 2), "tp 1->2": (2, 2, 1)}
+# change -> (target layout, fsdp of the saved run, fsdp of the resumed run)
+CHANGED_LAYOUTS = {"cp 2->4": ((1, 4, 1), False, False), "dp 1->2": ((1, 2, 2), False, False),
+                   "tp 1->2": ((2, 2, 1), False, False), "fsdp tp 1->2": ((2, 2, 1), True, True),
+                   "fsdp dp 1->2": ((1, 2, 2), True, True)}
 WANT = ("params", "optimizer")
+FSDP = {"parallel.fsdp": True}
 
 
-def run(world, layout, corpus: str, run_dir: Path, until_step: int | None = None, want=(), **overrides):
-    overrides = {"train.steps": STEPS, **overrides}
+def run(world, layout, corpus: str, run_dir: Path, until_step: int | None = None, want=(), fsdp=False, **overrides):
+    overrides = {"train.steps": STEPS, "parallel.fsdp": fsdp, **overrides}
     return world.run(run_with_parallel, layout, trainer_cases.train_layout, corpus, str(run_dir), overrides,
                      until_step, want)
 
@@ -43,15 +49,36 @@ def corpus(tmp_path_factory) -> str:
     return trainer_cases.write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
 
 
-@pytest.fixture(scope="module")
-def saved(spawn_world, corpus, tmp_path_factory) -> dict:
+def _saved(world, corpus: str, root: Path, fsdp: bool) -> dict:
     """The uninterrupted run's losses, and a checkpoint at step 4 of the same run with its full states."""
-    root = tmp_path_factory.mktemp("ckpt")
-    world = spawn_world(2)
-    uninterrupted = run(world, LAYOUT, corpus, root / "uninterrupted")[0]["losses"]
-    first_half = run(world, LAYOUT, corpus, root / "first-half", SAVE_AT, WANT,
+    uninterrupted = run(world, LAYOUT, corpus, root / "uninterrupted", fsdp=fsdp)[0]["losses"]
+    first_half = run(world, LAYOUT, corpus, root / "first-half", SAVE_AT, WANT, fsdp=fsdp,
                      **{"checkpoint.save": str(root / "checkpoints")})[0]
     return {"losses": uninterrupted, "first_half": first_half, "checkpoints": root / "checkpoints", "root": root}
+
+
+@pytest.fixture(scope="module")
+def saved(spawn_world, corpus, tmp_path_factory) -> dict:
+    return _saved(spawn_world(2), corpus, tmp_path_factory.mktemp("ckpt"), fsdp=False)
+
+
+@pytest.fixture(scope="module")
+def saved_fsdp(spawn_world, corpus, tmp_path_factory) -> dict:
+    return _saved(spawn_world(2), corpus, tmp_path_factory.mktemp("ckpt-fsdp"), fsdp=True)
+
+
+def assert_resumed(answer: dict, source: dict, what: str, exact: bool) -> None:
+    """``answer`` (a run resumed from ``source``'s checkpoint) loaded its states bitwise and continued its
+    stream: the uninterrupted losses bitwise (``exact``) or within 1e-5."""
+    assert answer["step_at_start"] == SAVE_AT, what
+    assert answer["consumed_at_start"] == SAVE_AT * trainer_cases.GLOBAL_BATCH, what
+    for kind in WANT:  # resharded by DCP, every value lands where it belongs
+        assert_same_tensors(answer["start"][kind], source["first_half"]["end"][kind], f"{what}: loaded {kind}")
+    expected = {step: source["losses"][step] for step in range(SAVE_AT + 1, STEPS + 1)}
+    if exact:
+        assert answer["losses"] == expected, f"{what}: resumed losses are not bitwise the uninterrupted run's"
+    for step, loss in expected.items():
+        assert abs(answer["losses"][step] - loss) <= 1e-5 * abs(loss), (what, step)
 
 
 def test_checkpoint_files_and_latest_pointer(saved) -> None:
@@ -62,7 +89,7 @@ def test_checkpoint_files_and_latest_pointer(saved) -> None:
     meta = json.loads((found / META).read_text())
     assert meta["step"] == SAVE_AT and meta["consumed_samples"] == SAVE_AT * trainer_cases.GLOBAL_BATCH
     assert meta["layout"] == {"tp": 1, "cp": 2, "dp": 1, "world_size": 2, "cp_layout": "zigzag",
-                              "cp_algorithm": "ring"}
+                              "cp_algorithm": "ring", "fsdp": False}
     assert meta["config"]["train"]["steps"] == STEPS and meta["scheduler"]["step"] == SAVE_AT
     assert (found / ".metadata").is_file() and sorted(p.name for p in (found / "rng").iterdir()) == [
         "rank_00000.pt", "rank_00001.pt"]
@@ -72,35 +99,53 @@ def test_checkpoint_files_and_latest_pointer(saved) -> None:
 def test_exact_resume_in_fresh_processes(saved, corpus, tmp_path) -> None:
     with SpawnedWorld(2) as fresh:
         resumed = run(fresh, LAYOUT, corpus, tmp_path, want=WANT, **{"checkpoint.load": str(saved["checkpoints"])})
-    answer = resumed[0]
-    assert answer["step_at_start"] == SAVE_AT
-    assert answer["consumed_at_start"] == SAVE_AT * trainer_cases.GLOBAL_BATCH
-    for what in WANT:
-        assert_same_tensors(answer["start"][what], saved["first_half"]["end"][what], f"loaded {what}")
-    expected = {step: saved["losses"][step] for step in range(SAVE_AT + 1, STEPS + 1)}
-    assert answer["losses"] == expected, "resumed losses are not bitwise those of the uninterrupted run"
-    assert not any("layout changed" in m for m in answer["messages"])
+    assert_resumed(resumed[0], saved, "DDP", exact=True)
+    assert not any("layout changed" in m for m in resumed[0]["messages"])
+
+
+def test_exact_resume_with_fsdp(spawn_world, saved_fsdp, corpus, tmp_path) -> None:
+    meta = json.loads((find_checkpoint(saved_fsdp["checkpoints"]) / META).read_text())
+    assert meta["layout"]["fsdp"] is True
+    answer = run(spawn_world(2), LAYOUT, corpus, tmp_path, want=WANT, fsdp=True,
+                 **{"checkpoint.load": str(saved_fsdp["checkpoints"])})[0]
+    assert_resumed(answer, saved_fsdp, "FSDP", exact=True)
+
+
+@pytest.mark.parametrize("switch", ["fsdp on->off", "fsdp off->on"])
+def test_resume_switching_fsdp(spawn_world, saved, saved_fsdp, corpus, tmp_path, switch) -> None:
+    source, fsdp = (saved_fsdp, False) if switch == "fsdp on->off" else (saved, True)
+    answer = run(spawn_world(2), LAYOUT, corpus, tmp_path, want=WANT, fsdp=fsdp,
+                 **{"checkpoint.load": str(source["checkpoints"])})[0]
+    assert_resumed(answer, source, switch, exact=False)
+    assert any(f"parallel.fsdp {not fsdp} -> {fsdp}" in m for m in answer["messages"]), answer["messages"]
 
 
 @pytest.mark.parametrize("change", list(CHANGED_LAYOUTS))
-def test_resume_with_another_layout(spawn_world, saved, corpus, tmp_path, change) -> None:
-    layout = CHANGED_LAYOUTS[change]
-    answer = run(spawn_world(4), layout, corpus, tmp_path, want=WANT,
-                 **{"checkpoint.load": str(saved["checkpoints"])})[0]
-    for what in WANT:  # resharded by DCP, every value lands where it belongs
-        assert_same_tensors(answer["start"][what], saved["first_half"]["end"][what], f"{change}: loaded {what}")
-    assert answer["consumed_at_start"] == SAVE_AT * trainer_cases.GLOBAL_BATCH
+def test_resume_with_another_layout(spawn_world, saved, saved_fsdp, corpus, tmp_path, change) -> None:
+    layout, saved_with_fsdp, fsdp = CHANGED_LAYOUTS[change]
+    source = saved_fsdp if saved_with_fsdp else saved
+    save_again = {"checkpoint.save": str(tmp_path / "again")} if fsdp and layout[0] > 1 else {}
+    answer = run(spawn_world(4), layout, corpus, tmp_path, want=WANT, fsdp=fsdp,
+                 **{"checkpoint.load": str(source["checkpoints"]), **save_again})[0]
+    assert_resumed(answer, source, change, exact=False)
     notes = [m for m in answer["messages"] if "layout changed" in m]
-    assert notes and "RNG re-derived from train.seed" in notes[0] and f"to {layout}" in notes[0], answer["messages"]
-    for step in range(SAVE_AT + 1, STEPS + 1):
-        expected = saved["losses"][step]
-        assert abs(answer["losses"][step] - expected) <= 1e-5 * abs(expected), (change, step)
+    assert notes and "RNG re-derived from train.seed" in notes[0], answer["messages"]
+    assert f"to {ParallelDims(tp=layout[0], cp=layout[1], dp=layout[2])}" in notes[0], notes
+    if save_again:  # a checkpoint saved with TP and FSDP splitting different dims reads back into (1, 2, 1)
+        back = run(spawn_world(2), LAYOUT, corpus, tmp_path / "back", want=WANT, **save_again)[0]
+        assert back["step_at_start"] == STEPS and not back["losses"]
+        for kind in WANT:
+            assert_same_tensors(back["start"][kind], answer["end"][kind], f"{change} and back: {kind}")
 
 
-def test_interrupted_save_keeps_latest_on_previous_checkpoint(spawn_world, saved, corpus, tmp_path) -> None:
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_interrupted_save_keeps_latest_on_previous_checkpoint(spawn_world, saved, saved_fsdp, corpus, tmp_path,
+                                                              fsdp) -> None:
+    source = saved_fsdp if fsdp else saved
     checkpoints = tmp_path / "checkpoints"
-    shutil.copytree(saved["checkpoints"], checkpoints)  # resume from step 4, save at 6, die saving 8
-    overrides = {"train.steps": STEPS, "checkpoint.save": str(checkpoints), "checkpoint.interval": 2}
+    shutil.copytree(source["checkpoints"], checkpoints)  # resume from step 4, save at 6, die saving 8
+    overrides = {"train.steps": STEPS, "checkpoint.save": str(checkpoints), "checkpoint.interval": 2,
+                 "parallel.fsdp": fsdp}
     world = spawn_world(2)
     errors = world.run(run_with_parallel, LAYOUT, trainer_cases.train_with_failing_save, corpus, str(tmp_path),
                        overrides, STEPS, 1)
@@ -109,9 +154,10 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(spawn_world, saved
     partial = checkpoints / step_dir_name(STEPS)
     assert partial.is_dir() and not (partial / META).exists() and any(partial.glob("*.distcp"))
     assert find_checkpoint(checkpoints) == checkpoints / step_dir_name(6)
-    resumed = run(world, LAYOUT, corpus, tmp_path / "after-crash", **{"checkpoint.save": str(checkpoints)})[0]
+    resumed = run(world, LAYOUT, corpus, tmp_path / "after-crash", fsdp=fsdp,
+                  **{"checkpoint.save": str(checkpoints)})[0]
     assert resumed["step_at_start"] == 6
-    assert resumed["losses"] == {step: saved["losses"][step] for step in (7, 8)}
+    assert resumed["losses"] == {step: source["losses"][step] for step in (7, 8)}
     assert (checkpoints / LATEST).read_text().strip() == step_dir_name(STEPS)  # the retried save completed
 
 

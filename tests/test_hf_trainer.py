@@ -1,8 +1,9 @@
 """Training from a Hugging Face Llama and exporting back: ``--init-from-hf``, DCP resume, ``cp_train.export_hf``.
 
-A tp=2 x cp=2 run starts from a random transformers model (its exact weights), trains and saves a DCP
-checkpoint; the export of that checkpoint, loaded by transformers, must give the trained model's logits.
-Resuming the run (in another layout) uses the DCP checkpoint, not the HF weights.
+A tp=2 x cp=2 run with FSDP starts from a random transformers model (its exact weights, each rank reading
+only its TP and FSDP shard), trains and saves a DCP checkpoint; the export of that checkpoint, loaded by
+transformers, must give the trained model's logits, and ``save_llama`` of the sharded model must write the
+same tensors. Resuming the run (in another layout, without FSDP) uses the DCP checkpoint, not the HF weights.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from cp_train.cli import parse_config
 from cp_train.config import ConfigError
@@ -32,17 +34,25 @@ def test_init_from_hf_train_export_resume(spawn_world, tmp_path) -> None:
     hf_cases.make_hf_llama(hf_dir, seed=5, **hf_cases.TRAINER_SHAPE)
     checkpoints = tmp_path / "checkpoints"
     tokens = torch.randint(0, trainer_cases.VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
-    overrides = {"checkpoint.init_from_hf": str(hf_dir), "checkpoint.save": str(checkpoints), "train.steps": 3}
+    overrides = {"checkpoint.init_from_hf": str(hf_dir), "checkpoint.save": str(checkpoints), "train.steps": 3,
+                 "parallel.fsdp": True}
     world = spawn_world(4)
     first = world.run(run_with_parallel, (2, 2, 1), hf_cases.train_from_hf_on_rank, corpus, str(tmp_path / "run"),
-                      overrides, tokens)
+                      overrides, tokens, str(tmp_path / "saved"))
     reference = dict(load_llama(hf_dir).named_parameters())
     start = first[0]["start"]
     assert start.keys() == reference.keys()
     assert all(torch.equal(start[name], p.detach()) for name, p in reference.items()), "not the HF weights"
     assert any("initialised from the Hugging Face model" in m for m in first[0]["messages"]), first[0]["messages"]
+    assert all(answer["read"] == answer["held"] for answer in first), "a rank read more than its shards"
+    tp_replicated = sum(p.numel() for name, p in reference.items() if "norm" in name)  # held by both TP ranks
+    total = sum(p.numel() for p in reference.values())
+    assert sum(answer["held"] for answer in first) == total + tp_replicated, "the shards do not partition the model"
 
     out = export_main([str(checkpoints), str(tmp_path / "exported")])
+    saved, exported_files = load_file(tmp_path / "saved" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert saved.keys() == exported_files.keys()  # save_llama gathers the FSDP x TP shards like the DCP export
+    assert all(torch.equal(saved[name], exported_files[name]) for name in saved)
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -56,7 +66,7 @@ def test_init_from_hf_train_export_resume(spawn_world, tmp_path) -> None:
     assert config["eos_token_id"] == trainer_cases.EOD and config["rms_norm_eps"] == 1e-6  # from the HF source
 
     resumed = world.run(run_with_parallel, (1, 2, 2), hf_cases.train_from_hf_on_rank, corpus,
-                        str(tmp_path / "run2"), {**overrides, "train.steps": 4}, tokens)[0]
+                        str(tmp_path / "run2"), {**overrides, "train.steps": 4, "parallel.fsdp": False}, tokens)[0]
     assert any("resumed from" in m for m in resumed["messages"]), resumed["messages"]
     assert not any("initialised from the Hugging Face" in m for m in resumed["messages"])
     assert list(resumed["losses"]) == [4]

@@ -1,9 +1,13 @@
 """The headline: the same training run in every (tp, cp, dp) layout (tiny fp32 GPT, gloo, spawned ranks).
 
 20 steps on the same global batches of EOD-masked data (CP ranks hold unequal numbers of loss
-tokens): the step-1 loss and gradients must match the unsharded (1, 1, 1) run within 1e-6
-relative and the loss curve within 1e-5. A run with the per-rank-mean loss reduction (the usual
-bug) must fail the same comparison.
+tokens), with document masks: the step-1 loss and gradients must match the unsharded (1, 1, 1) run
+within 1e-6 relative and the loss curve within 1e-5, with DDP and with FSDP (there with one sample
+per micro-batch, so every rank accumulates gradients over 2-4 micro-batches; also ZeRO-2, and with
+activation checkpointing and a chunked MLP). A run with the
+per-rank-mean loss reduction (the usual bug), and FSDP left to average its gradients, must fail the
+same comparison. The FSDP runs' state bytes per rank fall as 1 / (dp x cp) and by tp, and a run built
+in full before sharding trains bitwise like the meta-device build.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.state import run_with_parallel
+from cp_train import dry_run
+from parallel.state import ParallelDims, run_with_parallel
 from tests import trainer_cases
 from tests.numerics import rel_err
 
@@ -19,10 +24,18 @@ REFERENCE = (1, 1, 1)
 # (tp, cp, dp[, variant]): the variants run another CP layout or algorithm (the others: zigzag, ring)
 VARIANTS = {"balanced": {"parallel.cp_layout": "balanced"}, "allgather": {"parallel.cp_algorithm": "allgather"},
             "ulysses": {"parallel.cp_algorithm": "ulysses"},
-            "hybrid": {"parallel.cp_algorithm": "hybrid", "parallel.ulysses_size": 2}}
-LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1), (1, 2, 1, "balanced"), (1, 2, 1, "allgather"), (1, 2, 1, "ulysses")],
+            "hybrid": {"parallel.cp_algorithm": "hybrid", "parallel.ulysses_size": 2},
+            "fsdp": (FSDP_ON := {"parallel.fsdp": True, "train.micro_batch_size": 1}),
+            "fsdp-zero2": {**FSDP_ON, "parallel.fsdp_reshard_after_forward": False},
+            "fsdp-ac": {**FSDP_ON, "model.activation_checkpointing": True, "model.mlp_chunks": 2},
+            "fsdp-full-build": FSDP_ON}  # built in full, then sharded
+FSDP = ("fsdp", "fsdp-zero2", "fsdp-ac")  # the variants that shard with FSDP (and are built on the meta device)
+LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1), (1, 2, 1, "balanced"), (1, 2, 1, "allgather"), (1, 2, 1, "ulysses"),
+                        (1, 2, 1, "fsdp-zero2")],
                     4: [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 2, 1, "allgather"), (1, 2, 2, "ulysses"),
-                        (1, 4, 1, "hybrid")], 8: [(2, 2, 2)]}
+                        (1, 4, 1, "hybrid"), (1, 2, 2, "fsdp"), (2, 2, 1, "fsdp"), (1, 4, 1, "fsdp-ac"),
+                        (2, 2, 1, "fsdp-full-build")],
+                    8: [(2, 2, 2), (2, 2, 2, "fsdp")]}
 LAYOUTS = [layout for layouts in LAYOUTS_BY_WORLD.values() for layout in layouts if layout != REFERENCE]
 STEP1_TOL, CURVE_TOL = 1e-6, 1e-5
 
@@ -58,7 +71,8 @@ def runs(spawn_world, corpus, tmp_path_factory) -> dict[tuple[int, int, int], li
             run_dir = str(tmp_path_factory.mktemp(f"run-{_name(layout)}"))
             overrides = VARIANTS[layout[3]] if len(layout) > 3 else None
             out[layout] = spawn_world(world).run(run_with_parallel, _sizes(layout), trainer_cases.train_layout,
-                                                 corpus, run_dir, overrides)
+                                                 corpus, run_dir, overrides,
+                                                 build_on_meta=layout[3:] != ("fsdp-full-build",))
     return out
 
 
@@ -125,3 +139,52 @@ def test_per_rank_mean_reduction_is_caught(spawn_world, runs, corpus, tmp_path) 
                              str(tmp_path))[0]
     error, name = worst_grad_error(got["grads"], runs[REFERENCE][0]["grads"])
     assert error > 100 * STEP1_TOL, f"the per-rank-mean bug went unnoticed ({name}: {error:.2e})"
+
+
+def test_fsdp_state_bytes_fall_with_dp_cp_and_tp(runs) -> None:
+    """Parameters, gradients and AdamW moments held per rank (measured): the TP-sharded tensors' share falls by
+    tp x dp x cp, the TP-replicated norm weights' by dp x cp (the tiny model's dims split evenly: no padding)."""
+    ref = runs[REFERENCE][0]["setup"]
+    total, replicated = ref["parameters"], (2 * trainer_cases.TINY_MODEL["num_layers"] + 1) * 32
+    assert ref["parameters_per_rank"] == total and ref["state_bytes_per_rank"] >= 16 * total
+    for layout in LAYOUTS:
+        if layout[3:] and layout[3] not in FSDP:
+            continue
+        tp, cp, dp = layout[:3]
+        shards = dp * cp if layout[3:] else 1
+        share = ((total - replicated) / tp + replicated) / total / shards
+        setup = runs[layout][0]["setup"]
+        assert setup["fsdp"] == bool(layout[3:])
+        got = setup["state_bytes_per_rank"] / ref["state_bytes_per_rank"]
+        assert abs(got / share - 1) <= 0.01, f"{layout}: state bytes per rank {got:.4f} of (1,1,1)'s, not {share:.4f}"
+        by_rank = setup["state_bytes_by_rank"]
+        assert max(by_rank) - min(by_rank) <= 0.01 * ref["state_bytes_per_rank"], f"{layout}: {by_rank}"
+
+
+def test_dry_run_plans_the_measured_state_bytes(runs, corpus) -> None:
+    """``train.py --dry-run``'s per-rank parameter, gradient and optimizer bytes (meta tensors) are the bytes the
+    runs measured, rank by rank, with DDP and with FSDP."""
+    for layout in [REFERENCE, *LAYOUTS]:
+        if layout[3:] and layout[3] not in FSDP:
+            continue
+        overrides = {**VARIANTS.get(layout[3], {}), "parallel.backend": "gloo"} if layout[3:] else {}
+        dims = ParallelDims(tp=layout[0], cp=layout[1], dp=layout[2])
+        _, ranks, _, _ = dry_run.plan(trainer_cases.tiny_config(corpus, "unused", dims, **overrides), dims.world)
+        setup = runs[layout][0]["setup"]
+        for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "state_bytes"):
+            assert [getattr(rank, key) for rank in ranks] == setup[f"{key}_by_rank"], (layout, key)
+
+
+def test_meta_build_trains_like_a_full_build(runs) -> None:
+    """The meta-device build materialises each shard with exactly the full build's values."""
+    meta, full = runs[(2, 2, 1, "fsdp")], runs[(2, 2, 1, "fsdp-full-build")]
+    assert [answer["losses"] for answer in meta] == [answer["losses"] for answer in full]
+    assert meta[0]["grad_digest"] == full[0]["grad_digest"]
+
+
+def test_fsdp_left_averaging_is_caught(spawn_world, runs, corpus, tmp_path) -> None:
+    """Negative control: FSDP2's default (the mean over DP x CP) scales the gradients by 1 / (dp x cp)."""
+    got = spawn_world(2).run(run_with_parallel, (1, 2, 1), trainer_cases.train_with_fsdp_averaging, corpus,
+                             str(tmp_path))[0]
+    error, name = worst_grad_error(got["grads"], runs[REFERENCE][0]["grads"])
+    assert error > 0.4, f"FSDP's averaging went unnoticed ({name}: {error:.2e})"

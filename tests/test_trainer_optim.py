@@ -1,4 +1,4 @@
-"""Optimizer pieces: the LR schedule, weight-decay groups, clipping, and the bucketed gradient SUM."""
+"""Optimizer pieces: the LR schedule, weight-decay groups, clipping."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from torch import nn
 
 from cp_train.config import OptimizerConfig, ScheduleConfig
 from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
-from tests import trainer_cases
 
 
 def test_warmup_then_cosine_to_min_lr() -> None:
@@ -42,14 +41,3 @@ def test_global_norm_and_clipping_without_tp() -> None:
     assert float(params[0].grad[0]) == 3.0
     clip_gradients(params, 1.0, norm)
     assert float(global_grad_norm(params, None)) == pytest.approx(1.0, rel=1e-5)
-
-
-def test_reducer_sums_over_the_group_during_the_backward(spawn_world) -> None:
-    bucket_mb = 2 * 32 * 33 * 4 / 2**20  # two layers per bucket: three buckets
-    answers = spawn_world(2).run(trainer_cases.reducer_sums_and_overlaps, bucket_mb)
-    for answer in answers:
-        assert answer["buckets"] == 3
-        assert not answer["communicated_outside_sync"], "gradient accumulation must not communicate"
-        assert answer["worst_abs_diff"] == 0.0, "not the exact SUM over the group"
-        assert 1 <= answer["launched_at_first_layer"] < 3, "buckets must start while the backward still runs"
-        assert answer["grads_are_bucket_views"]

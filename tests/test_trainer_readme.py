@@ -31,7 +31,9 @@ def test_readme_training_command_with_cp2(tmp_path) -> None:
     assert f"step {STEPS}/{STEPS} [####################] 100%" in done.stdout
     assert "world 2 = tp 1 x cp 2 x dp 1" in done.stdout
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    setup, *records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert setup["kind"] == "setup" and setup["parameters"] == setup["parameters_per_rank"] > 0
+    assert setup["state_bytes_per_rank"] >= 16 * setup["parameters"] and not setup["fsdp"]  # DDP: replicated
     assert all("step" in r and "loss" in r for r in records)
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(INTERVAL, STEPS + 1, INTERVAL))

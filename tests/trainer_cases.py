@@ -9,6 +9,7 @@ of the loss, so CP ranks hold unequal numbers of loss tokens.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
+from cp_train import build
 from cp_train import trainer as trainer_module
 from cp_train.config import Config, build_config
+from cp_train.sinks import METRICS_FILE
 from cp_train.trainer import NonFiniteLossError, Trainer
 from data.indexed import IndexedDatasetWriter
-from parallel.state import ParallelState
+from parallel.state import ParallelDims, ParallelState
 
 EOD, VOCAB = 2, 128
 TINY_MODEL = {"vocab_size": VOCAB, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
@@ -42,9 +46,9 @@ def write_corpus(prefix: Path, num_docs: int = 600, seed: int = 0) -> str:
     return str(prefix)
 
 
-def tiny_config(prefix: str, run_dir: str, sizes: tuple[int, int, int], **overrides: Any) -> Config:
-    """The tiny fp32 run on ``prefix`` at layout (tp, cp, dp); ``overrides`` are dotted keys."""
-    tp, cp, dp = sizes
+def tiny_config(prefix: str, run_dir: str, dims: ParallelDims, **overrides: Any) -> Config:
+    """The tiny fp32 run on ``prefix`` at layout ``dims``; ``overrides`` are dotted keys."""
+    tp, cp, dp = dims.tp, dims.cp, dims.dp
     values = {f"model.{k}": v for k, v in TINY_MODEL.items()}
     values.update({
         "parallel.tp": tp, "parallel.cp": cp, "parallel.dp": dp, "data.prefix": prefix, "data.eod_id": EOD,
@@ -58,6 +62,10 @@ def tiny_config(prefix: str, run_dir: str, sizes: tuple[int, int, int], **overri
 
 
 def _gather_tp(tensor: torch.Tensor, param: torch.nn.Parameter, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor of ``param`` (or of its gradient or Adam moment ``tensor``): FSDP shards gathered over
+    DP x CP, then TP shards over ``group``."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
     if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
         return tensor.detach().clone()
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
@@ -90,12 +98,18 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def train_layout(state: ParallelState, prefix: str, run_dir: str, overrides: dict[str, Any] | None = None,
-                 until_step: int | None = None, want: tuple[str, ...] = ()) -> dict[str, Any]:
+                 until_step: int | None = None, want: tuple[str, ...] = (), build_on_meta: bool = True
+                 ) -> dict[str, Any]:
     """Train the tiny run on this layout. Returns the per-step losses, gradient norms and eval losses, a
     digest of each step's input tokens (this rank's), every rank's loss tokens in its first step, a digest
-    of the first step's full gradients (equal on every rank), rank 0's first-step full gradients, and rank
-    0's full ``want`` states ("params", "optimizer") at the start (after any resume) and at the end."""
-    trainer = Trainer(tiny_config(prefix, run_dir, state.sizes, **(overrides or {})), state)
+    of the first step's full gradients (equal on every rank), rank 0's first-step full gradients, rank
+    0's full ``want`` states ("params", "optimizer") at the start (after any resume) and at the end, and the
+    run's setup record (``metrics.jsonl``). ``build_on_meta`` False builds the full model first."""
+    build.BUILD_ON_META = build_on_meta
+    try:
+        trainer = Trainer(tiny_config(prefix, run_dir, state.dims, **(overrides or {})), state)
+    finally:
+        build.BUILD_ON_META = True
     out: dict[str, Any] = {"start": {w: full_state(trainer, w) for w in want},
                            "consumed_at_start": trainer.loader.consumed_samples, "step_at_start": trainer.step}
     first: list[Any] = []
@@ -119,11 +133,14 @@ def train_layout(state: ParallelState, prefix: str, run_dir: str, overrides: dic
     trainer.grad_callback = on_gradients
     result = trainer.train(until_step)
     out.update({"losses": result.losses, "grad_norms": result.grad_norms, "eval_losses": result.eval_losses,
-                "messages": result.messages, "local_tokens": first[0].local_tokens, "batches": batches,
+                "messages": result.messages, "local_tokens": first[0].local_tokens if first else 0, "batches": batches,
                 "end": {w: full_state(trainer, w) for w in want}})
     if state.rank != 0:  # keep the pickled answer small: only rank 0 sends full tensors
         out.pop("grads", None)
         out["start"], out["end"] = {}, {}
+    else:
+        records = [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines()]
+        out["setup"] = next(record for record in records if record.get("kind") == "setup")
     return out
 
 
@@ -143,9 +160,21 @@ def train_with_per_rank_mean_loss(state: ParallelState, prefix: str, run_dir: st
         trainer_module.global_loss_tokens = original
 
 
+def train_with_fsdp_averaging(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]:
+    """``train_layout`` with FSDP for one step, its gradient divide factor left at FSDP2's default (the mean)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_gradient_divide_factor
+    FSDPModule.set_gradient_divide_factor = lambda self, factor: None  # type: ignore[method-assign]
+    try:
+        return train_layout(state, prefix, run_dir, {"parallel.fsdp": True}, until_step=1)
+    finally:
+        FSDPModule.set_gradient_divide_factor = original  # type: ignore[method-assign]
+
+
 def train_until_nan(state: ParallelState, prefix: str, run_dir: str, nan_step: int) -> str:
     """Train with the last rank's token losses turned to NaN at ``nan_step``; returns the error raised."""
-    trainer = Trainer(tiny_config(prefix, run_dir, state.sizes), state)
+    trainer = Trainer(tiny_config(prefix, run_dir, state.dims), state)
     forward = trainer.model.forward
 
     def poisoned_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -168,7 +197,7 @@ def train_with_failing_save(state: ParallelState, prefix: str, run_dir: str, ove
     writing its shards after the others wrote theirs. Returns the error every rank saw."""
     writer = dcp.FileSystemWriter
     original = writer.write_data
-    trainer = Trainer(tiny_config(prefix, run_dir, state.sizes, **overrides), state)
+    trainer = Trainer(tiny_config(prefix, run_dir, state.dims, **overrides), state)
 
     def failing_write_data(self: Any, plan: Any, planner: Any) -> Any:
         if trainer.step == fail_at_step and state.rank == failing_rank:
@@ -183,40 +212,3 @@ def train_with_failing_save(state: ParallelState, prefix: str, run_dir: str, ove
     finally:
         writer.write_data = original  # type: ignore[method-assign]
     return "no error"
-
-
-def reducer_sums_and_overlaps(bucket_mb: float) -> dict[str, Any]:
-    """``GradientReducer`` on the default group: a 6-layer MLP, two micro-batches (the first outside ``sync``).
-    Returns whether the first backward communicated, how many buckets were launched when the backward reached
-    the first layer, the bucket count, and the worst difference from a plain all-reduced SUM of the
-    accumulated local gradients of an identical model."""
-    from cp_train.grad_sync import GradientReducer
-
-    def make() -> torch.nn.Sequential:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
-
-    rank = dist.get_rank()
-    inputs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
-    reference = make()
-    for x in inputs:
-        reference(x).square().sum().backward()
-    expected = [p.grad.clone() for p in reference.parameters()]
-    for grad in expected:
-        dist.all_reduce(grad)
-
-    model = make()
-    reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, bucket_mb)
-    reducer.zero_grad()
-    model(inputs[0]).square().sum().backward()
-    communicated = reducer._next > 0 or any(b.work is not None for b in reducer.buckets)
-    launched_at_first_layer: list[int] = []
-    with reducer.sync():
-        hidden = model[0](inputs[1])
-        hidden.register_hook(lambda grad: launched_at_first_layer.append(reducer._next))
-        model[1:](hidden).square().sum().backward()
-    worst = max(float((p.grad - e).abs().max()) for p, e in zip(model.parameters(), expected, strict=True))
-    views = all(p.grad.data_ptr() == v.data_ptr() for b in reducer.buckets for p, v in zip(b.params, b.views,
-                                                                                            strict=True))
-    return {"communicated_outside_sync": communicated, "launched_at_first_layer": launched_at_first_layer[0],
-            "buckets": len(reducer.buckets), "worst_abs_diff": worst, "grads_are_bucket_views": views}

@@ -1,0 +1,110 @@
+"""Gradients summed over DP x CP by PyTorch's own wrappers: FSDP2 (``parallel.fsdp``) or DDP.
+
+The loss contract (``loss.py``): every rank backpropagates its token-loss sum over the global token
+count, so the exact gradient is the plain SUM over the DP x CP group. Both wrappers average by default:
+FSDP2 is given a divide factor of 1 with sum-only collectives, DDP a comm hook that all-reduces with SUM.
+
+FSDP2 (``shard_with_fsdp``): ``fully_shard`` on every block, then on the root, over the flattened
+``dp_cp`` mesh, so parameters, gradients and AdamW state are DTensors holding 1 / (dp x cp) of each
+TP-local tensor. Each module gathers the next one's parameters while it computes (forward prefetch);
+``parallel.fsdp_reshard_after_forward`` false keeps the gathered parameters from the forward to the
+backward and from one micro-batch to the next (ZeRO-2: fewer gathers, one full copy of the
+parameters in the compute dtype). A TP-sharded parameter is sharded further within its TP rank's DP x CP group, along
+dim 0, or along dim 1 when TP already splits dim 0 at tp > 1 (column-parallel weights, embedding,
+head): a parameter's TP and FSDP splits then lie on different dims and its checkpoint view is a plain
+2-D DTensor (``checkpoint.py``). Runs in bf16 gather the parameters in bf16 and keep fp32 master
+weights and an fp32 gradient reduction (``MixedPrecisionPolicy``).
+
+Gradient accumulation: run each micro-batch's backward inside ``gradient_sync(module, last)``; nothing
+is reduced until the last micro-batch (FSDP2 keeps the unsharded sum, DDP its buckets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+from torch.nn.parallel import DistributedDataParallel
+
+from model.gpt import GPTModel
+from model.shards import mark_tensor_parallel, tensor_parallel_dim, tensor_parallel_dims
+
+
+def fsdp_shard_dim(param: torch.Tensor, tp_size: int) -> int:
+    """The dim FSDP splits ``param`` along: 1 when TP splits dim 0 at tp > 1, else 0."""
+    return 1 if tp_size > 1 and tensor_parallel_dim(param) == 0 and param.dim() > 1 else 0
+
+
+def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bool = True,
+                    param_dtype: torch.dtype | None = None) -> None:
+    """Apply FSDP2 to ``model`` in place (on the meta device or a real one): each block, then the root
+    (embedding, norm, head), over the 1-D DP x CP ``mesh``, summing gradients; TP attributes are kept.
+
+    ``reshard_after_forward`` applies to the blocks (the root keeps its parameters until the backward);
+    ``param_dtype`` (bf16 runs) is the dtype parameters are gathered and computed in."""
+    dims = tensor_parallel_dims(model)
+    tp_size = model.tp_size
+    for name, param in model.named_parameters():
+        if dims[name] is not None and tp_size > 1 and param.dim() == 1:
+            raise ValueError(f"FSDP cannot shard the 1-D tensor-parallel parameter {name} within its TP group")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    common = {"mesh": mesh, "mp_policy": policy,
+              "shard_placement_fn": lambda param: Shard(fsdp_shard_dim(param, tp_size))}
+    last = len(model.layers) - 1
+    for index, block in enumerate(model.layers):  # the last block's parameters are needed again at once
+        fully_shard(block, reshard_after_forward=reshard_after_forward and index < last, **common)
+    fully_shard(model, **common)
+    order = [model, *model.layers]  # each gathers the next block's parameters while it computes
+    for current, following in zip(order[:-1], order[1:], strict=True):
+        current.set_modules_to_forward_prefetch([following])
+    if mesh.device_type == "cpu" and hasattr(model, "_set_unshard_async_op"):
+        # without CUDA streams a synchronous all-gather blocks the process: issue them asynchronously, so the
+        # prefetched blocks' gathers run while the current block computes (measured in bench/fsdp.py)
+        model._set_unshard_async_op(True)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # the SUM over DP x CP, not the mean
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+    mark_tensor_parallel(model, dims)
+
+
+def _sum_all_reduce(group, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations: none, or its objects
+    """DDP comm hook (a ``dist.GradBucket`` -> ``Future[Tensor]``): all-reduce the bucket with SUM (DDP's own
+    hook divides by the group size)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+def replicate_with_ddp(model: nn.Module, group: dist.ProcessGroup, bucket_mb: float) -> nn.Module:
+    """``model`` under DDP over ``group`` (DP x CP) with a SUM of the gradients; ``model`` itself when the group
+    has one rank (nothing to reduce)."""
+    if dist.get_world_size(group) == 1:
+        return model
+    wrapped = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb,
+                                      gradient_as_bucket_view=True)
+    wrapped.register_comm_hook(group, _sum_all_reduce)
+    return wrapped
+
+
+@contextmanager
+def gradient_sync(module: nn.Module, enabled: bool, keep_gathered: bool = False) -> Iterator[None]:
+    """Run one micro-batch's backward with (``enabled``: the last micro-batch) or without the DP x CP reduction.
+
+    FSDP: the root's parameters (embedding, norm, head: gathered for the whole forward and backward anyway)
+    stay gathered from one micro-batch to the next; with ``keep_gathered`` (no resharding after forward,
+    ZeRO-2) every block's do too, so each is gathered once per step instead of once per micro-batch."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)
+        module.set_reshard_after_backward(enabled, recurse=keep_gathered)
+        yield
+    elif isinstance(module, DistributedDataParallel) and not enabled:
+        with module.no_sync():
+            yield
+    else:
+        yield

@@ -1,0 +1,166 @@
+"""``train.py --dry-run``: every rank's memory, planned on the meta device before any process group or GPU.
+
+For each rank of the configured layout the model is built on the meta device and cut to that rank's TP
+and FSDP shards (FSDP2's shapes: ``torch.chunk`` pieces, the parameter and gradient storage padded to the
+largest piece); the rank's AdamW steps once on meta gradients, creating its state on the meta device. The
+bytes of these tensors are the rank's state, as the run's ``setup`` record measures it. On top come the
+transient copies: the parameters FSDP gathers in the compute dtype (the root's and the last block's, the
+current block and the prefetched one; every block without resharding after forward) or the bf16 weights
+autocast caches without FSDP; the unsharded fp32 gradients (the root's until the end of the backward and
+one block's; every parameter's while gradients accumulate over micro-batches, as nothing is reduced
+before the last); and the activation estimate of ``activations.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from cp_train.activations import activation_estimate
+from cp_train.config import Config, ConfigError
+from cp_train.data_parallel import fsdp_shard_dim
+from cp_train.optim import build_optimizer
+from cp_train.validate import validate
+from model.meta import meta_model
+from model.shards import tensor_parallel_dim
+from parallel.rank_groups import ParallelDims
+
+GIB = 2.0**30
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    gathered_bytes: int  # transient: gathered or cast parameters, unsharded gradients
+    activation_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.gathered_bytes + self.activation_bytes
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: bool
+                 ) -> tuple[torch.Size, torch.Size]:
+    """``(held, stored)`` shapes of ``rank``'s shard of the full parameter ``full`` (a meta parameter with the TP
+    attributes): its TP chunk, then with FSDP its chunk over DP x CP (``stored``: padded to the largest)."""
+    coordinates = dims.coordinates(rank)
+    shape = list(full.shape)
+    tp_dim = tensor_parallel_dim(full)
+    if tp_dim is not None:
+        shape[tp_dim] //= dims.tp
+    if not fsdp:
+        return torch.Size(shape), torch.Size(shape)
+    dim, parts = fsdp_shard_dim(full, dims.tp), dims.data
+    index = coordinates["cp"] + dims.cp * coordinates["dp"]
+    chunk = -(-shape[dim] // parts)
+    held, stored = list(shape), list(shape)
+    held[dim], stored[dim] = max(0, min(chunk, shape[dim] - index * chunk)), chunk
+    return torch.Size(held), torch.Size(stored)
+
+
+def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, rank: int
+               ) -> tuple[int, int, int]:
+    """``(parameter, gradient, optimizer)`` bytes of ``rank``, from meta tensors of its shapes."""
+    fsdp = config.parallel.fsdp
+    held, stored = [], []
+    for param in full.values():
+        shape, padded = local_shapes(param, dims, rank, fsdp)
+        held.append(torch.nn.Parameter(torch.empty(shape, device="meta")))
+        stored.append(torch.empty(padded, device="meta"))
+    module = torch.nn.ParameterList(held)
+    for param in held:
+        param.grad = torch.empty_like(param)
+    optimizer = build_optimizer(module, config.optimizer, torch.device("meta"))
+    optimizer.step()  # AdamW creates its state (on the meta device, the step counts on the CPU)
+    moments = [value for entry in optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
+    return _nbytes(stored), _nbytes(stored), _nbytes(moments)
+
+
+def transient_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, compute: int,
+                    accumulation: int) -> int:
+    """Gathered or cast parameters and unsharded gradients one rank holds at most at once (see the module doc)."""
+    tp_local = {name: p.numel() // (dims.tp if tensor_parallel_dim(p) is not None else 1) for name, p in full.items()}
+    layers = config.model.num_layers
+    blocks = [sum(n for name, n in tp_local.items() if name.startswith(f"layers.{i}.")) for i in range(layers)]
+    root = sum(n for name, n in tp_local.items() if not name.startswith("layers."))
+    if not config.parallel.fsdp:
+        return compute * sum(tp_local.values()) if compute == 2 else 0  # autocast's cache of bf16 weights
+    gathered = root + (sum(blocks) if not config.parallel.fsdp_reshard_after_forward else 3 * max(blocks))
+    unsharded_grads = sum(tp_local.values()) if accumulation > 1 else root + max(blocks)
+    return compute * gathered + 4 * unsharded_grads
+
+
+def plan(config: Config, world: int) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, object]]:
+    """Every rank's memory for ``config`` on ``world`` ranks: the layout, per rank figures, the activation
+    estimate's terms and the assumptions (device, dtypes, tokens)."""
+    if config.model.vocab_size is None:
+        raise ConfigError("the dry run needs model.vocab_size (it reads no tokenizer): set it, e.g. "
+                          "--set model.vocab_size=128256")
+    dp = validate(config, world)
+    dims = ParallelDims(tp=config.parallel.tp, cp=config.parallel.cp, dp=dp)
+    cuda = config.parallel.backend != "gloo"
+    bf16 = config.train.dtype == "bf16" or (config.train.dtype == "auto" and cuda)
+    compute = 2 if bf16 else 4
+    fsdp = config.parallel.fsdp
+    tokens = config.train.micro_batch_size * config.data.seq_len // dims.cp
+    accumulation = config.train.global_batch_size // (config.train.micro_batch_size * dp)
+    activations = activation_estimate(config.model, tokens, dims.tp, dims.cp, compute,
+                                      residual=compute if fsdp else 4, autocast=bf16 and not fsdp)
+    full = dict(meta_model(config.model).named_parameters())
+    transient = transient_bytes(config, full, dims, compute, accumulation)
+    ranks = []
+    for rank in range(dims.world):
+        params, grads, moments = rank_state(config, full, dims, rank)
+        ranks.append(RankMemory(rank, params, grads, moments, transient, activations["peak"]))
+    assumed = {"device": "cuda" if cuda else "cpu", "compute": "bf16" if bf16 else "fp32", "tokens_per_rank": tokens,
+               "accumulation": accumulation, "parameters": sum(p.numel() for p in full.values())}
+    return dims, ranks, activations, assumed
+
+
+def report(config: Config, world: int, device_gib: float, source: str = "the config") -> str:
+    """The dry run's text: the layout and assumptions, the activation terms, one line per rank, the verdict."""
+    dims, ranks, activations, assumed = plan(config, world)
+    parallel, model = config.parallel, config.model
+    mode = (f"FSDP over dp x cp ({'ZeRO-3' if parallel.fsdp_reshard_after_forward else 'ZeRO-2'})"
+            if parallel.fsdp else "DDP (replicated parameters)")
+    lines = [f"dry run of {source}: {assumed['parameters']:,} parameters, world {dims.world} = tp {dims.tp} x cp "
+             f"{dims.cp} x dp {dims.dp}, {mode}, {assumed['compute']} compute on {assumed['device']} "
+             f"(--set parallel.backend=gloo: CPU), {assumed['tokens_per_rank']:,} tokens per rank per micro-batch, "
+             f"{assumed['accumulation']} micro-batch(es) per step",
+             f"activations per rank (estimate): blocks {activations['blocks'] / GIB:.2f} GiB ({model.num_layers} "
+             f"blocks, activation checkpointing {'on' if model.activation_checkpointing else 'off'}, mlp_chunks "
+             f"{model.mlp_chunks}), head and loss {activations['head'] / GIB:.2f} GiB, backward working set "
+             f"{activations['backward'] / GIB:.2f} GiB: peak {activations['peak'] / GIB:.2f} GiB"]
+    header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
+    rows = [header] + [(str(r.rank), *(f"{b / GIB:.2f}" for b in (
+        r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes, r.state_bytes, r.gathered_bytes,
+        r.activation_bytes, r.total_bytes))) for r in ranks]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines.append("GiB per rank:")
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    worst = max(ranks, key=lambda r: r.total_bytes)
+    verdict = "fits" if worst.total_bytes <= device_gib * GIB else "does NOT fit"
+    lines.append(f"{verdict}: the largest rank ({worst.rank}) needs {worst.total_bytes / GIB:.1f} GiB of "
+                 f"{device_gib:g} GiB per device ({100 * worst.total_bytes / (device_gib * GIB):.0f}%)")
+    return "\n".join(lines)
+
+
+def dry_run_world(config: Config) -> int:
+    """The world size to plan for: torchrun's ``WORLD_SIZE``, else tp x cp x (dp or 1)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return math.prod((config.parallel.tp, config.parallel.cp, config.parallel.dp or 1))

@@ -1,0 +1,83 @@
+"""Rank-side checks of the data-parallel wrappers (``cp_train/data_parallel.py``) on the tiny trainer run.
+
+Called as ``run_with_parallel((tp, cp, dp), fn, ...)`` on every rank of a spawned gloo world.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cp_train import data_parallel
+from cp_train.trainer import Trainer
+from parallel.state import ParallelState
+from tests.trainer_cases import GLOBAL_BATCH, tiny_config
+
+COUNTED = ("reduce_scatter_single", "all_gather_single")  # FSDP2's collectives (torch.distributed names)
+
+
+@contextmanager
+def counting(counts: Counter, group: dist.ProcessGroup) -> Iterator[None]:
+    """Count FSDP2's reduce-scatters and all-gathers on ``group`` (DP x CP; the CP attention plans gather on the
+    CP group) and DDP's gradient all-reduces (its comm hook) in ``counts``."""
+    originals: dict[str, Callable[..., Any]] = {name: getattr(dist, name) for name in COUNTED}
+    hook = data_parallel._sum_all_reduce
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("group") is group:
+                counts[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    def counted_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the hook's parameter names
+        counts["ddp_all_reduce"] += 1
+        return hook(state, bucket)
+
+    data_parallel._sum_all_reduce = counted_hook
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        data_parallel._sum_all_reduce = hook
+
+
+def collectives_per_step(state: ParallelState, prefix: str, run_dir: str, overrides: dict[str, Any]
+                         ) -> dict[int, dict[str, int]]:
+    """Per number of micro-batches per rank (GLOBAL_BATCH and 1): the gradient reductions and gathers issued in
+    one training step (the second; DDP settles its buckets in the first) under ``overrides``."""
+    out = {}
+    for micro in (1, GLOBAL_BATCH):
+        counts: Counter = Counter()
+        with counting(counts, state.dp_cp.group):  # DDP registers its comm hook when it is built
+            trainer = Trainer(tiny_config(prefix, f"{run_dir}/micro{micro}", state.dims,
+                                          **{"train.micro_batch_size": micro, **overrides}), state)
+            batches = iter(trainer.loader)
+            trainer.train_step(next(batches))
+            counts.clear()
+            trainer.train_step(next(batches))
+        out[GLOBAL_BATCH // micro] = dict(counts)
+    return out
+
+
+def bf16_step(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]:
+    """One FSDP step in bf16 (the mixed-precision policy): the dtypes the first block computes with, of the
+    stored parameters and of their gradients, and the step-1 loss."""
+    trainer = Trainer(tiny_config(prefix, run_dir, state.dims, **{"parallel.fsdp": True, "train.dtype": "bf16"}),
+                      state)
+    seen: list[torch.dtype] = []
+    qkv = trainer.model.layers[0].attention.qkv
+    handle = qkv.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    result = trainer.train_step(next(iter(trainer.loader)))
+    handle.remove()
+    params = list(trainer.model.parameters())
+    return {"compute": seen[0], "stored": {p.dtype for p in params}, "grads": {p.grad.dtype for p in params},
+            "loss": result.loss}

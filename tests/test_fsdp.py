@@ -1,0 +1,63 @@
+"""The data-parallel wrappers on the tiny trainer run at (1, 2, 1): gradient accumulation communicates only
+after the last micro-batch (FSDP2 and DDP), ZeRO-2 gathers each block once per step, and bf16 runs compute
+in bf16 with fp32 master weights and gradients; the dry run of the shipped 8B config fits 8 x 80 GB.
+
+Loss and gradient equality with the unsharded run, state bytes per rank and the meta-device build are in
+``test_trainer_equivalence.py``; FSDP checkpoints in ``test_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.state import run_with_parallel
+from tests import fsdp_cases, trainer_cases
+from train import main as train_main
+
+LAYOUT = (1, 2, 1)
+GROUPS = trainer_cases.TINY_MODEL["num_layers"] + 1  # FSDP groups: every block and the root
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return trainer_cases.write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "fsdp-zero2", "ddp"])
+def test_accumulation_reduces_once_per_step(spawn_world, corpus, tmp_path, mode) -> None:
+    overrides = {"parallel.fsdp": mode != "ddp", "parallel.fsdp_reshard_after_forward": mode == "fsdp"}
+    counts = spawn_world(2).run(run_with_parallel, LAYOUT, fsdp_cases.collectives_per_step, corpus, str(tmp_path),
+                                overrides)[0]
+    many, one = counts[trainer_cases.GLOBAL_BATCH], counts[1]  # micro-batches per rank -> collectives of a step
+    if mode == "ddp":
+        assert many.get("ddp_all_reduce", 0) == one.get("ddp_all_reduce", 0) > 0, counts
+        assert "reduce_scatter_single" not in many, counts
+        return
+    assert many["reduce_scatter_single"] == one["reduce_scatter_single"] == GROUPS, counts
+    if mode == "fsdp-zero2":  # the parameters stay gathered from one micro-batch to the next
+        assert many["all_gather_single"] == one["all_gather_single"] == GROUPS, counts
+    else:  # gathered for every forward and again for every backward, but the root's and the last block's
+        assert many["all_gather_single"] > one["all_gather_single"] > GROUPS, counts
+
+
+def test_bf16_computes_in_bf16_with_fp32_master_weights(spawn_world, corpus, tmp_path) -> None:
+    world = spawn_world(2)
+    got = world.run(run_with_parallel, LAYOUT, fsdp_cases.bf16_step, corpus, str(tmp_path / "bf16"))[0]
+    assert got["compute"] == torch.bfloat16
+    assert got["stored"] == {torch.float32} and got["grads"] == {torch.float32}
+    fp32 = world.run(run_with_parallel, LAYOUT, trainer_cases.train_layout, corpus, str(tmp_path / "fp32"),
+                     {"parallel.fsdp": True}, 1)[0]["losses"][1]
+    assert abs(got["loss"] - fp32) <= 2e-2 * fp32, (got["loss"], fp32)
+
+
+def test_dry_run_of_the_8b_config_fits_on_80_gb(capsys) -> None:
+    """``train.py --dry-run`` needs no process group: every rank's line, and the verdict for 8 x 80 GB."""
+    assert train_main(["--config", "launch/configs/gpt-8b-128k-cp8.yaml", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("dry run of launch/configs/gpt-8b-128k-cp8.yaml: 8,030,261,248 parameters, world 8")
+    ranks = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
+    assert [int(row[0]) for row in ranks] == list(range(8))
+    state = {float(row[4]) for row in ranks}
+    assert len(state) == 1 and abs(state.pop() - 16 * 8_030_261_248 / 8 / 2**30) < 0.01  # 16 B / parameter / 8
+    assert lines[-1].startswith("fits: the largest rank"), lines[-1]
