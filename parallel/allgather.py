@@ -21,34 +21,45 @@ from parallel.ring_comm import count_sent
 from parallel.ring_core import accumulator_dtype, head_chunk_bounds, ring_backward, ring_forward
 
 
-def _start_gather(k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int], group: dist.ProcessGroup):
-    """Post the all-gather of k, v heads ``[h0, h1)``; returns (work, buffer [world, 2, B, n, h, D])."""
-    mine = torch.stack([k[:, :, heads[0]:heads[1]], v[:, :, heads[0]:heads[1]]])
+def _start_gather(x: torch.Tensor, heads: tuple[int, int], group: dist.ProcessGroup):
+    """Post the all-gather of heads ``[h0, h1)`` of ``x`` [B, n, Hk, D]; returns (work, buffer [world, B, n, h, D])."""
+    mine = x[:, :, heads[0]:heads[1]].contiguous()
     world = dist.get_world_size(group)
-    every = torch.empty((world * 2, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
+    every = torch.empty((world * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
     count_sent("all_gather", mine, world - 1)
     work = all_gather_single(every, mine, group=group, async_op=True)
     return work, every.view(world, *mine.shape)
 
 
-def _in_order(every: torch.Tensor, plan: CPPlan) -> torch.Tensor:
-    """``[world, 2, B, n, h, D]`` gathered rank by rank -> ``[2, B', S', h, D]`` in the plan's sequence order."""
-    world, two, batch, n = every.shape[:4]
-    rows = every.permute(1, 2, 0, 3, 4, 5).reshape(two, batch, world * n, *every.shape[4:])
-    if plan.packed:
-        rows = rows.reshape(two, 1, batch * world * n, *every.shape[4:])
-    return rows if plan.order is None else rows.index_select(2, plan.order.to(rows.device).flatten())
+def _start_gathers(k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int], group: dist.ProcessGroup):
+    return [_start_gather(x, heads, group) for x in (k, v)]
 
 
-def _in_rank_order(grads: torch.Tensor, plan: CPPlan, world: int, batch: int) -> torch.Tensor:
-    """The inverse of ``_in_order``: ``[2, B', S', h, D]`` -> ``[world * 2, B, n, h, D]`` for a reduce-scatter."""
-    if plan.order is not None:
-        order = plan.order.to(grads.device).flatten()
-        back = torch.empty_like(grads)
-        back.index_copy_(2, order, grads)
-        grads = back
-    grads = grads.reshape(2, batch, world, -1, *grads.shape[3:])
-    return grads.permute(2, 0, 1, 3, 4, 5).reshape(world * 2, batch, -1, *grads.shape[4:]).contiguous()
+def _sources(plan: CPPlan, world: int, batch: int, n: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rank, sample, row) ``[B', S']`` in the gathered ``[world, B, n]`` of each key in sequence order (the
+    folded batch ``[1, B*world*n]`` when the plan is packed); cached in the plan."""
+    key = ("allgather", world, batch, n, str(device))
+    if key not in plan.cache:
+        total = world * n * (batch if plan.packed else 1)
+        position = plan.order.flatten() if plan.order is not None else torch.arange(total)
+        rank, row = (position // n) % world, position % n
+        sample = (position // (world * n))[None] if plan.packed else torch.arange(batch)[:, None]
+        plan.cache[key] = tuple(x.to(device) for x in (rank[None], sample, row[None]))  # broadcast to [B', S']
+    return plan.cache[key]
+
+
+def _in_order(every: torch.Tensor, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``[world, B, n, h, D]`` gathered rank by rank -> ``[B', S', h, D]`` in the plan's sequence order (one copy)."""
+    return every[sources]
+
+
+def _in_rank_order(grads: torch.Tensor, sources: tuple[torch.Tensor, ...], world: int, batch: int,
+                   n: int) -> torch.Tensor:
+    """The inverse of ``_in_order``: ``[B', S', h, D]`` -> ``[world * B, n, h, D]`` for a reduce-scatter."""
+    back = torch.empty((world, batch, n, *grads.shape[2:]), dtype=grads.dtype, device=grads.device)
+    back[sources] = grads
+    return back.view(world * batch, n, *grads.shape[2:])
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -61,15 +72,16 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = accumulator_dtype(q.dtype)
         out = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
         lse = torch.empty(batch, n, heads, dtype=acc, device=q.device)
-        pending = _start_gather(k, v, chunks[0], group)
+        sources = _sources(plan, dist.get_world_size(group), batch, n, q.device)
+        pending = _start_gathers(k, v, chunks[0], group)
         for index, (h0, h1) in enumerate(chunks):
-            work, every = pending
-            work.wait()
-            pending = _start_gather(k, v, chunks[index + 1], group) if index + 1 < len(chunks) else None
-            kv = _in_order(every, plan)
+            for work, _ in pending:
+                work.wait()
+            k_all, v_all = (_in_order(every, sources) for _, every in pending)
+            pending = _start_gathers(k, v, chunks[index + 1], group) if index + 1 < len(chunks) else []
             qs = slice(h0 * group_size, h1 * group_size)
-            out[:, :, qs], lse[:, :, qs] = ring_forward(q[:, :, qs], kv[0], kv[1], None, one, plan.ring)
-            del every, kv
+            out[:, :, qs], lse[:, :, qs] = ring_forward(q[:, :, qs], k_all, v_all, None, one, plan.ring)
+            del k_all, v_all
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.spec, ctx.plan = group, spec, plan
@@ -88,24 +100,27 @@ class _AllGatherAttention(torch.autograd.Function):
         one = dataclasses.replace(spec, head_chunks=1)
         dq = torch.empty(batch, n, heads, dim, dtype=accumulator_dtype(q.dtype), device=q.device)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        pending, scattering = _start_gather(k, v, chunks[0], group), []
+        sources = _sources(plan, world, batch, n, q.device)
+        pending, scattering = _start_gathers(k, v, chunks[0], group), []
         for index, (h0, h1) in enumerate(chunks):
-            work, every = pending
-            work.wait()
-            pending = _start_gather(k, v, chunks[index + 1], group) if index + 1 < len(chunks) else None
-            kv = _in_order(every, plan)
+            for work, _ in pending:
+                work.wait()
+            k_all, v_all = (_in_order(every, sources) for _, every in pending)
+            pending = _start_gathers(k, v, chunks[index + 1], group) if index + 1 < len(chunks) else []
             qs = slice(h0 * group_size, h1 * group_size)
-            dq[:, :, qs], dk_all, dv_all = ring_backward(dout[:, :, qs], q[:, :, qs], kv[0], kv[1], out[:, :, qs],
+            dq[:, :, qs], dk_all, dv_all = ring_backward(dout[:, :, qs], q[:, :, qs], k_all, v_all, out[:, :, qs],
                                                          lse[:, :, qs], None, one, plan.ring)
-            del every, kv
-            grads = _in_rank_order(torch.stack([dk_all, dv_all]), plan, world, batch)
-            mine = torch.empty(2, batch, n, h1 - h0, dim, dtype=grads.dtype, device=grads.device)
-            count_sent("reduce_scatter", grads, (world - 1) / world)
-            scattering.append((reduce_scatter_single(mine, grads, group=group, async_op=True), mine, (h0, h1)))
+            del k_all, v_all
+            for grad_all, target in ((dk_all, dk), (dv_all, dv)):
+                grads = _in_rank_order(grad_all, sources, world, batch, n)
+                mine = torch.empty(batch, n, h1 - h0, dim, dtype=grads.dtype, device=grads.device)
+                count_sent("reduce_scatter", grads, (world - 1) / world)
+                scattering.append((reduce_scatter_single(mine, grads, group=group, async_op=True), mine,
+                                   target[:, :, h0:h1]))
             del grads, dk_all, dv_all
-        for work, mine, (h0, h1) in scattering:
+        for work, mine, target in scattering:
             work.wait()
-            dk[:, :, h0:h1], dv[:, :, h0:h1] = mine[0], mine[1]
+            target.copy_(mine)
         return dq.to(q.dtype), dk, dv, None, None, None
 
 

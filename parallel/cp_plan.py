@@ -12,7 +12,8 @@ document per sample in a static layout: that plan is cached) and returns a ``CPP
 - ``hybrid``: the same inside each Ulysses group, and ``ring`` is the ring plan across the groups.
 
 ``order`` indexes rows gathered rank after rank, per sample ``[1 or B, rows]``, or the folded
-``[1, B*rows]`` when the plan is packed (samples differ). ``areas`` are every CP rank's query-key pairs.
+``[1, B*rows]`` when the plan is packed (samples differ). ``areas`` are every CP rank's query-key pairs
+(per head: Ulysses ranks count their share of the heads).
 """
 
 from __future__ import annotations
@@ -130,12 +131,12 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
     elif algorithm == "ulysses":
         docs = everyone // tokens.span
         ring = _single_step(everyone, docs, everyone, tokens.span, causal, tokens.packed)
-        areas = (sum(areas),) * world  # every rank attends the whole sequence for its share of the heads
+        areas = (sum(areas) // world,) * world  # every rank: the whole sequence for 1/world of the heads
     else:  # hybrid: the ring across the Ulysses groups on their tokens in sequence order
         groups = [range(g * ulysses, (g + 1) * ulysses) for g in range(world // ulysses)]
         keys = torch.stack([torch.sort(_gathered(tokens.keys, tokens, g).flatten()).values for g in groups])
         ring = build_plan(keys, keys // tokens.span, tokens.span, rank // ulysses, causal, tokens.packed)
-        areas = tuple(area for area in ring.areas for _ in range(ulysses))
+        areas = tuple(area // ulysses for area in ring.areas for _ in range(ulysses))  # 1/ulysses of the heads
     if algorithm != "allgather":
         max_calls = ring.max_calls
     return CPPlan(algorithm, ring, None if identity else order, tokens.packed, areas, max_calls)
