@@ -142,6 +142,22 @@ def build_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, cau
                     areas, max_calls)
 
 
+def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, causal: bool, packed: bool,
+                  areas: tuple[int, ...], max_calls: int) -> RankPlan:
+    """All-gather's plan: ``rank``'s queries against every rank's whole block, nothing travelling. Step ``t``
+    attends the block of rank ``(rank - t) % world`` (step 0 the rank's own, which every query row sees);
+    segments index that block's own rows. ``areas`` and ``max_calls`` are given, the same on every rank."""
+    world, rows = keys.shape
+    steps = []
+    for step in range(world):
+        source = (rank - step) % world
+        segments = tuple(runs(*visible_intervals(keys[rank], docs[rank], keys[source], span, causal)))
+        steps.append(StepPlan(source=source, segments=segments, grad_kv=tuple(s.kv for s in segments),
+                              held_rows=rows, acc_rows=rows, kv_send=None, kv_rows=(0, 0), grad_grow=None,
+                              grad_rows=(0, 0)))
+    return RankPlan(world, rank, rows, packed, tuple(steps), None, areas, max_calls)
+
+
 @functools.cache
 def plan_for_layout(layout: str, causal: bool, world: int, rank: int, rows: int) -> RankPlan:
     """One document per sample in ``layout``: ``rows`` local tokens per rank."""

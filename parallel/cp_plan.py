@@ -4,8 +4,8 @@
 document per sample in a static layout: that plan is cached) and returns a ``CPPlan``:
 
 - ``ring``: the ring plan over the CP group (``attention_plan.py``).
-- ``allgather``: the gathered K/V are put in sequence order (``order``) and this rank's queries attend
-  them in one step (a one-step plan).
+- ``allgather``: this rank's queries attend every rank's gathered K/V block where it lands, one step
+  per block in ring order (``gathered_plan``; no ``order``).
 - ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; ``order``
   puts them in sequence order and ``ring`` is the whole sequence's own plan (None: one document,
   plain causal).
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel.attention_plan import RankPlan, StepPlan, build_plan
+from parallel.attention_plan import RankPlan, StepPlan, build_plan, gathered_plan
 from parallel.attention_spec import CPGroups
 from parallel.document_mask import gather_mask_inputs
 from parallel.layout import STATIC_LAYOUTS, sequence_positions
@@ -121,14 +121,17 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
         _check_sorted(tokens.keys)
         ring = build_plan(tokens.keys, tokens.docs, tokens.span, rank, causal, tokens.packed)
         return CPPlan(algorithm, ring, None, tokens.packed, ring.areas, ring.max_calls)
+    if algorithm == "allgather":  # every rank's block as it arrives, in rank order: nothing to reorder
+        _check_sorted(tokens.keys)
+        areas, max_calls = _work(tokens, torch.sort(tokens.keys.flatten()).values, causal)
+        ring = gathered_plan(tokens.keys, tokens.docs, tokens.span, rank, causal, tokens.packed, areas, max_calls)
+        return CPPlan(algorithm, ring, None, tokens.packed, areas, max_calls)
     group = range(rank - rank % ulysses, rank - rank % ulysses + ulysses) if algorithm == "hybrid" else every
     order = torch.argsort(_gathered(tokens.keys, tokens, group), dim=1)
     identity = torch.equal(order, torch.arange(order.shape[1]).expand_as(order))
     everyone = torch.sort(_gathered(tokens.keys, tokens, every).flatten()).values
-    areas, max_calls = _work(tokens, everyone, causal)
-    if algorithm == "allgather":
-        ring = _single_step(tokens.keys[rank], tokens.docs[rank], everyone, tokens.span, causal, tokens.packed)
-    elif algorithm == "ulysses":
+    areas, _ = _work(tokens, everyone, causal)
+    if algorithm == "ulysses":
         docs = everyone // tokens.span
         ring = _single_step(everyone, docs, everyone, tokens.span, causal, tokens.packed)
         areas = (sum(areas) // world,) * world  # every rank: the whole sequence for 1/world of the heads
@@ -137,9 +140,7 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
         keys = torch.stack([torch.sort(_gathered(tokens.keys, tokens, g).flatten()).values for g in groups])
         ring = build_plan(keys, keys // tokens.span, tokens.span, rank // ulysses, causal, tokens.packed)
         areas = tuple(area // ulysses for area in ring.areas for _ in range(ulysses))  # 1/ulysses of the heads
-    if algorithm != "allgather":
-        max_calls = ring.max_calls
-    return CPPlan(algorithm, ring, None if identity else order, tokens.packed, areas, max_calls)
+    return CPPlan(algorithm, ring, None if identity else order, tokens.packed, areas, ring.max_calls)
 
 
 @functools.cache

@@ -73,16 +73,42 @@ def _pass_kv(comm: RingComm, held: list[torch.Tensor], step: StepPlan, like: tor
     return comm.exchange(send, shapes, tag=KV_TAG, like=like)
 
 
-def _rows(x: torch.Tensor, plan: RankPlan) -> torch.Tensor:
+def plan_rows(x: torch.Tensor, plan: RankPlan) -> torch.Tensor:
     """``x`` [B, n, ...] as the plan's rows: itself, or ``[1, B*n, ...]`` when the plan is packed."""
     return x.reshape(1, -1, *x.shape[2:]) if plan.packed else x
+
+
+def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.Tensor], out: torch.Tensor,
+                 lse: torch.Tensor, spec: AttentionSpec) -> None:
+    """Step ``index`` of ``plan`` forward: q, out ``[B, n, h, D]`` and lse ``[B, n, h]`` (views of one head
+    chunk, in the plan's rows), ``held`` the step's [k, v] store. Step 0 (the local block, which every query
+    row sees) writes every row once; later steps merge into it."""
+    step = plan.steps[index]
+    if _varlen(spec, step):
+        calls = varlen_calls(plan, index, q.shape[0], q.shape[1], q.device)
+        ring_varlen.forward_step(spec.kernel, calls, q, held, out, lse, spec.scale, index == 0)
+        return
+    written = 0  # rows [0, written) of the local step hold a first value
+    for call, _ in step.calls:
+        KERNEL_CALLS["forward"] += 1
+        rows, keys = slice(*call.q), slice(*call.kv)
+        block_out, block_lse = spec.kernel.forward(q[:, rows], held[0][:, keys], held[1][:, keys], call.causal,
+                                                   spec.scale)
+        block_lse = block_lse.transpose(1, 2)
+        if index == 0 and call.q[0] >= written:  # the local step covers every row: first write copies
+            out[:, rows].copy_(block_out)
+            lse[:, rows].copy_(block_lse)
+            written = call.q[1]
+        else:
+            merge_block(out[:, rows], lse[:, rows], block_out, block_lse)
+        del block_out, block_lse
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: AttentionSpec,
                  plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the ring: returns out [B, n, H, D] (accumulator dtype) and lse [B, n, H]."""
     shape = q.shape
-    q, k, v = _rows(q, plan), _rows(k, plan), _rows(v, plan)
+    q, k, v = plan_rows(q, plan), plan_rows(k, plan), plan_rows(v, plan)
     batch, n, heads, dim = q.shape
     group_size = heads // k.shape[2]
     acc = accumulator_dtype(q.dtype)
@@ -96,25 +122,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
         for index, step in enumerate(plan.steps):
             # the next block travels while this one computes
             transfer = _pass_kv(comm, held, step, k_chunk) if index + 1 < plan.world else None
-            if _varlen(spec, step):
-                calls = varlen_calls(plan, index, batch, n, q.device)
-                ring_varlen.forward_step(spec.kernel, calls, q_c, held, out_c, lse_c, spec.scale, index == 0)
-                held = transfer.wait() if transfer is not None else []
-                continue
-            written = 0  # rows [0, written) of the local step hold a first value
-            for call, _ in step.calls:
-                KERNEL_CALLS["forward"] += 1
-                rows, keys = slice(*call.q), slice(*call.kv)
-                block_out, block_lse = spec.kernel.forward(q_c[:, rows], held[0][:, keys], held[1][:, keys],
-                                                           call.causal, spec.scale)
-                block_lse = block_lse.transpose(1, 2)
-                if index == 0 and call.q[0] >= written:  # the local step covers every row: first write copies
-                    out_c[:, rows].copy_(block_out)
-                    lse_c[:, rows].copy_(block_lse)
-                    written = call.q[1]
-                else:
-                    merge_block(out_c[:, rows], lse_c[:, rows], block_out, block_lse)
-                del block_out, block_lse
+            forward_step(plan, index, q_c, held, out_c, lse_c, spec)
             held = transfer.wait() if transfer is not None else []
     return out.view(*shape[:3], dim), lse.view(*shape[:3])
 
@@ -122,7 +130,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
 Grads = list[tuple[torch.Tensor, torch.Tensor, "tuple[int, int] | torch.Tensor"]]
 
 
-def _add_grad(total: torch.Tensor, part: torch.Tensor, target: tuple[int, int] | torch.Tensor) -> None:
+def add_grad(total: torch.Tensor, part: torch.Tensor, target: tuple[int, int] | torch.Tensor) -> None:
     """Add one call's dK (or dV) to an accumulator: rows ``target`` (an interval of dim 1), or the rows of
     the flattened ``[B*rows]`` accumulator a varlen call names (an index tensor)."""
     if isinstance(target, tuple):
@@ -142,7 +150,7 @@ def _covers(target: tuple[int, int] | torch.Tensor, rows: int) -> bool:
     return isinstance(target, tuple) and target == (0, rows)
 
 
-def _step_grads(plan: RankPlan, index: int, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor],
+def step_grads(plan: RankPlan, index: int, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor],
                 dq: torch.Tensor, spec: AttentionSpec) -> Grads:
     """One step's backward: adds its dq share into ``dq``; returns (dk, dv, accumulator rows) per call.
 
@@ -174,11 +182,11 @@ def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]], home: S
     homecoming.clear()
 
 
-def _local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], dq_c: torch.Tensor,
+def local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], dq_c: torch.Tensor,
                  dk_c: torch.Tensor, dv_c: torch.Tensor, spec: AttentionSpec) -> None:
     """The local step: dq, dk, dv of the chunk's own block, written straight into the outputs."""
     dq_c.zero_()
-    grads = _step_grads(plan, 0, rows, held, dq_c, spec)
+    grads = step_grads(plan, 0, rows, held, dq_c, spec)
     if len(grads) == 1 and _covers(grads[0][2], dk_c.shape[1]):  # one call over every row: copy, no zeroing
         dk_c.copy_(grads[0][0])
         dv_c.copy_(grads[0][1])
@@ -186,8 +194,8 @@ def _local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torc
     dk_c.zero_()
     dv_c.zero_()
     for dk_b, dv_b, target in grads:
-        _add_grad(dk_c, dk_b, target)
-        _add_grad(dv_c, dv_b, target)
+        add_grad(dk_c, dk_b, target)
+        add_grad(dv_c, dv_b, target)
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -195,7 +203,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype."""
     q_shape, kv_shape = q.shape, k.shape
-    dout, q, k, v, out, lse = (_rows(x, plan) for x in (dout, q, k, v, out, lse))
+    dout, q, k, v, out, lse = (plan_rows(x, plan) for x in (dout, q, k, v, out, lse))
     batch, n, heads, dim = q.shape
     kv_heads = k.shape[2]
     group_size = heads // kv_heads
@@ -210,7 +218,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         k_c, v_c, dq_c, dk_c, dv_c = k[:, :, k0:k1], v[:, :, k0:k1], dq[:, :, qs], dk[:, :, k0:k1], dv[:, :, k0:k1]
         first = plan.steps[0]
         kv_transfer = _pass_kv(comm, [k_c, v_c], first, k_c) if comm is not None and spec.overlap else None
-        _local_grads(plan, rows, [k_c, v_c], dq_c, dk_c, dv_c, spec)
+        local_grads(plan, rows, [k_c, v_c], dq_c, dk_c, dv_c, spec)
         _land(homecoming, plan.home)  # the previous chunk's last hop travelled during this local step
         if comm is None:
             continue
@@ -221,7 +229,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             step = plan.steps[index]
             held = kv_transfer.wait()
             kv_transfer = _pass_kv(comm, held, step, k_c) if index + 1 < plan.world else None
-            grads = _step_grads(plan, index, rows, held, dq_c, spec)
+            grads = step_grads(plan, index, rows, held, dq_c, spec)
             del held
             arriving = grad_transfer.wait() if grad_transfer is not None else []
             accumulator = _accumulate(arriving, step, grads, dk_c)
@@ -257,6 +265,6 @@ def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: Grads, like
             add_rows(total[0], step.grad_grow, arriving[0])
             add_rows(total[1], step.grad_grow, arriving[1])
     for dk_b, dv_b, target in grads:
-        _add_grad(total[0], dk_b, target)
-        _add_grad(total[1], dv_b, target)
+        add_grad(total[0], dk_b, target)
+        add_grad(total[1], dv_b, target)
     return total
