@@ -6,9 +6,10 @@ document per sample in a static layout: that plan is cached) and returns a ``CPP
 - ``ring``: the ring plan over the CP group (``attention_plan.py``).
 - ``allgather``: this rank's queries attend every rank's gathered K/V block where it lands, one step
   per block in ring order (``gathered_plan``; no ``order``).
-- ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; ``order``
-  puts them in sequence order and ``ring`` is the whole sequence's own plan (None: one document,
-  plain causal).
+- ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; with
+  documents, ``blocks`` has every rank's block of queries against every block where it landed (one
+  ``gathered_plan`` each, nothing reordered); for one document ``order`` puts the tokens in sequence
+  order for one plain causal call.
 - ``hybrid``: the same inside each Ulysses group, and ``ring`` is the ring plan across the groups.
 
 ``order`` indexes rows gathered rank after rank, per sample ``[1 or B, rows]``, or the folded
@@ -18,12 +19,13 @@ document per sample in a static layout: that plan is cached) and returns a ``CPP
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from parallel.attention_plan import RankPlan, StepPlan, build_plan, gathered_plan
+from parallel.attention_plan import RankPlan, build_plan, gathered_plan
 from parallel.attention_spec import CPGroups
 from parallel.document_mask import gather_mask_inputs
 from parallel.layout import STATIC_LAYOUTS, sequence_positions
@@ -40,6 +42,7 @@ class CPPlan:
     packed: bool
     areas: tuple[int, ...]
     max_calls: int = 1  # the most dense kernel calls any rank makes in one step (the same on every rank)
+    blocks: tuple[RankPlan, ...] | None = None  # ulysses with documents: every rank's block of queries
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # device copies of ``order``
 
     @property
@@ -92,17 +95,6 @@ def _gathered(x: torch.Tensor, tokens: _Tokens, ranks: range) -> torch.Tensor:
     return part.view(len(ranks), tokens.batch, -1).transpose(0, 1).reshape(1, -1)
 
 
-def _single_step(q_keys: torch.Tensor, q_docs: torch.Tensor, kv_keys: torch.Tensor, span: int, causal: bool,
-                 packed: bool) -> RankPlan:
-    """A one-step plan: queries ``q_keys`` against the (sorted) ``kv_keys``, no ring."""
-    segments = runs(*visible_intervals(q_keys, q_docs, kv_keys, span, causal))
-    rows = kv_keys.numel()
-    step = StepPlan(source=0, segments=tuple(segments), grad_kv=tuple(s.kv for s in segments), held_rows=rows,
-                    acc_rows=rows, kv_send=None, kv_rows=(0, 0), grad_grow=None, grad_rows=(0, 0))
-    calls = sum(len(s.dense_calls()) for s in segments)
-    return RankPlan(1, 0, q_keys.numel(), packed, (step,), None, (sum(s.area for s in segments),), calls)
-
-
 def _work(tokens: _Tokens, everyone: torch.Tensor, causal: bool) -> tuple[tuple[int, ...], int]:
     """Each rank's query-key pairs against the sorted keys of ``everyone``, and the most dense kernel calls
     any rank makes for them."""
@@ -131,10 +123,14 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
     identity = torch.equal(order, torch.arange(order.shape[1]).expand_as(order))
     everyone = torch.sort(_gathered(tokens.keys, tokens, every).flatten()).values
     areas, _ = _work(tokens, everyone, causal)
-    if algorithm == "ulysses":
-        docs = everyone // tokens.span
-        ring = _single_step(everyone, docs, everyone, tokens.span, causal, tokens.packed)
-        areas = (sum(areas) // world,) * world  # every rank: the whole sequence for 1/world of the heads
+    if algorithm == "ulysses":  # every rank: the whole sequence for 1/world of the heads, block by block
+        _check_sorted(tokens.keys)
+        areas = (sum(areas) // world,) * world
+        blocks = tuple(gathered_plan(tokens.keys, tokens.docs, tokens.span, i, causal, tokens.packed, areas, 0)
+                       for i in every)
+        calls = max(len(step.calls) for block in blocks for step in block.steps)
+        blocks = tuple(dataclasses.replace(block, max_calls=calls) for block in blocks)
+        return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, blocks)
     else:  # hybrid: the ring across the Ulysses groups on their tokens in sequence order
         groups = [range(g * ulysses, (g + 1) * ulysses) for g in range(world // ulysses)]
         keys = torch.stack([torch.sort(_gathered(tokens.keys, tokens, g).flatten()).values for g in groups])
@@ -147,7 +143,7 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
 def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses: int, rank: int, n: int) -> CPPlan:
     positions = torch.stack([sequence_positions(n * world, r, world, layout) for r in range(world)])[:, None]
     plan = _plan(algorithm, _tokens(torch.zeros_like(positions), positions), rank, ulysses, causal)
-    if algorithm == "ulysses" and plan.ring is not None:  # one document: the plain causal kernel on the sequence
+    if algorithm == "ulysses":  # one document: the plain causal kernel on the sequence in order
         plan = CPPlan(algorithm, None, plan.order, plan.packed, plan.areas, 1)
     return plan
 

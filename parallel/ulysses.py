@@ -21,31 +21,38 @@ import torch.distributed as dist
 from parallel.attention_spec import AttentionSpec, CPGroups
 from parallel.cp_plan import CPPlan
 from parallel.ring_comm import RingComm, count_sent
-from parallel.ring_core import accumulator_dtype, ring_backward, ring_forward
+from parallel.ring_core import accumulator_dtype, add_grad, forward_step, ring_backward, ring_forward, step_grads
 
 Pending = tuple[object, Callable[[], torch.Tensor]]  # (work, the result once it completed)
 
 
-def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """Start ``[B, n, h, D]`` (this rank's tokens) -> ``[B, u*n, h/u, D]`` (the group's tokens, rank by rank)."""
+def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, blocks: bool = False) -> Pending:
+    """Start ``[B, n, h, D]`` (this rank's tokens) -> ``[B, u*n, h/u, D]`` (the group's tokens, rank by rank),
+    or with ``blocks`` the received ``[u, B, n, h/u, D]`` as it lands (no copy)."""
     u = dist.get_world_size(group)
     batch, n, heads, dim = x.shape
     send = x.reshape(batch, n, u, heads // u, dim).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     count_sent("all_to_all", send, (u - 1) / u)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    if blocks:
+        return work, lambda: recv
     return work, lambda: recv.permute(1, 0, 2, 3, 4).reshape(batch, u * n, heads // u, dim)
+
+
+def _post_blocks_to_seq(send: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Start ``[u, B, n, h, ...]`` (block j: rank j's tokens) -> ``[B, n, u*h, ...]`` (this rank's tokens)."""
+    recv = torch.empty_like(send)
+    count_sent("all_to_all", send, (send.shape[0] - 1) / send.shape[0])
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return work, lambda: recv.movedim(0, 2).flatten(2, 3)
 
 
 def _post_heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
     """Start the inverse: ``[B, u*n, h, D]`` -> ``[B, n, u*h, D]``."""
     u = dist.get_world_size(group)
     batch, rows, heads, dim = x.shape
-    send = x.reshape(batch, u, rows // u, heads, dim).permute(1, 0, 2, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    count_sent("all_to_all", send, (u - 1) / u)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    return work, lambda: recv.permute(1, 2, 0, 3, 4).reshape(batch, rows // u, u * heads, dim)
+    return _post_blocks_to_seq(x.reshape(batch, u, rows // u, heads, dim).transpose(0, 1).contiguous(), group)
 
 
 def _done(pending: Pending) -> torch.Tensor:
@@ -156,6 +163,91 @@ class _UlyssesAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def _packed(x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
+    """Blocks ``[u, B, n, ...]`` as the plans' rows: ``[u, 1, B*n, ...]`` when the plan is packed."""
+    return x.view(x.shape[0], 1, -1, *x.shape[3:]) if plan.packed else x
+
+
+class _UlyssesBlocks(torch.autograd.Function):
+    """Ulysses with documents: every received block of queries attends every received K/V block where it
+    landed (``plan.blocks``), so nothing is reordered; outputs are written straight into the return
+    all-to-all's buffer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: CPPlan, chunks: int):
+        batch, n, heads, dim = q.shape
+        kv_heads = k.shape[2]
+        u = dist.get_world_size(group)
+        q_step, kv_step = heads // chunks, kv_heads // chunks
+        acc = accumulator_dtype(q.dtype)
+
+        def post(c: int) -> list[Pending]:
+            return [_post_seq_to_heads(x[:, :, c * w:(c + 1) * w], group, blocks=True)
+                    for x, w in ((q, q_step), (k, kv_step), (v, kv_step))]
+
+        out = torch.empty(batch, n, heads, dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(batch, n, heads, dtype=acc, device=q.device)
+        saved, back, pending = [], [], post(0)
+        for c in range(chunks):
+            q_b, k_b, v_b = (_packed(_done(p), plan) for p in pending)
+            pending = post(c + 1) if c + 1 < chunks else []
+            out_b = torch.empty((u, batch, n, heads // u // chunks, dim), dtype=acc, device=q.device)
+            lse_b = torch.empty(out_b.shape[:4], dtype=acc, device=q.device)
+            out_rows, lse_rows = _packed(out_b, plan), _packed(lse_b, plan)
+            for i, block in enumerate(plan.blocks):
+                for index, step in enumerate(block.steps):
+                    forward_step(block, index, q_b[i], [k_b[step.source], v_b[step.source]], out_rows[i],
+                                 lse_rows[i], spec)
+            out_b = out_b.to(q.dtype)
+            saved += [q_b, k_b, v_b, _packed(out_b, plan), lse_rows]
+            back.append((c, _post_blocks_to_seq(out_b, group), _post_blocks_to_seq(lse_b, group)))
+        for c, out_pending, lse_pending in back:
+            out[:, :, c * q_step:(c + 1) * q_step] = _done(out_pending)
+            lse[:, :, c * q_step:(c + 1) * q_step] = _done(lse_pending)
+        ctx.save_for_backward(*saved)
+        ctx.group, ctx.spec, ctx.plan, ctx.chunks, ctx.kv_heads = group, spec, plan, chunks, kv_heads
+        lse = lse.transpose(1, 2)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        group, spec, plan, chunks, kv_heads = ctx.group, ctx.spec, ctx.plan, ctx.chunks, ctx.kv_heads
+        saved = ctx.saved_tensors
+        batch, n, heads, dim = dout.shape
+        q_step, kv_step = heads // chunks, kv_heads // chunks
+        acc = accumulator_dtype(dout.dtype)
+        dq = torch.empty(batch, n, heads, dim, dtype=dout.dtype, device=dout.device)
+        dk = torch.empty(batch, n, kv_heads, dim, dtype=dout.dtype, device=dout.device)
+        dv = torch.empty_like(dk)
+
+        def post(c: int) -> Pending:
+            return _post_seq_to_heads(dout[:, :, c * q_step:(c + 1) * q_step], group, blocks=True)
+
+        back, pending = [], post(0)
+        for c in range(chunks):
+            dout_b = _packed(_done(pending), plan)
+            pending = post(c + 1) if c + 1 < chunks else None
+            q_b, k_b, v_b, out_b, lse_b = saved[5 * c: 5 * c + 5]
+            dq_b = torch.empty(q_b.shape, dtype=acc, device=dout.device)
+            dk_b, dv_b = (torch.zeros(k_b.shape, dtype=acc, device=dout.device) for _ in range(2))
+            for i, block in enumerate(plan.blocks):
+                rows = (dout_b[i], q_b[i], out_b[i], lse_b[i])
+                dq_b[i].zero_()
+                for index, step in enumerate(block.steps):
+                    held = [k_b[step.source], v_b[step.source]]
+                    for dk_part, dv_part, target in step_grads(block, index, rows, held, dq_b[i], spec):
+                        add_grad(dk_b[step.source], dk_part, target)
+                        add_grad(dv_b[step.source], dv_part, target)
+            grads = [x.view(x.shape[0], batch, n, *x.shape[3:]).to(dout.dtype) for x in (dq_b, dk_b, dv_b)]
+            back.append((c, [_post_blocks_to_seq(g, group) for g in grads]))
+        for c, (dq_p, dk_p, dv_p) in back:
+            dq[:, :, c * q_step:(c + 1) * q_step] = _done(dq_p)
+            dk[:, :, c * kv_step:(c + 1) * kv_step] = _done(dk_p)
+            dv[:, :, c * kv_step:(c + 1) * kv_step] = _done(dv_p)
+        return dq, dk, dv, None, None, None, None
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
                       plan: CPPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, n, H, D] and lse [B, H, n] of this rank's tokens (the hybrid form when ``spec.algorithm`` is
@@ -165,5 +257,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     if k.shape[2] < u:  # every rank needs a kv head: repeat each just enough
         k, v = (x.repeat_interleave(u // k.shape[2], dim=2) for x in (k, v))
     chunks = chunk_count(q.shape[2], k.shape[2], u, max(1, spec.head_chunks))
+    if plan.blocks is not None:
+        return _UlyssesBlocks.apply(q, k, v, group, spec, plan, chunks)
     ring_group = groups.ring if spec.algorithm == "hybrid" else None
     return _UlyssesAttention.apply(q, k, v, group, ring_group, spec, plan, chunks)
