@@ -49,16 +49,23 @@ def _post_blocks_to_seq(send: torch.Tensor, group: dist.ProcessGroup) -> Pending
 
 
 def _post_heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """Start the inverse: ``[B, u*n, h, D]`` -> ``[B, n, u*h, D]``."""
+    """Start the inverse: ``[B, u*n, h, ...]`` -> ``[B, n, u*h, ...]``."""
     u = dist.get_world_size(group)
-    batch, rows, heads, dim = x.shape
-    return _post_blocks_to_seq(x.reshape(batch, u, rows // u, heads, dim).transpose(0, 1).contiguous(), group)
+    batch, rows = x.shape[:2]
+    return _post_blocks_to_seq(x.reshape(batch, u, rows // u, *x.shape[2:]).transpose(0, 1).contiguous(), group)
 
 
 def _done(pending: Pending) -> torch.Tensor:
     work, result = pending
     work.wait()
     return result()
+
+
+def _land(back: list[tuple[int, list[Pending]]], targets: tuple[torch.Tensor, ...], steps: tuple[int, ...]) -> None:
+    """Write each head chunk's returning tensors into its heads of ``targets`` (``steps`` heads per chunk each)."""
+    for c, pendings in back:
+        for target, step, pending in zip(targets, steps, pendings, strict=True):
+            target[:, :, c * step:(c + 1) * step] = _done(pending)
 
 
 def _order(plan: CPPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -119,11 +126,9 @@ class _UlyssesAttention(torch.autograd.Function):
                 out_h, lse_h = ring_forward(q_h, k_h, v_h, comm, spec, plan.ring)
             out_h = out_h.to(q.dtype)
             saved += [q_h, k_h, v_h, out_h, lse_h]
-            back.append((c, _post_heads_to_seq(_in_rank_order(out_h, plan, batch), group),
-                         _post_heads_to_seq(_in_rank_order(lse_h.to(lse.dtype).unsqueeze(-1), plan, batch), group)))
-        for c, out_pending, lse_pending in back:
-            out[:, :, c * q_step:(c + 1) * q_step] = _done(out_pending)
-            lse[:, :, c * q_step:(c + 1) * q_step] = _done(lse_pending).squeeze(-1)
+            back.append((c, [_post_heads_to_seq(_in_rank_order(out_h, plan, batch), group),
+                             _post_heads_to_seq(_in_rank_order(lse_h.to(lse.dtype), plan, batch), group)]))
+        _land(back, (out, lse), (q_step, q_step))
         ctx.save_for_backward(*saved)
         ctx.group, ctx.comm, ctx.spec, ctx.plan, ctx.chunks = group, comm, spec, plan, chunks
         ctx.shapes = (batch, n, heads, kv_heads, dim)
@@ -156,10 +161,7 @@ class _UlyssesAttention(torch.autograd.Function):
                 grads = ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, comm, spec, plan.ring)
             back.append((c, [_post_heads_to_seq(_in_rank_order(g.to(dout.dtype), plan, batch), group)
                              for g in grads]))
-        for c, (dq_p, dk_p, dv_p) in back:
-            dq[:, :, c * q_step:(c + 1) * q_step] = _done(dq_p)
-            dk[:, :, c * kv_step:(c + 1) * kv_step] = _done(dk_p)
-            dv[:, :, c * kv_step:(c + 1) * kv_step] = _done(dv_p)
+        _land(back, (dq, dk, dv), (q_step, kv_step, kv_step))
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -200,10 +202,8 @@ class _UlyssesBlocks(torch.autograd.Function):
                                  lse_rows[i], spec)
             out_b = out_b.to(q.dtype)
             saved += [q_b, k_b, v_b, _packed(out_b, plan), lse_rows]
-            back.append((c, _post_blocks_to_seq(out_b, group), _post_blocks_to_seq(lse_b, group)))
-        for c, out_pending, lse_pending in back:
-            out[:, :, c * q_step:(c + 1) * q_step] = _done(out_pending)
-            lse[:, :, c * q_step:(c + 1) * q_step] = _done(lse_pending)
+            back.append((c, [_post_blocks_to_seq(out_b, group), _post_blocks_to_seq(lse_b, group)]))
+        _land(back, (out, lse), (q_step, q_step))
         ctx.save_for_backward(*saved)
         ctx.group, ctx.spec, ctx.plan, ctx.chunks, ctx.kv_heads = group, spec, plan, chunks, kv_heads
         lse = lse.transpose(1, 2)
@@ -241,10 +241,7 @@ class _UlyssesBlocks(torch.autograd.Function):
                         add_grad(dv_b[step.source], dv_part, target)
             grads = [x.view(x.shape[0], batch, n, *x.shape[3:]).to(dout.dtype) for x in (dq_b, dk_b, dv_b)]
             back.append((c, [_post_blocks_to_seq(g, group) for g in grads]))
-        for c, (dq_p, dk_p, dv_p) in back:
-            dq[:, :, c * q_step:(c + 1) * q_step] = _done(dq_p)
-            dk[:, :, c * kv_step:(c + 1) * kv_step] = _done(dk_p)
-            dv[:, :, c * kv_step:(c + 1) * kv_step] = _done(dv_p)
+        _land(back, (dq, dk, dv), (q_step, kv_step, kv_step))
         return dq, dk, dv, None, None, None, None
 
 
