@@ -77,6 +77,7 @@ class RankPlan:
     home: Selector
     areas: tuple[int, ...]
     max_calls: int
+    whole_blocks: bool = False  # gathered plans only (see ``gathered_plan``)
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # per-device index tensors
 
     @property
@@ -143,19 +144,37 @@ def build_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, cau
 
 
 def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, causal: bool, packed: bool,
-                  areas: tuple[int, ...], max_calls: int) -> RankPlan:
-    """All-gather's plan: ``rank``'s queries against every rank's whole block, nothing travelling. Step ``t``
-    attends the block of rank ``(rank - t) % world`` (step 0 the rank's own, which every query row sees);
-    segments index that block's own rows. ``areas`` and ``max_calls`` are given, the same on every rank."""
+                  areas: tuple[int, ...], max_calls: int, whole: bool = False) -> RankPlan:
+    """All-gather's plan: ``rank``'s queries against every rank's block, nothing travelling on. Step ``t``
+    attends the block of rank ``(rank - t) % world`` (step 0 the rank's own, which every query row sees).
+
+    ``whole_blocks`` (the same on every rank): every step holds its whole block, because every rank uses
+    every row of every other block (all-gather) or because ``whole`` says so (Ulysses receives whole blocks);
+    segments index each block's own rows. Otherwise (packed documents) only the rows used travel: step ``t``
+    holds the rows of its block that this rank's queries use (compacted, like the ring's stores) and
+    ``kv_send`` picks the rows of this rank's block that rank ``(rank + t) % world`` uses (``kv_rows`` =
+    (sent, received)). ``areas`` and ``max_calls`` are given, the same on every rank."""
     world, rows = keys.shape
+    every: list[Interval] = [(0, rows)]
+    if whole:  # only this rank's segments are needed
+        segments = {rank: [runs(*visible_intervals(keys[rank], docs[rank], keys[source], span, causal))
+                           for source in range(world)]}
+    else:
+        segments = dict(enumerate(_segments(keys, docs, span, causal)))
+        used = [[union([seg.kv for seg in segments[q][source]]) for source in range(world)] for q in range(world)]
+        whole = all(used[q][s] == every for q in range(world) for s in range(world) if q != s)
     steps = []
     for step in range(world):
-        source = (rank - step) % world
-        segments = tuple(runs(*visible_intervals(keys[rank], docs[rank], keys[source], span, causal)))
-        steps.append(StepPlan(source=source, segments=segments, grad_kv=tuple(s.kv for s in segments),
-                              held_rows=rows, acc_rows=rows, kv_send=None, kv_rows=(0, 0), grad_grow=None,
+        source, destination = (rank - step) % world, (rank + step) % world
+        held = every if step == 0 or whole else used[rank][source]
+        sent = every if whole else used[destination][rank]
+        compact = tuple(Segment(seg.q, locate(held, seg.kv), seg.causal) for seg in segments[rank][source])
+        steps.append(StepPlan(source=source, segments=compact, grad_kv=tuple(seg.kv for seg in compact),
+                              held_rows=size(held), acc_rows=size(held),
+                              kv_send=selector(sent, every) if step and sent else None,
+                              kv_rows=(size(sent), size(held)) if step else (0, 0), grad_grow=None,
                               grad_rows=(0, 0)))
-    return RankPlan(world, rank, rows, packed, tuple(steps), None, areas, max_calls)
+    return RankPlan(world, rank, rows, packed, tuple(steps), None, areas, max_calls, whole)
 
 
 @functools.cache

@@ -126,8 +126,8 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
     if algorithm == "ulysses":  # every rank: the whole sequence for 1/world of the heads, block by block
         _check_sorted(tokens.keys)
         areas = (sum(areas) // world,) * world
-        blocks = tuple(gathered_plan(tokens.keys, tokens.docs, tokens.span, i, causal, tokens.packed, areas, 0)
-                       for i in every)
+        blocks = tuple(gathered_plan(tokens.keys, tokens.docs, tokens.span, i, causal, tokens.packed, areas, 0,
+                                     whole=True) for i in every)
         calls = max(len(step.calls) for block in blocks for step in block.steps)
         blocks = tuple(dataclasses.replace(block, max_calls=calls) for block in blocks)
         return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, blocks)

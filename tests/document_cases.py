@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel import kernels, ring_comm
+from parallel import allgather, kernels, ring_comm
 from parallel.balanced_layout import balanced_positions
 from parallel.cp_attention import attention_plan, context_parallel_attention
 from parallel.layout import sequence_positions
@@ -144,6 +144,14 @@ def check_algorithm_cases(state, algorithm: str, cases: list[tuple], seqlen: int
     return worst
 
 
+def check_gathered_cases(state, cases: list[tuple], seqlen: int) -> list[float]:
+    """``check_algorithm_cases`` for all-gather with whole blocks all-gathered on CPU too (the GPU path)."""
+    allgather.GATHER_DEVICES.add("cpu")
+    try:
+        return check_algorithm_cases(state, "allgather", cases, seqlen)
+    finally:
+        allgather.GATHER_DEVICES.discard("cpu")
+
 def check_bf16(layout: str, seqlen: int) -> dict[str, tuple[float, float]]:
     """(ring bf16 error, the local kernel's bf16 error on the same mask) per tensor, both vs float64."""
     q, k, v, dout = inputs(seqlen, 4, 2, seed=11, dim=32)
@@ -159,7 +167,7 @@ def check_bf16(layout: str, seqlen: int) -> dict[str, tuple[float, float]]:
     return {name: (rel_err(ring[name], ref[name]), rel_err(alone[name], ref[name])) for name in alone}
 
 
-def count_work(layout: str, causal: bool, seqlen: int, spec: str) -> dict[str, float]:
+def count_work(layout: str, causal: bool, seqlen: int, spec: str, algorithm: str = "ring") -> dict[str, float]:
     """This rank's kernel calls, computed query-key pairs and bytes sent for one forward and backward."""
     q, k, v, dout = inputs(seqlen, 4, 2, seed=3, dim=8)
     docs = documents(spec, 2, seqlen, dist.get_world_size(), seed=3)
@@ -175,10 +183,11 @@ def count_work(layout: str, causal: bool, seqlen: int, spec: str) -> dict[str, f
 
     kernels.TorchCpuFlash.forward = counting_forward
     try:
-        run_documents(q, k, v, dout, docs, layout, causal, head_chunks=2)
+        run_documents(q, k, v, dout, docs, layout, causal, head_chunks=2, algorithm=algorithm)
     finally:
         kernels.TorchCpuFlash.forward = original
     return {**kernels.KERNEL_CALLS, "kv_bytes": ring_comm.BYTES_SENT[0], "grad_bytes": ring_comm.BYTES_SENT[1],
+            "all_to_all": ring_comm.BYTES_SENT["all_to_all"], "all_gather": ring_comm.BYTES_SENT["all_gather"],
             "rank": dist.get_rank()}
 
 

@@ -92,6 +92,28 @@ def test_skipping_is_real(spawn_world, layout: str, causal: bool, spec: str) -> 
         assert mine["forward"] == mine["backward"] > 0
 
 
+@pytest.mark.parametrize("layout,spec", [("zigzag", "random"), ("contiguous", "short"), ("balanced", "random")])
+def test_allgather_sends_only_rows_used(spawn_world, layout: str, spec: str) -> None:
+    """With packed documents the all-gather carries each rank only the rows of other blocks it uses (K/V in
+    the forward and again in the backward, dK/dV back), and computes exactly the visible pairs."""
+    world, seqlen = 4, 64
+    docs = documents(spec, 2, seqlen, world, seed=3)
+    visible = (docs[:, :, None] == docs[:, None, :]) & torch.ones(seqlen, seqlen, dtype=torch.bool).tril()
+    held = [layout_positions(layout, docs, r, world) for r in range(world)]
+    row_bytes = 2 * 8 * 4 * 2  # kv heads * head_dim * fp32, for k and v (or dk and dv)
+
+    def used(by: int, of: int) -> int:  # rows of rank ``of``'s block that rank ``by``'s queries see
+        return sum(int(visible[b][held[by][b]][:, held[of][b]].any(0).sum()) for b in range(2))
+
+    got = spawn_world(world).run(document_cases.count_work, layout, True, seqlen, spec, "allgather")
+    for rank, mine in enumerate(got):
+        sent = sum(used(other, rank) for other in range(world) if other != rank)
+        received = sum(used(rank, other) for other in range(world) if other != rank)
+        assert mine["all_to_all"] == (2 * sent + received) * row_bytes, (rank, mine)
+        assert mine["all_gather"] == 0
+        assert mine["area"] == sum(int(visible[b][held[rank][b]].sum()) for b in range(2)) * 2
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("zigzag", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
