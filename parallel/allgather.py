@@ -10,8 +10,7 @@ heads they have (GQA makes them small).
 
 With packed documents most rows of a block are used by no other rank: then (``not plan.whole_blocks``)
 one all-to-all carries each rank just the rows it uses, compacted per source block, and another carries
-their dK/dV back, added into the owner's rows; the compute is the same. On CPU (gloo) whole blocks take
-that path too: gloo's all-to-all moved 32 MB per rank 2-4x faster than its all-gather on this machine.
+their dK/dV back, added into the owner's rows; the compute is the same.
 """
 
 from __future__ import annotations
@@ -35,12 +34,6 @@ from parallel.ring_core import (
 )
 
 Gather = tuple[list, list[torch.Tensor]]  # (works, [k, v] as they arrive)
-GATHER_DEVICES = {"cuda"}  # device types whose whole blocks travel by all-gather (the tests add "cpu")
-
-
-def _gathers(plan: RankPlan, device: torch.device) -> bool:
-    """Whole blocks by all-gather and dK/dV by reduce-scatter (GPUs), else rows by all-to-all (see above)."""
-    return plan.whole_blocks and device.type in GATHER_DEVICES
 
 
 def _routes(plan: RankPlan, device: torch.device) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
@@ -69,7 +62,7 @@ def _start_gather(k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int], grou
     works, arriving = [], []
     for x in (k, v):
         mine = x[:, :, heads[0]:heads[1]]
-        if _gathers(plan, x.device):
+        if plan.whole_blocks:
             mine = mine.contiguous()
             every = torch.empty((world * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
             count_sent("all_gather", mine, world - 1)
@@ -93,7 +86,7 @@ def _landed(gather: Gather, plan: RankPlan) -> list[list[torch.Tensor] | None]:
     for source in range(plan.world):
         if source == plan.rank:
             continue
-        if _gathers(plan, arriving[0].device):
+        if plan.whole_blocks:
             stores[source] = [x.view(plan.world, -1, *x.shape[1:])[source] for x in arriving]
         else:
             _, _, received, starts = _routes(plan, arriving[0].device)
@@ -165,7 +158,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dq_c, dk_c, dv_c = dq[:, :, qs], dk[:, :, h0:h1], dv[:, :, h0:h1]
             # every block's dK/dV where it landed; the rank's own block first, while the gather travels
             grads: list[list[torch.Tensor] | None] = [None] * ring.world  # per source block: [dk, dv]
-            gathers = _gathers(ring, q.device)
+            gathers = ring.whole_blocks
             if gathers:  # one buffer per tensor, every block in gathered order, for the reduce-scatter
                 whole = [torch.empty((ring.world, batch, n, h1 - h0, dim), dtype=acc, device=q.device)
                          for _ in range(2)]
@@ -201,7 +194,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 returning.extend(((works[i:i + 1], arriving[i], target, None)
                                   for i, target in enumerate((dk_c, dv_c))))
             del grads
-        sent_rows = None if _gathers(ring, q.device) else _routes(ring, q.device)[0]
+        sent_rows = None if gathers else _routes(ring, q.device)[0]
         for works, arrived, target, _ in returning:
             for work in works:
                 work.wait()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel import allgather, kernels, ring_comm
+from parallel import kernels, ring_comm
 from parallel.balanced_layout import balanced_positions
 from parallel.cp_attention import attention_plan, context_parallel_attention
 from parallel.layout import sequence_positions
@@ -143,14 +143,6 @@ def check_algorithm_cases(state, algorithm: str, cases: list[tuple], seqlen: int
         worst.append(max(rel_err(got[name], ref[name]) for name in ref))
     return worst
 
-
-def check_gathered_cases(state, cases: list[tuple], seqlen: int) -> list[float]:
-    """``check_algorithm_cases`` for all-gather with whole blocks all-gathered on CPU too (the GPU path)."""
-    allgather.GATHER_DEVICES.add("cpu")
-    try:
-        return check_algorithm_cases(state, "allgather", cases, seqlen)
-    finally:
-        allgather.GATHER_DEVICES.discard("cpu")
 
 def check_bf16(layout: str, seqlen: int) -> dict[str, tuple[float, float]]:
     """(ring bf16 error, the local kernel's bf16 error on the same mask) per tensor, both vs float64."""

@@ -31,17 +31,6 @@ def test_algorithm_matches_float64(spawn_world, algorithm: str, world: int, ulys
     assert errors[0] == errors[-1], "ranks disagree"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_allgather_by_all_gather_matches_float64(spawn_world, world: int) -> None:
-    """The GPUs' transport of whole blocks (all-gather, reduce-scatter), forced on CPU; one document only
-    gives whole blocks, so a packed case checks the choice falls back to the all-to-all of used rows."""
-    cases = [(layout, causal, 4, 2, spec) for layout in ("zigzag", "contiguous") for causal in (True, False)
-             for spec in (None, "random")]
-    errors = spawn_world(world).run(run_with_parallel, (1, world, 1, 1), document_cases.check_gathered_cases,
-                                    cases, SEQLEN[world])[0]
-    assert max(errors) <= TOL, dict(zip(cases, errors, strict=True))
-
-
 def test_algorithms_at_cp8(spawn_world) -> None:
     cases = [(layout, True, 8, 2, spec) for layout in ("zigzag", "balanced") for spec in (None, "random")]
     for algorithm, ulysses in (("ring", 1), ("allgather", 1), ("ulysses", 1), ("hybrid", 2), ("hybrid", 4)):
