@@ -4,6 +4,7 @@
     python -m bench.attention --worlds 2 4 --layouts zigzag balanced --documents 1 512 corpus
     python -m bench.attention --worlds 2 --layouts zigzag --torch-cp
     python -m bench.attention --worlds 2 4 --layouts zigzag --algorithms ring allgather ulysses hybrid
+    python -m bench.attention --worlds 2 --layouts zigzag --documents 1 512 --torch-cp --rounds 3
 
 For each (seqlen, documents, fwd_only) the baseline ``local`` runs the whole sequence in one process with
 all ``--threads`` (PyTorch's SDPA for one document; the local kernel on the same per-document mask for
@@ -12,6 +13,8 @@ threads each, in the same command. ``--documents``: ``1`` (one document per samp
 length (random lengths), or ``corpus`` (the embedded corpus packed as the trainer packs it).
 ``--torch-cp`` adds PyTorch's own ring attention (all-to-all rotation) on one document;
 ``--algorithms`` the CP algorithms to time (hybrid: Ulysses groups of ``--ulysses-size``, at cp > that).
+``--rounds N`` runs the baseline and every case N times in turn (drift on a shared machine then hits each
+round's baseline and cases alike) and reports medians of the per-round figures, with the ratio's range.
 
 Columns: ``ratio`` is time over the local run's; ``mem_ratio`` added memory per rank (peak RSS minus the
 RSS before the call) over the local run's; ``vs_1doc`` time over the same case with one document;
@@ -47,6 +50,50 @@ def run_case(world: SpawnedWorld, args: argparse.Namespace, shape: dict, case: s
             "sent_mb_per_rank": max(r["sent_mb"] for r in per_rank), "imbalance": per_rank[0]["imbalance"]}
 
 
+def one_round(args: argparse.Namespace, shape: dict, cases: list[str], fwd_only: bool) -> list[dict]:
+    """Every ``--documents`` spec: the local baseline, then each case at each world; ratios against this
+    round's baseline, ``vs_1doc`` against this round's one-document run of the same case."""
+    records: list[dict] = []
+    one_doc: dict[tuple, float] = {}
+    for documents in args.documents:
+        with SpawnedWorld(1, threads=args.threads, timeout_s=3600) as local_world:
+            baseline = run_case(local_world, args, shape, "local", documents, fwd_only)
+        records.append(baseline)
+        for world_size in args.worlds:
+            with SpawnedWorld(world_size, threads=max(1, args.threads // world_size), timeout_s=3600) as world:
+                for case in cases:
+                    if (case == "torch_cp" and documents != "1") or (
+                            case.startswith("hybrid") and world_size <= args.ulysses_size):
+                        continue
+                    record = run_case(world, args, shape, case, documents, fwd_only)
+                    record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
+                    record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
+                    records.append(record)
+        for record in records[records.index(baseline):]:
+            key = (record["case"], record["world"])
+            if documents == "1":
+                one_doc[key] = record["ms_per_iter"]
+            elif key in one_doc:
+                record["vs_1doc"] = record["ms_per_iter"] / one_doc[key]
+    return records
+
+
+def combine(rounds: list[list[dict]]) -> list[dict]:
+    """One record per case: medians over the rounds of time, memory and the per-round ratios, with the
+    spread of ``ratio`` (``ratio_min``, ``ratio_max``). Rounds run the same cases in the same order."""
+    combined = []
+    for same in zip(*rounds, strict=True):
+        record = dict(same[0], rounds=len(same))
+        for key in ("ms_per_iter", "peak_mb_per_rank", "ratio", "mem_ratio", "vs_1doc"):
+            if same[0].get(key) is not None:
+                record[key] = median([r[key] for r in same])
+        record["tflops"] = same[0]["tflops"] * same[0]["ms_per_iter"] / record["ms_per_iter"]
+        if "ratio" in record:
+            record["ratio_min"], record["ratio_max"] = min(r["ratio"] for r in same), max(r["ratio"] for r in same)
+        combined.append(record)
+    return combined
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192])
@@ -67,6 +114,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--head-chunks", type=int, default=None, help="kv-head chunks of the ring (default: by device)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run baseline and cases this many times in turn; report medians of the per-round ratios")
     args = parser.parse_args(argv)
     cases = [f"{algorithm}:{layout}" for algorithm in args.algorithms for layout in args.layouts]
     cases += ["torch_cp"] if args.torch_cp else []
@@ -75,33 +124,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         shape = {"batch": args.batch, "seqlen": seqlen, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
                  "head_dim": args.head_dim, "dtype": args.dtype, "causal": args.causal}
         for fwd_only in [mode == "fwd" for mode in args.modes]:
-            one_doc: dict[tuple, float] = {}
-            for documents in args.documents:
-                with SpawnedWorld(1, threads=args.threads, timeout_s=3600) as local_world:
-                    baseline = run_case(local_world, args, shape, "local", documents, fwd_only)
-                records.append(baseline)
-                for world_size in args.worlds:
-                    with SpawnedWorld(world_size, threads=max(1, args.threads // world_size), timeout_s=3600) as world:
-                        for case in cases:
-                            if (case == "torch_cp" and documents != "1") or (
-                                    case.startswith("hybrid") and world_size <= args.ulysses_size):
-                                continue
-                            record = run_case(world, args, shape, case, documents, fwd_only)
-                            record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
-                            record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
-                            records.append(record)
-                for record in records[records.index(baseline):]:
-                    key = (record["case"], record["world"])
-                    if documents == "1":
-                        one_doc[key] = record["ms_per_iter"]
-                    elif key in one_doc:
-                        record["vs_1doc"] = record["ms_per_iter"] / one_doc[key]
+            rounds = [one_round(args, shape, cases, fwd_only) for _ in range(args.rounds)]
+            records.extend(combine(rounds))
     num = lambda digits: (lambda x: "" if x is None else f"{x:.{digits}f}")  # noqa: E731
     text = lambda x: "" if x is None else str(x)  # noqa: E731
     emit(records, [("case", "case", text), ("world", "cp", text), ("seqlen", "seqlen", text),
                    ("documents", "docs", text), ("fwd_only", "fwd_only", text), ("ms_per_iter", "ms/iter", num(1)),
                    ("peak_mb_per_rank", "peak MB/rank", num(1)), ("tflops", "TFLOP/s", num(4)),
-                   ("ratio", "ring/local", num(3)), ("mem_ratio", "mem ring/local", num(3)),
+                   ("ratio", "ring/local", num(3)), ("ratio_min", "min", num(3)), ("ratio_max", "max", num(3)),
+                   ("mem_ratio", "mem ring/local", num(3)),
                    ("sent_mb_per_rank", "sent MB/rank", num(1)), ("vs_1doc", "vs 1 doc", num(3)),
                    ("imbalance", "imbalance", num(3))])
     return records
