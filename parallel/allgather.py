@@ -82,33 +82,33 @@ def _landed(gather: Gather, plan: RankPlan) -> list[list[torch.Tensor] | None]:
     works, arriving = gather
     for work in works:
         work.wait()
+    others = [source for source in range(plan.world) if source != plan.rank]
     stores: list[list[torch.Tensor] | None] = [None] * plan.world
-    for source in range(plan.world):
-        if source == plan.rank:
-            continue
-        if plan.whole_blocks:
+    if plan.whole_blocks:
+        for source in others:
             stores[source] = [x.view(plan.world, -1, *x.shape[1:])[source] for x in arriving]
-        else:
-            _, _, received, starts = _routes(plan, arriving[0].device)
-            rows = slice(starts[source], starts[source] + received[source])
-            stores[source] = [x[rows].transpose(0, 1) for x in arriving]
+        return stores
+    _, _, received, starts = _routes(plan, arriving[0].device)
+    for source in others:
+        rows = slice(starts[source], starts[source] + received[source])
+        stores[source] = [x[rows].transpose(0, 1) for x in arriving]
     return stores
 
 
 def _start_return(grads: list[list[torch.Tensor] | None], plan: RankPlan, group: dist.ProcessGroup,
-                  like: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
-    """Post the all-to-all carrying each source's [dk, dv] store (``grads[source]``) back to its owner; what
-    arrives is ``[rows sent, b, h, D]`` in ``_routes``' index order."""
+                  like: torch.Tensor) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
+    """Post the all-to-alls carrying each source's [dk, dv] store (``grads[source]``) back to its owner: per
+    tensor (work, what arrives ``[rows sent, b, h, D]`` in ``_routes``' index order, the buffer sent)."""
     index, sent, received, _ = _routes(plan, like.device)
-    works, arriving = [], []
+    posted = []
     for which in range(2):
         parts = [grads[source][which].transpose(0, 1) for source in range(plan.world) if grads[source] is not None]
         outgoing = torch.cat(parts) if parts else like.new_zeros((0, *like.shape[:1], *like.shape[2:]))
         back = torch.empty((index.numel(), *outgoing.shape[1:]), dtype=outgoing.dtype, device=outgoing.device)
         count_sent("all_to_all", outgoing, 1)
-        works.append(dist.all_to_all_single(back, outgoing, sent, received, group=group, async_op=True))
-        arriving.append(back)
-    return works, arriving
+        posted.append((dist.all_to_all_single(back, outgoing, sent, received, group=group, async_op=True), back,
+                       outgoing))
+    return posted
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -151,6 +151,8 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = accumulator_dtype(q.dtype)
         dq = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
         dk, dv = (torch.empty(k_rows.shape, dtype=acc, device=q.device) for _ in range(2))
+        gathers = ring.whole_blocks  # else used rows by all-to-all (see the module docstring)
+        sent_rows = None if gathers else _routes(ring, q.device)[0]
         pending, returning = _start_gather(k_rows, v_rows, chunks[0], group, ring), []
         for index, (h0, h1) in enumerate(chunks):
             qs = slice(h0 * group_size, h1 * group_size)
@@ -158,7 +160,6 @@ class _AllGatherAttention(torch.autograd.Function):
             dq_c, dk_c, dv_c = dq[:, :, qs], dk[:, :, h0:h1], dv[:, :, h0:h1]
             # every block's dK/dV where it landed; the rank's own block first, while the gather travels
             grads: list[list[torch.Tensor] | None] = [None] * ring.world  # per source block: [dk, dv]
-            gathers = ring.whole_blocks
             if gathers:  # one buffer per tensor, every block in gathered order, for the reduce-scatter
                 whole = [torch.empty((ring.world, batch, n, h1 - h0, dim), dtype=acc, device=q.device)
                          for _ in range(2)]
@@ -187,17 +188,15 @@ class _AllGatherAttention(torch.autograd.Function):
                     mine = torch.empty(target.shape, dtype=acc, device=q.device)
                     flat = grad.view(ring.world * batch, *grad.shape[2:])
                     count_sent("reduce_scatter", flat, (ring.world - 1) / ring.world)
-                    returning.append(([reduce_scatter_single(mine, flat, group=group, async_op=True)], mine, target,
-                                      flat))
+                    returning.append((reduce_scatter_single(mine, flat, group=group, async_op=True), mine, flat,
+                                      target))
             else:
-                works, arriving = _start_return(grads, ring, group, dk_c)
-                returning.extend(((works[i:i + 1], arriving[i], target, None)
-                                  for i, target in enumerate((dk_c, dv_c))))
+                returning.extend((*posted, target)
+                                 for posted, target in zip(_start_return(grads, ring, group, dk_c), (dk_c, dv_c),
+                                                           strict=True))
             del grads
-        sent_rows = None if gathers else _routes(ring, q.device)[0]
-        for works, arrived, target, _ in returning:
-            for work in works:
-                work.wait()
+        for work, arrived, _sent, target in returning:  # the buffer sent stays alive until its work is done
+            work.wait()
             if sent_rows is None:
                 target.copy_(arrived)
             else:  # a row sent to several ranks gets each one's share
