@@ -7,6 +7,8 @@ FSDP2 is given a divide factor of 1 with sum-only collectives, DDP a comm hook t
 FSDP2 (``shard_with_fsdp``): ``fully_shard`` on every block, then on the root, over the flattened
 ``dp_cp`` mesh, so parameters, gradients and AdamW state are DTensors holding 1 / (dp x cp) of each
 TP-local tensor. Each module gathers the next one's parameters while it computes (forward prefetch);
+on CPU, where FSDP2's collectives would block the process, the gathers and the reduce-scatters are
+asynchronous (``OverlappedReduceScatter``: a block's reduction travels during the next block's backward);
 ``parallel.fsdp_reshard_after_forward`` false keeps the gathered parameters from the forward to the
 backward and from one micro-batch to the next (ZeRO-2: fewer gathers, one full copy of the
 parameters in the compute dtype). A TP-sharded parameter is sharded further within its TP rank's DP x CP group, along
@@ -34,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model.gpt import GPTModel
 from model.shards import mark_tensor_parallel, tensor_parallel_dim, tensor_parallel_dims
+from parallel.compat import ReduceScatterBase, reduce_scatter_single
 
 
 def fsdp_shard_dim(param: torch.Tensor, tp_size: int) -> int:
@@ -63,15 +66,62 @@ def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bo
     order = [model, *model.layers]  # each gathers the next block's parameters while it computes
     for current, following in zip(order[:-1], order[1:], strict=True):
         current.set_modules_to_forward_prefetch([following])
+    for module in order:
+        module.set_gradient_divide_factor(1.0)  # the SUM over DP x CP, not the mean
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
     if mesh.device_type == "cpu" and hasattr(model, "_set_unshard_async_op"):
-        # without CUDA streams a synchronous all-gather blocks the process: issue them asynchronously, so the
-        # prefetched blocks' gathers run while the current block computes (measured in bench/fsdp.py)
+        # without CUDA streams a synchronous collective blocks the process: issue the gathers and the
+        # reduce-scatters asynchronously, so they run while the neighbouring blocks compute (bench/fsdp.py)
         model._set_unshard_async_op(True)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)  # the SUM over DP x CP, not the mean
-            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+        if all(_reduces_plainly(module) for module in order):
+            reduce_scatter = OverlappedReduceScatter()
+            for module in order:
+                module.set_custom_reduce_scatter(reduce_scatter)
     mark_tensor_parallel(model, dims)
+
+
+def _reduces_plainly(module: FSDPModule) -> bool:
+    """Whether FSDP2 leaves ``module``'s reduced gradients as the reduce-scatter wrote them (a divide factor of
+    1, no dtype change), so that the reduction may still be in flight when FSDP2's own call returns."""
+    if ReduceScatterBase is object or not hasattr(module, "set_custom_reduce_scatter"):
+        return False
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", [])
+    return len(groups) == 1 and getattr(groups[0], "gradient_divide_factor", None) == 1.0 and \
+        getattr(groups[0].mp_policy, "reduce_dtype", None) in (None, groups[0].fsdp_params[0].sharded_param.dtype)
+
+
+class OverlappedReduceScatter(ReduceScatterBase):
+    """FSDP2's reduce-scatter issued asynchronously (CPU: FSDP2 calls it synchronously and relies on CUDA
+    streams for overlap). At most ``window`` run at once, so a block's reduction travels during the next
+    block's backward; all of them are complete when the backward returns (an autograd final callback), so
+    nothing reads a gradient before it is reduced. The works hold their input and output buffers.
+
+    Valid only where FSDP2 does nothing to the output after the call (``_reduces_plainly``) and the sharded
+    gradients are None when a backward reduces (the trainer zeroes them with ``set_to_none``)."""
+
+    def __init__(self, window: int = 1) -> None:
+        self.window = window
+        self.pending: list[dist.Work] = []
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ANN001
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object, async_op: bool = False) -> None:
+        if not self.pending:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            except RuntimeError:  # not inside a backward: reduce in place
+                reduce_scatter_single(output_tensor, input_tensor, group, op=op)
+                return
+        self.pending.append(reduce_scatter_single(output_tensor, input_tensor, group, async_op=True, op=op))
+        while len(self.pending) > self.window:
+            self.pending.pop(0).wait()
+
+    def finish(self) -> None:
+        """Wait for every reduce-scatter still in flight."""
+        while self.pending:
+            self.pending.pop(0).wait()
 
 
 def _sum_all_reduce(group, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations: none, or its objects

@@ -1,5 +1,7 @@
 """torch.distributed names that changed between the supported torch releases (chosen once, at import).
 
+``ReduceScatterBase``: FSDP2's interface for a custom reduce-scatter (``object`` where torch lacks it).
+
 torch 2.13 renames ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
 ``reduce_scatter_single`` (same arguments) and warns on the old names; torch 2.9 has only the old ones.
 The calls look the function up on ``torch.distributed`` each time, so wrappers installed there (the
@@ -20,5 +22,12 @@ def all_gather_single(output: Any, input: Any, group: Any = None, async_op: bool
     return getattr(dist, _ALL_GATHER)(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:  # noqa: A002
-    return getattr(dist, _REDUCE_SCATTER)(output, input, group=group, async_op=async_op)
+def reduce_scatter_single(output: Any, input: Any, group: Any = None, async_op: bool = False,  # noqa: A002
+                          op: Any = dist.ReduceOp.SUM) -> Any:
+    return getattr(dist, _REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
+
+
+try:  # FSDP2's pluggable reduce-scatter (a private module); without it FSDP2 keeps its own
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
+except ImportError:  # pragma: no cover - a torch without FSDP2's comm interfaces
+    ReduceScatterBase = object

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from cp_train import data_parallel
 from cp_train.trainer import Trainer
@@ -81,3 +83,34 @@ def bf16_step(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]
     params = list(trainer.model.parameters())
     return {"compute": seen[0], "stored": {p.dtype for p in params}, "grads": {p.grad.dtype for p in params},
             "loss": result.loss}
+
+
+def reduce_scatters_overlap(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]:
+    """One FSDP step on CPU: how FSDP2's reduce-scatters were issued (asynchronously or not), how many were still
+    in flight when the backward returned, and the step's gradients against the same step with FSDP2's own
+    synchronous reduce-scatter."""
+    grads, issued = {}, Counter()
+    original = dist.reduce_scatter_single
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        issued["async" if kwargs.get("async_op") else "sync"] += 1
+        return original(*args, **kwargs)
+
+    for overlapped in (True, False):
+        trainer = Trainer(tiny_config(prefix, f"{run_dir}/{overlapped}", state.dims, **{"parallel.fsdp": True}), state)
+        comm = trainer.module._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+        if not overlapped:
+            for module in trainer.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_custom_reduce_scatter(DefaultReduceScatter())
+        dist.reduce_scatter_single = traced
+        try:
+            trainer.forward_backward(trainer._to_device(next(iter(trainer.loader))))
+        finally:
+            dist.reduce_scatter_single = original
+        if overlapped:
+            in_flight = len(comm.pending)
+            counts = dict(issued)
+        grads[overlapped] = [p.grad.full_tensor() for p in trainer.model.parameters()]
+    exact = all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
+    return {"counts": counts, "in_flight": in_flight, "comm": type(comm).__name__, "exact": exact}

@@ -41,6 +41,17 @@ def test_accumulation_reduces_once_per_step(spawn_world, corpus, tmp_path, mode)
         assert many["all_gather_single"] > one["all_gather_single"] > GROUPS, counts
 
 
+def test_reduce_scatters_overlap_the_backward_on_cpu(spawn_world, corpus, tmp_path) -> None:
+    """gloo: FSDP2 would reduce-scatter synchronously; ours are asynchronous, all complete when the backward
+    returns, and the gradients are bitwise those of FSDP2's own synchronous reduce-scatter."""
+    for result in spawn_world(2).run(run_with_parallel, LAYOUT, fsdp_cases.reduce_scatters_overlap, corpus,
+                                     str(tmp_path)):
+        assert result["comm"] == "OverlappedReduceScatter", result
+        assert result["counts"] == {"async": GROUPS}, result
+        assert result["in_flight"] == 0, result
+        assert result["exact"], result
+
+
 def test_bf16_computes_in_bf16_with_fp32_master_weights(spawn_world, corpus, tmp_path) -> None:
     world = spawn_world(2)
     got = world.run(run_with_parallel, LAYOUT, fsdp_cases.bf16_step, corpus, str(tmp_path / "bf16"))[0]
