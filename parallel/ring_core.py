@@ -214,7 +214,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []  # dK/dV hops still travelling home
     for k0, k1 in head_chunk_bounds(kv_heads, spec.head_chunks):
         qs = slice(k0 * group_size, k1 * group_size)
-        rows = (dout[:, :, qs], q[:, :, qs], out[:, :, qs], lse[:, :, qs])
+        dout_c = dout[:, :, qs]
+        if batch == 1 and not dout_c.is_contiguous():  # the CPU kernel copies a strided dout in every call
+            dout_c = dout_c.contiguous()
+        rows = (dout_c, q[:, :, qs], out[:, :, qs], lse[:, :, qs])
         k_c, v_c, dq_c, dk_c, dv_c = k[:, :, k0:k1], v[:, :, k0:k1], dq[:, :, qs], dk[:, :, k0:k1], dv[:, :, k0:k1]
         first = plan.steps[0]
         kv_transfer = _pass_kv(comm, [k_c, v_c], first, k_c) if comm is not None and spec.overlap else None
