@@ -16,10 +16,13 @@ length (random lengths), or ``corpus`` (the embedded corpus packed as the traine
 ``--rounds N`` runs the baseline and every case N times in turn (drift on a shared machine then hits each
 round's baseline and cases alike) and reports medians of the per-round figures, with the ratio's range.
 
-Columns: ``ratio`` is time over the local run's; ``mem_ratio`` added memory per rank (peak RSS minus the
-RSS before the call) over the local run's; ``vs_1doc`` time over the same case with one document;
-``imbalance`` the busiest rank's share of the mask over the mean (see ``bench/balance.py``); ``sent MB`` what
-one rank sends per iteration (collectives counted as the share a ring algorithm sends).
+Timings run with glibc's default malloc (freed buffers reused, as in training); the memory peaks come from
+a second set of ranks started with a 64 KiB mmap threshold, so that RSS follows live memory (one warm-up,
+one measured iteration). Columns: ``ratio`` is time over the local run's; ``mem_ratio`` added memory per
+rank (peak RSS minus the RSS before the call) over the local run's; ``vs_1doc`` time over the same case
+with one document; ``imbalance`` the busiest rank's share of the mask over the mean (see
+``bench/balance.py``); ``sent MB`` what one rank sends per iteration (collectives counted as the share a
+ring algorithm sends).
 """
 
 from __future__ import annotations
@@ -28,25 +31,35 @@ import argparse
 import os
 
 from bench.attention_cases import DTYPES, time_case
-from bench.common import emit, median
+from bench.common import emit, glibc_malloc, median
 from parallel.attention_spec import ALGORITHMS
 from parallel.layout import LAYOUTS
 from parallel.spawn import SpawnedWorld
 
 
-def run_case(world: SpawnedWorld, args: argparse.Namespace, shape: dict, case: str, documents: str,
-             fwd_only: bool) -> dict:
-    per_rank = world.run(time_case, case, shape, documents, fwd_only, args.warmup, args.repeats, args.head_chunks,
-                         args.ulysses_size)
+def spawn(args: argparse.Namespace, world_size: int, live_memory: bool) -> SpawnedWorld:
+    """Ranks for timing (glibc's default malloc) or for the memory peak (RSS following live memory)."""
+    threads = args.threads if world_size == 1 else max(1, args.threads // world_size)
+    with glibc_malloc(live_memory):
+        return SpawnedWorld(world_size, threads=threads, timeout_s=3600)
+
+
+def run_case(worlds: tuple[SpawnedWorld, SpawnedWorld], args: argparse.Namespace, shape: dict, case: str,
+             documents: str, fwd_only: bool) -> dict:
+    """Time ``case`` on the timing world and measure its peak on the memory world (one warm-up, one run)."""
+    timing, memory = worlds
+    per_rank = timing.run(time_case, case, shape, documents, fwd_only, args.warmup, args.repeats, args.head_chunks,
+                          args.ulysses_size)
+    peaks = memory.run(time_case, case, shape, documents, fwd_only, 1, 1, args.head_chunks, args.ulysses_size)
     iteration = [max(r["times"][i] for r in per_rank) for i in range(args.repeats)]  # the slowest rank's
     seconds = median(iteration)
     area = per_rank[0]["area"] or shape["batch"] * shape["seqlen"] * (shape["seqlen"] + 1) // 2
     if not shape["causal"] and per_rank[0]["area"] is None:
         area = shape["batch"] * shape["seqlen"] ** 2
     flops = 4.0 * area * shape["heads"] * shape["head_dim"] * (1.0 if fwd_only else 3.5)
-    return {"case": case, "world": world.world, "threads_per_rank": world.threads, "documents": documents,
+    return {"case": case, "world": timing.world, "threads_per_rank": timing.threads, "documents": documents,
             **shape, "fwd_only": fwd_only, "ms_per_iter": 1000.0 * seconds,
-            "peak_mb_per_rank": max(r["added_mb"] for r in per_rank), "tflops": flops / seconds / 1e12,
+            "peak_mb_per_rank": max(r["added_mb"] for r in peaks), "tflops": flops / seconds / 1e12,
             "sent_mb_per_rank": max(r["sent_mb"] for r in per_rank), "imbalance": per_rank[0]["imbalance"]}
 
 
@@ -56,16 +69,16 @@ def one_round(args: argparse.Namespace, shape: dict, cases: list[str], fwd_only:
     records: list[dict] = []
     one_doc: dict[tuple, float] = {}
     for documents in args.documents:
-        with SpawnedWorld(1, threads=args.threads, timeout_s=3600) as local_world:
-            baseline = run_case(local_world, args, shape, "local", documents, fwd_only)
+        with spawn(args, 1, False) as timing, spawn(args, 1, True) as memory:
+            baseline = run_case((timing, memory), args, shape, "local", documents, fwd_only)
         records.append(baseline)
         for world_size in args.worlds:
-            with SpawnedWorld(world_size, threads=max(1, args.threads // world_size), timeout_s=3600) as world:
+            with spawn(args, world_size, False) as timing, spawn(args, world_size, True) as memory:
                 for case in cases:
                     if (case == "torch_cp" and documents != "1") or (
                             case.startswith("hybrid") and world_size <= args.ulysses_size):
                         continue
-                    record = run_case(world, args, shape, case, documents, fwd_only)
+                    record = run_case((timing, memory), args, shape, case, documents, fwd_only)
                     record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
                     record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
                     records.append(record)

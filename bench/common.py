@@ -5,12 +5,32 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 # Run benchmarks as modules from the repository root: `python -m bench.attention ...`.
 # Large allocations are mmapped and unmapped at once, so RSS follows live memory
 # (glibc's adaptive threshold would otherwise keep freed buffers and hide peaks).
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the spawned ranks
+MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
+os.environ.setdefault(MMAP_THRESHOLD, "65536")  # inherited by the spawned ranks
+
+
+@contextmanager
+def glibc_malloc(live_memory: bool) -> Iterator[None]:
+    """Processes started inside the block run with the 64 KiB mmap threshold (``live_memory``: RSS follows live
+    memory, for peaks) or with glibc's defaults (freed buffers are reused, as in training: for timings)."""
+    saved = os.environ.get(MMAP_THRESHOLD)
+    if live_memory:
+        os.environ[MMAP_THRESHOLD] = "65536"
+    else:
+        os.environ.pop(MMAP_THRESHOLD, None)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(MMAP_THRESHOLD, None)
+        else:
+            os.environ[MMAP_THRESHOLD] = saved
 
 
 def _status_mb(key: str) -> float:
