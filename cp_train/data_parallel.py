@@ -74,9 +74,9 @@ def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bo
         # reduce-scatters asynchronously, so they run while the neighbouring blocks compute (bench/fsdp.py)
         model._set_unshard_async_op(True)
         if all(_reduces_plainly(module) for module in order):
-            reduce_scatter = OverlappedReduceScatter()
+            model.overlapped_reduce_scatter = OverlappedReduceScatter()
             for module in order:
-                module.set_custom_reduce_scatter(reduce_scatter)
+                module.set_custom_reduce_scatter(model.overlapped_reduce_scatter)
     mark_tensor_parallel(model, dims)
 
 
@@ -97,10 +97,12 @@ class OverlappedReduceScatter(ReduceScatterBase):
     nothing reads a gradient before it is reduced. The works hold their input and output buffers.
 
     Valid only where FSDP2 does nothing to the output after the call (``_reduces_plainly``) and the sharded
-    gradients are None when a backward reduces (the trainer zeroes them with ``set_to_none``)."""
+    gradients are None when a backward reduces (FSDP2 would add the output into them at once):
+    ``gradient_sync`` sets ``in_place`` for a backward that finds gradients already there."""
 
     def __init__(self, window: int = 1) -> None:
         self.window = window
+        self.in_place = False
         self.pending: list[dist.Work] = []
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ANN001
@@ -108,6 +110,9 @@ class OverlappedReduceScatter(ReduceScatterBase):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> None:
+        if self.in_place:
+            reduce_scatter_single(output_tensor, input_tensor, group, op=op)
+            return
         if not self.pending:
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
@@ -122,6 +127,13 @@ class OverlappedReduceScatter(ReduceScatterBase):
         """Wait for every reduce-scatter still in flight."""
         while self.pending:
             self.pending.pop(0).wait()
+
+
+def _holds_sharded_grads(model: nn.Module) -> bool:
+    """Whether any FSDP parameter of ``model`` has a sharded gradient (between micro-batches the registered
+    parameters may be the unsharded ones, whose gradients FSDP2 accumulates itself)."""
+    return any(param.sharded_param.grad is not None for module in model.modules() if isinstance(module, FSDPModule)
+               for group in module._get_fsdp_state()._fsdp_param_groups for param in group.fsdp_params)
 
 
 def _sum_all_reduce(group, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations: none, or its objects
@@ -150,6 +162,9 @@ def gradient_sync(module: nn.Module, enabled: bool, keep_gathered: bool = False)
     stay gathered from one micro-batch to the next; with ``keep_gathered`` (no resharding after forward,
     ZeRO-2) every block's do too, so each is gathered once per step instead of once per micro-batch."""
     if isinstance(module, FSDPModule):
+        reduce_scatter = getattr(module, "overlapped_reduce_scatter", None)
+        if reduce_scatter is not None:  # gradients already there are added to at once: reduce in place
+            reduce_scatter.in_place = enabled and _holds_sharded_grads(module)
         module.set_requires_gradient_sync(enabled)
         module.set_reshard_after_backward(enabled, recurse=keep_gathered)
         yield

@@ -86,16 +86,19 @@ def bf16_step(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]
 
 
 def reduce_scatters_overlap(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]:
-    """One FSDP step on CPU: how FSDP2's reduce-scatters were issued (asynchronously or not), how many were still
-    in flight when the backward returned, and the step's gradients against the same step with FSDP2's own
-    synchronous reduce-scatter."""
-    grads, issued = {}, Counter()
+    """FSDP on CPU: how FSDP2's reduce-scatters were issued (asynchronously or not) in one step and in a further
+    backward onto the gradients already there (FSDP2 adds into them at once: those must reduce in place), how
+    many were in flight when the step's backward returned, and whether both gradients equal those of FSDP2's
+    own synchronous reduce-scatter bitwise."""
+    grads: dict[bool, list[torch.Tensor]] = {}
+    issued: Counter = Counter()
     original = dist.reduce_scatter_single
 
     def traced(*args: Any, **kwargs: Any) -> Any:
         issued["async" if kwargs.get("async_op") else "sync"] += 1
         return original(*args, **kwargs)
 
+    result: dict[str, Any] = {}
     for overlapped in (True, False):
         trainer = Trainer(tiny_config(prefix, f"{run_dir}/{overlapped}", state.dims, **{"parallel.fsdp": True}), state)
         comm = trainer.module._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
@@ -103,14 +106,21 @@ def reduce_scatters_overlap(state: ParallelState, prefix: str, run_dir: str) -> 
             for module in trainer.module.modules():
                 if isinstance(module, FSDPModule):
                     module.set_custom_reduce_scatter(DefaultReduceScatter())
+        micro_batches = trainer._to_device(next(iter(trainer.loader)))
         dist.reduce_scatter_single = traced
         try:
-            trainer.forward_backward(trainer._to_device(next(iter(trainer.loader))))
+            trainer.forward_backward(micro_batches)
+            if overlapped:
+                result.update(comm=type(comm).__name__, in_flight=len(comm.pending), step=dict(issued))
+                issued.clear()
+            grads[overlapped] = [p.grad.full_tensor() for p in trainer.model.parameters()]
+            with data_parallel.gradient_sync(trainer.module, True):
+                token_losses, _ = trainer._losses(micro_batches[0])
+                token_losses.sum().backward()
+            if overlapped:
+                result["onto_grads"] = dict(issued)
         finally:
             dist.reduce_scatter_single = original
-        if overlapped:
-            in_flight = len(comm.pending)
-            counts = dict(issued)
-        grads[overlapped] = [p.grad.full_tensor() for p in trainer.model.parameters()]
-    exact = all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
-    return {"counts": counts, "in_flight": in_flight, "comm": type(comm).__name__, "exact": exact}
+        grads[overlapped] += [p.grad.full_tensor() for p in trainer.model.parameters()]
+    result["exact"] = all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
+    return result
