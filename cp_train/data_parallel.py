@@ -23,6 +23,7 @@ is reduced until the last micro-batch (FSDP2 keeps the unsharded sum, DDP its bu
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -74,9 +75,9 @@ def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bo
         # reduce-scatters asynchronously, so they run while the neighbouring blocks compute (bench/fsdp.py)
         model._set_unshard_async_op(True)
         if all(_reduces_plainly(module) for module in order):
-            model.overlapped_reduce_scatter = OverlappedReduceScatter()
+            reduce_scatter = OverlappedReduceScatter(model)
             for module in order:
-                module.set_custom_reduce_scatter(model.overlapped_reduce_scatter)
+                module.set_custom_reduce_scatter(reduce_scatter)
     mark_tensor_parallel(model, dims)
 
 
@@ -97,12 +98,12 @@ class OverlappedReduceScatter(ReduceScatterBase):
     nothing reads a gradient before it is reduced. The works hold their input and output buffers.
 
     Valid only where FSDP2 does nothing to the output after the call (``_reduces_plainly``) and the sharded
-    gradients are None when a backward reduces (FSDP2 would add the output into them at once):
-    ``gradient_sync`` sets ``in_place`` for a backward that finds gradients already there."""
+    gradients are None: a backward that finds sharded gradients of ``model`` already there (FSDP2 adds the
+    output into them at once) reduces in place."""
 
-    def __init__(self, window: int = 1) -> None:
+    def __init__(self, model: nn.Module, window: int = 1) -> None:
+        self.model = weakref.ref(model)
         self.window = window
-        self.in_place = False
         self.pending: list[dist.Work] = []
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ANN001
@@ -110,10 +111,11 @@ class OverlappedReduceScatter(ReduceScatterBase):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> None:
-        if self.in_place:
-            reduce_scatter_single(output_tensor, input_tensor, group, op=op)
-            return
-        if not self.pending:
+        if not self.pending:  # the first reduction of this backward
+            model = self.model()
+            if model is None or _holds_sharded_grads(model):
+                reduce_scatter_single(output_tensor, input_tensor, group, op=op)
+                return
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             except RuntimeError:  # not inside a backward: reduce in place
@@ -162,9 +164,6 @@ def gradient_sync(module: nn.Module, enabled: bool, keep_gathered: bool = False)
     stay gathered from one micro-batch to the next; with ``keep_gathered`` (no resharding after forward,
     ZeRO-2) every block's do too, so each is gathered once per step instead of once per micro-batch."""
     if isinstance(module, FSDPModule):
-        reduce_scatter = getattr(module, "overlapped_reduce_scatter", None)
-        if reduce_scatter is not None:  # gradients already there are added to at once: reduce in place
-            reduce_scatter.in_place = enabled and _holds_sharded_grads(module)
         module.set_requires_gradient_sync(enabled)
         module.set_reshard_after_backward(enabled, recurse=keep_gathered)
         yield
