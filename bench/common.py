@@ -11,8 +11,8 @@ from contextlib import contextmanager
 # Run benchmarks as modules from the repository root: `python -m bench.attention ...`.
 # Large allocations are mmapped and unmapped at once, so RSS follows live memory
 # (glibc's adaptive threshold would otherwise keep freed buffers and hide peaks).
-MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
-os.environ.setdefault(MMAP_THRESHOLD, "65536")  # inherited by the spawned ranks
+MMAP_THRESHOLD, LIVE_MEMORY_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", "65536"
+os.environ.setdefault(MMAP_THRESHOLD, LIVE_MEMORY_THRESHOLD)  # inherited by the spawned ranks
 
 
 @contextmanager
@@ -21,7 +21,7 @@ def glibc_malloc(live_memory: bool) -> Iterator[None]:
     memory, for peaks) or with glibc's defaults (freed buffers are reused, as in training: for timings)."""
     saved = os.environ.get(MMAP_THRESHOLD)
     if live_memory:
-        os.environ[MMAP_THRESHOLD] = "65536"
+        os.environ[MMAP_THRESHOLD] = LIVE_MEMORY_THRESHOLD
     else:
         os.environ.pop(MMAP_THRESHOLD, None)
     try:

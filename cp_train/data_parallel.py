@@ -111,19 +111,24 @@ class OverlappedReduceScatter(ReduceScatterBase):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> None:
-        if not self.pending:  # the first reduction of this backward
-            model = self.model()
-            if model is None or _holds_sharded_grads(model):
-                reduce_scatter_single(output_tensor, input_tensor, group, op=op)
-                return
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            except RuntimeError:  # not inside a backward: reduce in place
-                reduce_scatter_single(output_tensor, input_tensor, group, op=op)
-                return
+        if not self.pending and not self._start_overlap():  # the first reduction of this backward
+            reduce_scatter_single(output_tensor, input_tensor, group, op=op)
+            return
         self.pending.append(reduce_scatter_single(output_tensor, input_tensor, group, async_op=True, op=op))
         while len(self.pending) > self.window:
             self.pending.pop(0).wait()
+
+    def _start_overlap(self) -> bool:
+        """Whether this backward's reductions may travel: inside a backward (``finish`` is then queued to run at
+        its end) and with no sharded gradient of the model there yet."""
+        model = self.model()
+        if model is None or _holds_sharded_grads(model):
+            return False
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        except RuntimeError:  # not inside a backward
+            return False
+        return True
 
     def finish(self) -> None:
         """Wait for every reduce-scatter still in flight."""

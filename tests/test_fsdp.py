@@ -43,8 +43,8 @@ def test_accumulation_reduces_once_per_step(spawn_world, corpus, tmp_path, mode)
 
 def test_reduce_scatters_overlap_the_backward_on_cpu(spawn_world, corpus, tmp_path) -> None:
     """gloo: FSDP2 would reduce-scatter synchronously; ours are asynchronous, all complete when the backward
-    returns, a backward onto sharded gradients already there reduces in place, and the gradients are bitwise those of
-    FSDP2's own synchronous reduce-scatter."""
+    returns, a backward onto sharded gradients already there reduces in place, and the gradients are bitwise
+    those of FSDP2's own synchronous reduce-scatter."""
     for result in spawn_world(2).run(run_with_parallel, LAYOUT, fsdp_cases.reduce_scatters_overlap, corpus,
                                      str(tmp_path)):
         assert result["comm"] == "OverlappedReduceScatter", result
