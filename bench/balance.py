@@ -20,25 +20,25 @@ from bench.common import emit
 from data.gpt_dataset import GPTDataset
 from data.indexed import IndexedDataset
 from data.prepare_default import prepare_default_corpus
-from parallel.balanced_layout import CHUNKS_PER_RANK, balanced_positions, token_work
+from parallel.balanced_layout import balanced_positions, token_work
 from parallel.layout import STATIC_LAYOUTS, sequence_positions
 
 
-def rank_work(document_ids: torch.Tensor, world: int, layout: str, chunks_per_rank: int) -> torch.Tensor:
+def rank_work(document_ids: torch.Tensor, world: int, layout: str) -> torch.Tensor:
     """``[world]`` summed work of each rank's tokens of one sample."""
     work = token_work(document_ids)
     seq = document_ids.shape[-1]
     if layout in STATIC_LAYOUTS:
         positions = torch.stack([sequence_positions(seq, r, world, layout) for r in range(world)])
     else:
-        positions = balanced_positions(document_ids, world, chunks_per_rank)
+        positions = balanced_positions(document_ids, world)
     return work[positions].sum(1)
 
 
-def measure(dataset: GPTDataset, world: int, layout: str, batch: int, batches: int, chunks: int) -> list[float]:
+def measure(dataset: GPTDataset, world: int, layout: str, batch: int, batches: int) -> list[float]:
     ratios = []
     for index in range(batches):
-        total = sum(rank_work(dataset[index * batch + i]["document_ids"], world, layout, chunks)
+        total = sum(rank_work(dataset[index * batch + i]["document_ids"], world, layout)
                     for i in range(batch))
         ratios.append(float(total.max() / total.double().mean()))
     return ratios
@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layouts", nargs="+", default=[*STATIC_LAYOUTS, "balanced"])
     parser.add_argument("--batch", type=int, default=1, help="samples per global batch")
     parser.add_argument("--batches", type=int, default=64)
-    parser.add_argument("--chunks-per-rank", type=int, default=CHUNKS_PER_RANK)
     args = parser.parse_args(argv)
     corpus = prepare_default_corpus()
     indexed = IndexedDataset(corpus.data_prefix)
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             [dataset[i]["document_ids"].numpy() for i in range(args.batches)])) != 0))
         for world in args.worlds:
             for layout in args.layouts:
-                ratios = measure(dataset, world, layout, args.batch, args.batches, args.chunks_per_rank)
+                ratios = measure(dataset, world, layout, args.batch, args.batches)
                 records.append({"seqlen": seqlen, "cp": world, "layout": layout, "batch": args.batch,
                                 "mean_doc_len": float(lengths.mean()) if len(lengths) else float(seqlen),
                                 "imbalance_mean": float(np.mean(ratios)), "imbalance_max": float(np.max(ratios))})

@@ -29,7 +29,7 @@ def slice_for_context_parallel(batch: Mapping[str, Any], cp_rank: int, cp_size: 
     Per-token tensors (``PER_TOKEN_KEYS``: ``[seq_len]`` or ``[B, seq_len]``) keep the positions
     ``parallel.layout.sequence_positions`` gives this rank, along their last dimension; anything
     else is passed through. With ``cp_size > 1``, ``seq_len`` must split evenly
-    (``2*cp_size`` parts for zigzag, ``8*cp_size`` for balanced, ``cp_size`` otherwise). The
+    (``2*cp_size`` parts for zigzag, ``cp_size`` otherwise). The
     ``balanced`` layout picks each sample's positions from its ``document_ids`` (which it needs);
     ``position_ids`` then carry the tokens' places to the model.
     """

@@ -1,20 +1,41 @@
-"""The ``balanced`` CP layout: each sample's chunks dealt to the ranks by their attention work.
+"""The ``balanced`` CP layout: each sample's tokens dealt to the ranks by their attention work.
 
 Zigzag balances the causal work of one document per sample, not of many packed documents: a token's
-work is the number of keys it sees, its position in its *document* plus one, so a rank holding the
-starts of documents does less. ``balanced`` cuts each sample into ``chunks_per_rank * world`` equal
-chunks, weighs each chunk by its tokens' work and deals the chunks to the ranks, ``chunks_per_rank``
-each, heaviest first to the least loaded rank, then swaps pairs while that lowers the heaviest
-rank's load (an LPT schedule with a local search). Every rank computes the same assignment from the
-sample's document ids, so the loader and any rank can rebuild it; each rank keeps its chunks in
-sequence order, and positions, labels, loss mask and document ids follow the tokens.
+work is the number of keys it sees (its position in its document plus one; its document's length when
+not causal), so a rank holding the starts of documents does less. ``balanced`` splits each sample by
+*recursive circular bisection*:
+
+- the ranks are halved, and the sample's tokens, read as a circle in sequence order, are cut at two
+  points into an arc for the first half and the rest for the second; the arc holds exactly its half's
+  share of the tokens and, as nearly as possible, its share of the work;
+- each half's tokens (again a circle, in sequence order) are cut the same way, down to single ranks.
+
+An arc of a fixed length slid around the circle holds the share of the work on average, so some arc is
+within one token's work of it: the imbalance is essentially 1. Among near-equal cuts the one that splits
+the fewest earlier rows of a document (K/V rows the other side must receive) wins, so many short
+documents are mostly cut at their starts, and each rank holds a few runs of the sample (at most two
+cuts per bisection). One document per sample gives the zigzag layout at power-of-two cp.
+
+Every rank computes the same assignment from the sample's document ids (integer arithmetic, no ties
+left open), so the loader and any rank can rebuild it; each rank keeps its tokens in sequence order, and
+positions, labels, loss mask and document ids follow the tokens. The only divisibility it needs is
+``S % cp == 0``.
 """
 
 from __future__ import annotations
 
 import torch
 
-CHUNKS_PER_RANK = 8
+ROW_WORK = 4  # a document row cut off from its later rows is priced as this many query-key pairs of work
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[S]`` int64: the position where each token's document starts (``document_ids [S]`` non-decreasing)."""
+    seq = document_ids.shape[-1]
+    index = torch.arange(seq)
+    starts = torch.ones(seq, dtype=torch.bool)
+    starts[1:] = document_ids[1:] != document_ids[:-1]
+    return torch.cummax(torch.where(starts, index, 0), dim=0).values
 
 
 def token_work(document_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
@@ -26,54 +47,51 @@ def token_work(document_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
     work = torch.empty_like(flat)
     index = torch.arange(seq)
     for row, docs in enumerate(flat):
-        starts = torch.ones(seq, dtype=torch.bool)
-        starts[1:] = docs[1:] != docs[:-1]
-        first = torch.cummax(torch.where(starts, index, 0), dim=0).values  # each token's document start
+        first = document_starts(docs)
         if causal:
             work[row] = index - first + 1
         else:
-            lengths = torch.bincount(torch.cumsum(starts.long(), 0) - 1)
-            work[row] = lengths[torch.cumsum(starts.long(), 0) - 1]
+            lengths = torch.bincount(first)  # indexed by each document's start
+            work[row] = lengths[first]
     return work.reshape(ids.shape)
 
 
-def balanced_positions(document_ids: torch.Tensor, world: int, chunks_per_rank: int = CHUNKS_PER_RANK,
-                       causal: bool = True) -> torch.Tensor:
+def _arc(positions: torch.Tensor, work: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor,
+         part: int, parts: int) -> torch.Tensor:
+    """``[n]`` bool: the arc of the circular token list (``positions``, ``work``, document ``starts`` and
+    ``ids`` of n tokens in sequence order) holding ``part / parts`` of its tokens, chosen for the least
+    ``|arc work - part/parts of the work| + ROW_WORK * rows cut``, the first such arc on ties."""
+    n = positions.numel()
+    length = n * part // parts
+    prefix = torch.cat([work.new_zeros(1), torch.cumsum(torch.cat([work, work]), 0)])
+    begin = torch.arange(n)
+    arc_work = prefix[begin + length] - prefix[begin]
+    # a cut before token i splits off the rows of i's document before it (none at a document start)
+    cut_rows = torch.where(ids == ids.roll(1), positions - starts, 0)
+    rows = cut_rows + cut_rows[(begin + length) % n]
+    score = (arc_work * parts - prefix[n] * part).abs() + ROW_WORK * parts * rows  # exact integers
+    first = int(torch.argmin(score))
+    inside = torch.zeros(n, dtype=torch.bool)
+    inside[(first + torch.arange(length)) % n] = True
+    return inside
+
+
+def balanced_positions(document_ids: torch.Tensor, world: int, causal: bool = True) -> torch.Tensor:
     """Every rank's token positions ``[world, S // world]`` (sorted) for one sample's ``document_ids [S]``."""
     seq = document_ids.shape[-1]
-    count = world * chunks_per_rank
-    if seq % count:
-        raise ValueError(f"the balanced layout cuts a sample into {chunks_per_rank} chunks per rank: sequence "
-                         f"length {seq} is not divisible by {chunks_per_rank}*cp = {count}")
-    size = seq // count
-    weights = token_work(document_ids, causal).reshape(count, size).sum(1).tolist()
-    owner = _deal(weights, world, chunks_per_rank)
-    chunks = [sorted(c for c in range(count) if owner[c] == r) for r in range(world)]
-    base = torch.arange(size)
-    return torch.stack([torch.cat([base + c * size for c in mine]) for mine in chunks])
-
-
-def _deal(weights: list[int], world: int, per_rank: int) -> list[int]:
-    """Chunk -> rank, ``per_rank`` chunks each, balancing the summed weights (deterministic)."""
-    load, held = [0] * world, [0] * world
-    owner = [0] * len(weights)
-    for chunk in sorted(range(len(weights)), key=lambda c: (-weights[c], c)):
-        rank = min((r for r in range(world) if held[r] < per_rank), key=lambda r: (load[r], r))
-        owner[chunk], load[rank], held[rank] = rank, load[rank] + weights[chunk], held[rank] + 1
-    for _ in range(4 * len(weights)):  # swap a chunk of the heaviest rank with a lighter one's while it helps
-        heavy = max(range(world), key=lambda r: (load[r], -r))
-        best = None
-        for a in (c for c in range(len(weights)) if owner[c] == heavy):
-            for b in (c for c in range(len(weights)) if owner[c] != heavy and weights[c] < weights[a]):
-                other = owner[b]
-                delta = weights[a] - weights[b]
-                peak = max(load[heavy] - delta, load[other] + delta)
-                if peak < load[heavy] and (best is None or peak < best[0]):
-                    best = (peak, a, b)
-        if best is None:
-            break
-        _, a, b = best
-        other, delta = owner[b], weights[a] - weights[b]
-        owner[a], owner[b] = other, heavy
-        load[heavy], load[other] = load[heavy] - delta, load[other] + delta
-    return owner
+    if seq % world:
+        raise ValueError(f"the balanced layout gives every rank S / cp tokens: sequence length {seq} is not "
+                         f"divisible by cp = {world}")
+    ids = document_ids.to(torch.int64).reshape(seq)
+    work, starts = token_work(ids, causal), document_starts(ids)
+    owner = torch.empty(seq, dtype=torch.int64)
+    pending = [(torch.arange(seq), 0, world)]  # (tokens, first rank, ranks) still to split
+    while pending:
+        tokens, first_rank, ranks = pending.pop()
+        if ranks == 1:
+            owner[tokens] = first_rank
+            continue
+        half = ranks // 2
+        inside = _arc(tokens, work[tokens], starts[tokens], ids[tokens], half, ranks)
+        pending += [(tokens[inside], first_rank, half), (tokens[~inside], first_rank + half, ranks - half)]
+    return torch.stack([torch.nonzero(owner == rank).flatten() for rank in range(world)])

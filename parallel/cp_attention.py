@@ -27,19 +27,34 @@ from parallel.ulysses import ulysses_attention
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None = None) -> int:
+def _many_small_calls(plan: CPPlan | None) -> bool:
+    """Whether packed documents make each step many small kernel calls (the same on every rank)."""
+    return plan is not None and plan.max_calls > 4
+
+
+def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None = None,
+                        rows_per_kv_head: int = 1) -> int:
     """Two on GPUs, so that the backward's last dK/dV hop of one chunk travels during the next chunk's
-    compute. On CPU one kv head per chunk when each step is a few big kernel calls (it bounds
-    the transient buffers at no speed cost), one chunk when packed documents make many small calls (small
-    calls run slower, and their buffers are small anyway). The same on every rank."""
+    compute. On CPU as many chunks as leave every thread work: PyTorch's CPU flash backward spreads its
+    threads over (batch x query heads) only, and ``rows_per_kv_head`` is that product per kv head; at one
+    thread per rank that is one kv head per chunk, which bounds the transient buffers at no speed cost.
+    One chunk without a ring (one rank: nothing travels) and when packed documents make many small calls
+    (small calls run slower, and their buffers are small anyway). The same on every rank."""
     if device.type != "cpu":
         return min(2, kv_heads)
-    return kv_heads if plan is None or plan.max_calls <= 4 else 1
+    if _many_small_calls(plan) or (plan is not None and len(plan.areas) == 1):
+        return 1
+    per_chunk = -(-torch.get_num_threads() // max(1, rows_per_kv_head))
+    return max(1, kv_heads // per_chunk)
 
 
-def default_overlap(device: torch.device) -> bool:
-    """The ring backward's overlap policy (see ``ring_core``): on for GPUs, off on CPU (memory first)."""
-    return device.type != "cpu"
+def default_overlap(device: torch.device, plan: CPPlan | None = None) -> bool:
+    """The ring backward's overlap policy (see ``ring_core``): on for GPUs; on CPU only with packed documents.
+    There a rank's split of work between the local and the remote steps differs from its neighbours' even
+    when the totals match (the balanced layout), so hops that wait in place would make every step as slow
+    as its slowest rank; posted early, only the totals count, and the hops carry few rows. With one
+    document every step is equal on every rank and memory comes first."""
+    return device.type != "cpu" or _many_small_calls(plan)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, world: int) -> None:
@@ -90,12 +105,15 @@ def make_spec(q: torch.Tensor, k: torch.Tensor, algorithm: str = "ring", layout:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    batch = 1 if plan is not None and plan.packed else q.shape[0]  # packed plans fold the batch into rows
+    if head_chunks is None:
+        head_chunks = default_head_chunks(q.device, k.shape[2], plan, batch * q.shape[2] // k.shape[2])
     return AttentionSpec(
         algorithm=canonical_algorithm(algorithm), layout=layout, causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         kernel=select_kernel(q.device, q.dtype, q.shape[-1], backend, deterministic),
-        head_chunks=head_chunks if head_chunks is not None else default_head_chunks(q.device, k.shape[2], plan),
-        overlap=default_overlap(q.device) if overlap is None else overlap, varlen=q.device.type == "cuda")
+        head_chunks=head_chunks,
+        overlap=default_overlap(q.device, plan) if overlap is None else overlap, varlen=q.device.type == "cuda")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

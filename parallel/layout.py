@@ -6,9 +6,10 @@ Layouts (``world`` = CP size, ``S`` = global sequence length):
 - ``zigzag``: the sequence is cut into ``2*world`` equal chunks; rank r holds
   chunks r and ``2*world-1-r`` (in that order), which balances causal work.
 - ``stripe``: token t lives on rank ``t % world`` (local order = global order).
-- ``balanced``: each sample is cut into ``8*world`` chunks dealt to the ranks by their attention
-  work under the per-document mask (``parallel/balanced_layout.py``); which positions a rank holds
-  depends on the sample, so the loader passes them on as ``position_ids`` (no static positions).
+- ``balanced``: each sample's tokens are dealt to the ranks by their attention work under the
+  per-document mask, by recursive circular bisection (``parallel/balanced_layout.py``; one document
+  gives zigzag); which positions a rank holds depends on the sample, so the loader passes them on as
+  ``position_ids`` (no static positions).
 
 Every function takes the sequence dimension as ``dim`` (default 1, i.e.
 ``[batch, seqlen, ...]`` tensors).
@@ -20,8 +21,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-
-from parallel.balanced_layout import CHUNKS_PER_RANK
 
 Layout = Literal["contiguous", "zigzag", "stripe", "balanced"]
 STATIC_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "stripe")  # positions fixed by (rank, world, length)
@@ -37,8 +36,8 @@ def check_layout(seqlen: int, world: int, layout: str, what: str = "sequence len
         raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if world < 1:
         raise ValueError(f"CP size must be >= 1, got {world}")
-    parts = {"zigzag": 2 * world, "balanced": CHUNKS_PER_RANK * world}.get(layout, world)
-    need = {"zigzag": "2*cp", "balanced": f"{CHUNKS_PER_RANK}*cp"}.get(layout, "cp")
+    parts = 2 * world if layout == "zigzag" else world
+    need = "2*cp" if layout == "zigzag" else "cp"
     if seqlen < parts:
         raise ValueError(f"{what} {seqlen} is shorter than {need} = {parts} for the {layout} layout at "
                          f"cp={world}; use a longer sequence or a smaller cp")

@@ -15,12 +15,13 @@ dK/dV accumulator of a block starts on the first rank that uses it, travels the 
 grows by the rows each rank touches and arrives home at the block's owner, which adds it to its own
 share. dQ stays local. Nothing saved is recomputed. Buffers are dropped as soon as they are sent.
 
-Overlap policy (``AttentionSpec.overlap``, chosen by device in ``ring_attention``): two hops of each
+Overlap policy (``AttentionSpec.overlap``, ``cp_attention.default_overlap``): two hops of each
 chunk's backward have no kernel call of their own chunk to hide behind, the first K/V hop and the
-dK/dV accumulator's last hop home. With ``overlap`` (GPUs) the first K/V hop is posted before the
-chunk's local step and the last dK/dV hop lands after the *next* chunk's local step, so both travel
-during compute, at the price of one more K/V and one more dK/dV buffer alive at a time. Without it
-(CPU, where memory is the tighter budget and the ring is compute-bound) each waits in place.
+dK/dV accumulator's last hop home. With ``overlap`` (GPUs; CPU with packed documents) the first K/V
+hop is posted before the chunk's local step and the last dK/dV hop lands after the *next* chunk's
+local step, so both travel during compute and ranks whose steps differ in length wait only for the
+totals, at the price of one more K/V and one more dK/dV buffer alive at a time. Without it (CPU with
+one document, where memory is the tighter budget and every rank's steps are equal) each waits in place.
 """
 
 from __future__ import annotations

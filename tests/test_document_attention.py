@@ -18,7 +18,7 @@ from tests import document_cases
 from tests.document_cases import SPECS, documents, layout_positions
 
 TOL = 1e-5
-SEQLEN = {1: 16, 2: 32, 3: 48, 4: 64, 8: 128}  # divisible by 2*cp (zigzag) and 8*cp (balanced)
+SEQLEN = {1: 16, 2: 32, 3: 48, 4: 64, 8: 128}  # divisible by 2*cp (zigzag)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

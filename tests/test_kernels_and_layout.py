@@ -65,3 +65,30 @@ def test_layout_errors_say_what_to_change() -> None:
         check_layout(16, 2, "spiral")
     with pytest.raises(ValueError, match="outside the CP group"):
         sequence_positions(16, 2, 2, "contiguous")
+
+
+def test_cpu_ring_defaults_follow_threads_ranks_and_documents() -> None:
+    """CPU head chunks leave every thread a (batch x query head) of the flash backward, one kv head per chunk
+    at one thread; one chunk with one rank or many small document calls. The backward's hops wait in place on
+    CPU with one document and are posted early with packed documents (and always on GPUs)."""
+    from parallel.cp_attention import default_head_chunks, default_overlap
+    from parallel.cp_plan import CPPlan
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    ring = CPPlan("ring", None, None, False, areas=(1, 1), max_calls=2)
+    documents = CPPlan("ring", None, None, True, areas=(1, 1), max_calls=9)
+    alone = CPPlan("ring", None, None, False, areas=(1,), max_calls=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert default_head_chunks(cpu, 8, ring, 1) == 8 and default_head_chunks(cpu, 8, None, 1) == 8
+        torch.set_num_threads(4)
+        assert default_head_chunks(cpu, 8, ring, 1) == 2  # four kv heads (four query heads) per call
+        assert default_head_chunks(cpu, 8, ring, 4) == 8  # GQA 4 (or batch 4): one kv head feeds four threads
+        assert default_head_chunks(cpu, 2, ring, 1) == 1
+        assert default_head_chunks(cpu, 8, documents, 1) == 1 and default_head_chunks(cpu, 8, alone, 1) == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert default_head_chunks(cuda, 8, ring) == 2
+    assert not default_overlap(cpu, ring) and not default_overlap(cpu, None)
+    assert default_overlap(cpu, documents) and default_overlap(cuda, ring)
