@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel.layout import check_layout
+
 ROW_WORK = 4  # a document row cut off from its later rows is priced as this many query-key pairs of work
 
 
@@ -38,22 +40,19 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.cummax(torch.where(starts, index, 0), dim=0).values
 
 
+def _work_from_starts(starts: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``[S]`` keys each token sees, from its document's start position ``starts [S]``."""
+    if causal:
+        return torch.arange(starts.numel()) - starts + 1
+    return torch.bincount(starts)[starts]  # the count of tokens sharing a start: the document's length
+
+
 def token_work(document_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """Keys each token sees under the per-document mask: ``[..., S]`` int64 (its position in its document
     plus one, or its document's length when not causal). ``document_ids`` non-decreasing along S."""
     ids = document_ids.to(torch.int64)
-    seq = ids.shape[-1]
-    flat = ids.reshape(-1, seq)
-    work = torch.empty_like(flat)
-    index = torch.arange(seq)
-    for row, docs in enumerate(flat):
-        first = document_starts(docs)
-        if causal:
-            work[row] = index - first + 1
-        else:
-            lengths = torch.bincount(first)  # indexed by each document's start
-            work[row] = lengths[first]
-    return work.reshape(ids.shape)
+    flat = ids.reshape(-1, ids.shape[-1])
+    return torch.stack([_work_from_starts(document_starts(docs), causal) for docs in flat]).reshape(ids.shape)
 
 
 def _arc(positions: torch.Tensor, work: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor,
@@ -79,11 +78,10 @@ def _arc(positions: torch.Tensor, work: torch.Tensor, starts: torch.Tensor, ids:
 def balanced_positions(document_ids: torch.Tensor, world: int, causal: bool = True) -> torch.Tensor:
     """Every rank's token positions ``[world, S // world]`` (sorted) for one sample's ``document_ids [S]``."""
     seq = document_ids.shape[-1]
-    if seq % world:
-        raise ValueError(f"the balanced layout gives every rank S / cp tokens: sequence length {seq} is not "
-                         f"divisible by cp = {world}")
+    check_layout(seq, world, "balanced")
     ids = document_ids.to(torch.int64).reshape(seq)
-    work, starts = token_work(ids, causal), document_starts(ids)
+    starts = document_starts(ids)
+    work = _work_from_starts(starts, causal)
     owner = torch.empty(seq, dtype=torch.int64)
     pending = [(torch.arange(seq), 0, world)]  # (tokens, first rank, ranks) still to split
     while pending:

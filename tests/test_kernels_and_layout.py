@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel.cp_attention import default_head_chunks, default_overlap
+from parallel.cp_plan import CPPlan
 from parallel.kernels import flash_backward, flash_forward
 from parallel.layout import STATIC_LAYOUTS, check_layout, sequence_positions, shard_sequence, unshard_sequence
 from tests.numerics import rel_err
@@ -71,9 +73,6 @@ def test_cpu_ring_defaults_follow_threads_ranks_and_documents() -> None:
     """CPU head chunks leave every thread a (batch x query head) of the flash backward, one kv head per chunk
     at one thread; one chunk with one rank or many small document calls. The backward's hops wait in place on
     CPU with one document and are posted early with packed documents (and always on GPUs)."""
-    from parallel.cp_attention import default_head_chunks, default_overlap
-    from parallel.cp_plan import CPPlan
-
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     ring = CPPlan("ring", None, None, False, areas=(1, 1), max_calls=2)
     documents = CPPlan("ring", None, None, True, areas=(1, 1), max_calls=9)
