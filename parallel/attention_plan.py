@@ -144,25 +144,21 @@ def build_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, cau
 
 
 def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, causal: bool, packed: bool,
-                  areas: tuple[int, ...], max_calls: int, whole: bool = False) -> RankPlan:
+                  areas: tuple[int, ...], max_calls: int) -> RankPlan:
     """All-gather's plan: ``rank``'s queries against every rank's block, nothing travelling on. Step ``t``
     attends the block of rank ``(rank - t) % world`` (step 0 the rank's own, which every query row sees).
 
     ``whole_blocks`` (the same on every rank): every step holds its whole block, because every rank uses
-    every row of every other block (all-gather) or because ``whole`` says so (Ulysses receives whole blocks);
-    segments index each block's own rows. Otherwise (packed documents) only the rows used travel: step ``t``
-    holds the rows of its block that this rank's queries use (compacted, like the ring's stores) and
-    ``kv_send`` picks the rows of this rank's block that rank ``(rank + t) % world`` uses (``kv_rows`` =
-    (sent, received)). ``areas`` and ``max_calls`` are given, the same on every rank."""
+    every row of every other block; segments index each block's own rows. Otherwise (packed documents)
+    only the rows used travel: step ``t`` holds the rows of its block that this rank's queries use
+    (compacted, like the ring's stores) and ``kv_send`` picks the rows of this rank's block that rank
+    ``(rank + t) % world`` uses (``kv_rows`` = (sent, received)). ``areas`` and ``max_calls`` are given,
+    the same on every rank."""
     world, rows = keys.shape
     every: list[Interval] = [(0, rows)]
-    if whole:  # only this rank's segments are needed
-        segments = {rank: [runs(*visible_intervals(keys[rank], docs[rank], keys[source], span, causal))
-                           for source in range(world)]}
-    else:
-        segments = dict(enumerate(_segments(keys, docs, span, causal)))
-        used = [[union([seg.kv for seg in segments[q][source]]) for source in range(world)] for q in range(world)]
-        whole = all(used[q][s] == every for q in range(world) for s in range(world) if q != s)
+    segments = _segments(keys, docs, span, causal)
+    used = [[union([seg.kv for seg in segments[q][source]]) for source in range(world)] for q in range(world)]
+    whole = all(used[q][s] == every for q in range(world) for s in range(world) if q != s)
     steps = []
     for step in range(world):
         source, destination = (rank - step) % world, (rank + step) % world

@@ -6,10 +6,10 @@ document per sample in a static layout: that plan is cached) and returns a ``CPP
 - ``ring``: the ring plan over the CP group (``attention_plan.py``).
 - ``allgather``: this rank's queries attend every rank's gathered K/V block where it lands, one step
   per block in ring order (``gathered_plan``; no ``order``).
-- ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; with
-  documents, ``blocks`` has every rank's block of queries against every block where it landed (one
-  ``gathered_plan`` each, nothing reordered); for one document ``order`` puts the tokens in sequence
-  order for one plain causal call.
+- ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; for one
+  document ``order`` puts the tokens in sequence order for one plain causal call. With documents,
+  ``documents`` says which stay home (attended locally with all heads) and plans the cross rows that
+  travel, block by block where they land (``ulysses_plan.py``).
 - ``hybrid``: the same inside each Ulysses group, and ``ring`` is the ring plan across the groups.
 
 ``order`` indexes rows gathered rank after rank, per sample ``[1 or B, rows]``, or the folded
@@ -19,7 +19,6 @@ document per sample in a static layout: that plan is cached) and returns a ``CPP
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ from parallel.attention_spec import CPGroups
 from parallel.document_mask import gather_mask_inputs
 from parallel.layout import STATIC_LAYOUTS, sequence_positions
 from parallel.mask_segments import pack_keys, runs, visible_intervals
+from parallel.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class CPPlan:
     packed: bool
     areas: tuple[int, ...]
     max_calls: int = 1  # the most dense kernel calls any rank makes in one step (the same on every rank)
-    blocks: tuple[RankPlan, ...] | None = None  # ulysses with documents: every rank's block of queries
+    documents: UlyssesDocuments | None = None  # ulysses with documents: home rows and the cross blocks
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # device copies of ``order``
 
     @property
@@ -121,16 +121,11 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
     group = range(rank - rank % ulysses, rank - rank % ulysses + ulysses) if algorithm == "hybrid" else every
     order = torch.argsort(_gathered(tokens.keys, tokens, group), dim=1)
     identity = torch.equal(order, torch.arange(order.shape[1]).expand_as(order))
-    everyone = torch.sort(_gathered(tokens.keys, tokens, every).flatten()).values
-    areas, _ = _work(tokens, everyone, causal)
-    if algorithm == "ulysses":  # every rank: the whole sequence for 1/world of the heads, block by block
+    if algorithm == "ulysses":  # home documents stay; the cross rows: 1/world of the heads, block by block
         _check_sorted(tokens.keys)
-        areas = (sum(areas) // world,) * world
-        blocks = tuple(gathered_plan(tokens.keys, tokens.docs, tokens.span, i, causal, tokens.packed, areas, 0,
-                                     whole=True) for i in every)
-        calls = max(len(step.calls) for block in blocks for step in block.steps)
-        blocks = tuple(dataclasses.replace(block, max_calls=calls) for block in blocks)
-        return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, blocks)
+        documents, areas, calls = ulysses_documents_plan(tokens.keys, tokens.docs, tokens.span, rank, causal,
+                                                         tokens.packed)
+        return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, documents)
     else:  # hybrid: the ring across the Ulysses groups on their tokens in sequence order
         groups = [range(g * ulysses, (g + 1) * ulysses) for g in range(world // ulysses)]
         keys = torch.stack([torch.sort(_gathered(tokens.keys, tokens, g).flatten()).values for g in groups])

@@ -8,7 +8,8 @@ order, and a second all-to-all returns each rank its own tokens of every head. W
 
 The heads go in chunks, so the all-to-alls of one chunk travel while another computes: chunk c+1's
 inputs and chunk c-1's output are in flight during chunk c's attention, in the forward and the
-backward alike.
+backward alike. ``ulysses`` with packed documents runs ``ulysses_documents.py`` instead: documents
+wholly on one rank stay there, and only the other rows take the all-to-all.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch.distributed as dist
 from parallel.attention_spec import AttentionSpec, CPGroups
 from parallel.cp_plan import CPPlan
 from parallel.ring_comm import RingComm, count_sent
-from parallel.ring_core import accumulator_dtype, add_grad, forward_step, ring_backward, ring_forward, step_grads
+from parallel.ring_core import accumulator_dtype, ring_backward, ring_forward
+from parallel.ulysses_documents import UlyssesDocumentsAttention
 
 Pending = tuple[object, Callable[[], torch.Tensor]]  # (work, the result once it completed)
 
@@ -165,86 +167,6 @@ class _UlyssesAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _packed(x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
-    """Blocks ``[u, B, n, ...]`` as the plans' rows: ``[u, 1, B*n, ...]`` when the plan is packed."""
-    return x.view(x.shape[0], 1, -1, *x.shape[3:]) if plan.packed else x
-
-
-class _UlyssesBlocks(torch.autograd.Function):
-    """Ulysses with documents: every received block of queries attends every received K/V block where it
-    landed (``plan.blocks``), so nothing is reordered; outputs are written straight into the return
-    all-to-all's buffer."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: CPPlan, chunks: int):
-        batch, n, heads, dim = q.shape
-        kv_heads = k.shape[2]
-        u = dist.get_world_size(group)
-        q_step, kv_step = heads // chunks, kv_heads // chunks
-        acc = accumulator_dtype(q.dtype)
-
-        def post(c: int) -> list[Pending]:
-            return [_post_seq_to_heads(x[:, :, c * w:(c + 1) * w], group, blocks=True)
-                    for x, w in ((q, q_step), (k, kv_step), (v, kv_step))]
-
-        out = torch.empty(batch, n, heads, dim, dtype=q.dtype, device=q.device)
-        lse = torch.empty(batch, n, heads, dtype=acc, device=q.device)
-        saved, back, pending = [], [], post(0)
-        for c in range(chunks):
-            q_b, k_b, v_b = (_packed(_done(p), plan) for p in pending)
-            pending = post(c + 1) if c + 1 < chunks else []
-            out_b = torch.empty((u, batch, n, heads // u // chunks, dim), dtype=acc, device=q.device)
-            lse_b = torch.empty(out_b.shape[:4], dtype=acc, device=q.device)
-            out_rows, lse_rows = _packed(out_b, plan), _packed(lse_b, plan)
-            for i, block in enumerate(plan.blocks):
-                for index, step in enumerate(block.steps):
-                    forward_step(block, index, q_b[i], [k_b[step.source], v_b[step.source]], out_rows[i],
-                                 lse_rows[i], spec)
-            out_b = out_b.to(q.dtype)
-            saved += [q_b, k_b, v_b, _packed(out_b, plan), lse_rows]
-            back.append((c, [_post_blocks_to_seq(out_b, group), _post_blocks_to_seq(lse_b, group)]))
-        _land(back, (out, lse), (q_step, q_step))
-        ctx.save_for_backward(*saved)
-        ctx.group, ctx.spec, ctx.plan, ctx.chunks, ctx.kv_heads = group, spec, plan, chunks, kv_heads
-        lse = lse.transpose(1, 2)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        group, spec, plan, chunks, kv_heads = ctx.group, ctx.spec, ctx.plan, ctx.chunks, ctx.kv_heads
-        saved = ctx.saved_tensors
-        batch, n, heads, dim = dout.shape
-        q_step, kv_step = heads // chunks, kv_heads // chunks
-        acc = accumulator_dtype(dout.dtype)
-        dq = torch.empty(batch, n, heads, dim, dtype=dout.dtype, device=dout.device)
-        dk = torch.empty(batch, n, kv_heads, dim, dtype=dout.dtype, device=dout.device)
-        dv = torch.empty_like(dk)
-
-        def post(c: int) -> Pending:
-            return _post_seq_to_heads(dout[:, :, c * q_step:(c + 1) * q_step], group, blocks=True)
-
-        back, pending = [], post(0)
-        for c in range(chunks):
-            dout_b = _packed(_done(pending), plan)
-            pending = post(c + 1) if c + 1 < chunks else None
-            q_b, k_b, v_b, out_b, lse_b = saved[5 * c: 5 * c + 5]
-            dq_b = torch.empty(q_b.shape, dtype=acc, device=dout.device)
-            dk_b, dv_b = (torch.zeros(k_b.shape, dtype=acc, device=dout.device) for _ in range(2))
-            for i, block in enumerate(plan.blocks):
-                rows = (dout_b[i], q_b[i], out_b[i], lse_b[i])
-                dq_b[i].zero_()
-                for index, step in enumerate(block.steps):
-                    held = [k_b[step.source], v_b[step.source]]
-                    for dk_part, dv_part, target in step_grads(block, index, rows, held, dq_b[i], spec):
-                        add_grad(dk_b[step.source], dk_part, target)
-                        add_grad(dv_b[step.source], dv_part, target)
-            grads = [x.view(x.shape[0], batch, n, *x.shape[3:]).to(dout.dtype) for x in (dq_b, dk_b, dv_b)]
-            back.append((c, [_post_blocks_to_seq(g, group) for g in grads]))
-        _land(back, (dq, dk, dv), (q_step, kv_step, kv_step))
-        return dq, dk, dv, None, None, None, None
-
-
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
                       plan: CPPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, n, H, D] and lse [B, H, n] of this rank's tokens (the hybrid form when ``spec.algorithm`` is
@@ -254,7 +176,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     if k.shape[2] < u:  # every rank needs a kv head: repeat each just enough
         k, v = (x.repeat_interleave(u // k.shape[2], dim=2) for x in (k, v))
     chunks = chunk_count(q.shape[2], k.shape[2], u, max(1, spec.head_chunks))
-    if plan.blocks is not None:
-        return _UlyssesBlocks.apply(q, k, v, group, spec, plan, chunks)
+    if plan.documents is not None:
+        return UlyssesDocumentsAttention.apply(q, k, v, group, spec, plan, chunks)
     ring_group = groups.ring if spec.algorithm == "hybrid" else None
     return _UlyssesAttention.apply(q, k, v, group, ring_group, spec, plan, chunks)

@@ -210,3 +210,20 @@ def check_varlen(zigzag: bool, causal: bool, lengths: list[int]) -> dict[str, fl
     full = {name: gather_by_position(x[None], positions, total) for name, x in got.items()}
     full["lse"] = full["lse"].transpose(1, 2)
     return {name: rel_err(full[name], ref[name]) for name in ref}
+
+
+def count_ulysses(layout: str, seqlen: int, spec: str) -> dict[str, object]:
+    """Ulysses on documents: this rank's all-to-all bytes for one forward and backward, the plan's cross row
+    counts, and the rows of this rank whose document also lies on another rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = inputs(seqlen, 4, 2, seed=3, dim=8)
+    docs = documents(spec, 2, seqlen, world, seed=3)
+    positions = [layout_positions(layout, docs, r, world) for r in range(world)]
+    held = [torch.stack([docs[b, positions[r][b]] for b in range(2)]) for r in range(world)]
+    plan = attention_plan(dist.group.WORLD, layout, True, seqlen // world, held[rank], positions[rank], "ulysses")
+    ring_comm.BYTES_SENT.clear()
+    run_documents(q, k, v, dout, docs, layout, True, head_chunks=1, algorithm="ulysses")
+    spanning = sum(int(torch.isin(held[rank][b], torch.cat([held[o][b] for o in range(world) if o != rank])).sum())
+                   for b in range(2))
+    return {"all_to_all": ring_comm.BYTES_SENT["all_to_all"], "counts": plan.documents.counts,
+            "samples": 1 if plan.packed else 2, "spanning": spanning, "home": plan.documents.home is not None}

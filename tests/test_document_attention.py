@@ -114,6 +114,25 @@ def test_allgather_sends_only_rows_used(spawn_world, layout: str, spec: str) -> 
         assert mine["area"] == sum(int(visible[b][held[rank][b]].sum()) for b in range(2)) * 2
 
 
+@pytest.mark.parametrize("layout,spec", [("zigzag", "random"), ("contiguous", "short"), ("balanced", "random")])
+def test_ulysses_sends_only_cross_rows(spawn_world, layout: str, spec: str) -> None:
+    """Ulysses with packed documents: a document wholly on one rank stays there; the all-to-alls carry only
+    the cross rows (every row whose document lies on several ranks is one), to their heads' owners and back."""
+    world = 4
+    got = spawn_world(world).run(document_cases.count_ulysses, layout, 64, spec)
+    counts = got[0]["counts"]
+    assert all(mine["counts"] == counts for mine in got), "ranks disagree on the plan"
+    row_bytes = 8 * 4  # one head (of 4 q heads, 2 kv heads repeated to 4, over 4 ranks) x head_dim 8 x fp32
+    for rank, mine in enumerate(got):
+        mine_rows, others = counts[rank] * mine["samples"], (sum(counts) - counts[rank]) * mine["samples"]
+        assert mine["spanning"] <= mine_rows  # documents on several ranks always travel
+        forward = 3 * (world - 1) * mine_rows * row_bytes + others * (row_bytes + 4)  # q, k, v out; out, lse back
+        backward = (world - 1) * mine_rows * row_bytes + 3 * others * row_bytes  # dout out; dq, dk, dv back
+        assert mine["all_to_all"] == forward + backward, (rank, mine)
+    assert sum(counts) < 2 * 64, "no document stayed home"
+    assert any(mine["home"] for mine in got)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("zigzag", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
