@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import emit, median
-from cp_train.config import load_config
+from cp_train.config_sources import load_config
 from cp_train.metrics import gpu_peak_tflops
 from model import GPTModel, model_flops_per_token
 from parallel import kernels

@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from cp_train.config import Config, ConfigError, load_config
+from cp_train.config import Config, ConfigError
+from cp_train.config_sources import load_config
 from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, this_rank
 
 # flag -> (dotted key, type, help); Megatron's long names are accepted as aliases

@@ -1,4 +1,5 @@
-"""The run configuration: dataclasses per concern, loaded from YAML and overridden by dotted keys.
+"""The run configuration: dataclasses per concern, loaded from YAML and overridden by dotted keys
+(``config_sources.py``).
 
 Precedence (lowest first): dataclass defaults < the YAML file < command-line flags (``cli.py``)
 < ``--set section.key=value`` overrides. Unknown sections or keys are errors naming the key;
@@ -15,7 +16,6 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
@@ -237,26 +237,6 @@ def _mapping(key: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def flatten(tree: dict[str, Any], source: str) -> dict[str, Any]:
-    """``{"model": {"hidden_size": 8}}`` -> ``{"model.hidden_size": 8}``; ConfigError on bad nesting."""
-    flat: dict[str, Any] = {}
-    for section, values in (tree or {}).items():
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: {section!r} must be a mapping of keys (e.g. {section}: "
-                              f"{{key: value}}), got {values!r}")
-        for name, value in values.items():
-            flat[f"{section}.{name}"] = value
-    return flat
-
-
-def parse_override(text: str) -> tuple[str, str]:
-    """``"model.hidden_size=512"`` -> ``("model.hidden_size", "512")``."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. model.hidden_size=512)")
-    return key.strip(), value.strip()
-
-
 DEPRECATED_KEYS = {"model.attention_layout": "parallel.cp_layout"}  # old key -> new key (still read)
 
 
@@ -283,41 +263,6 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
         from cp_train.hf_init import apply_hf_model  # the model's shape comes from the HF config.json
         apply_hf_model(config)
     return config
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """The mapping in YAML file ``path``; ConfigError naming the file (and the line of a syntax error)."""
-    if path.is_dir():
-        raise ConfigError(f"--config {path} is a directory: pass a YAML file (e.g. launch/configs/cpu-tiny.yaml)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path} does not exist: pass an existing YAML file "
-                          f"(e.g. launch/configs/cpu-tiny.yaml)") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"--config {path} cannot be read: {error}") from None
-    try:
-        tree = yaml.safe_load(text) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(error, "problem", None) or str(error)
-        raise ConfigError(f"{where}: not valid YAML: {' '.join(str(problem).split())}; fix the file") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...)")
-    return tree
-
-
-def load_config(path: str | Path | None = None, flags: dict[str, Any] | None = None,
-                overrides: typing.Sequence[str] = ()) -> Config:
-    """The config of YAML ``path`` < ``flags`` (dotted key -> value) < ``overrides`` ("key=value")."""
-    layers: list[tuple[str, dict[str, Any]]] = []
-    if path is not None:
-        tree = read_yaml(Path(path))
-        layers.append((str(path), flatten(tree, str(path))))
-    layers.append(("command-line flags", dict(flags or {})))
-    layers.append(("--set", dict(parse_override(o) for o in overrides)))
-    return build_config(layers)
 
 
 def dump_yaml(config: Config) -> str:

@@ -1,4 +1,4 @@
-"""What a resumed run may change: the checkpoint's saved config against this run's, before loading.
+"""Resuming a run: what may change against the checkpoint's saved config, and restoring the run's state.
 
 Changes to the data stream (which samples each step sees) or to the model's function and shapes are
 refused, listing every such key with its old and new value, unless the key is named in
@@ -9,10 +9,16 @@ are logged. ``train.steps`` may grow freely: the sample order does not depend on
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from cp_train.checkpoint import ShardedState, load_checkpoint, read_meta
 from cp_train.config import Config
 from cp_train.errors import InputError
+from cp_train.rng import derived_seed, restore_rng_state, seed_everything
+from parallel.state import ParallelState
 
 DATA_STREAM_KEYS = ("train.global_batch_size", "data.seq_len", "data.prefix", "data.tokenizer", "data.seed",
                     "data.valid_fraction", "data.eod_id", "data.mask_eod_loss", "data.reset_position_ids",
@@ -58,3 +64,27 @@ def check_resume(saved: dict[str, Any], config: Config, checkpoint: str) -> list
     if others:
         notes.append(f"changed since the checkpoint: {_listing(others)}")
     return notes
+
+
+def restore_run(path: Path, config: Config, sharded: ShardedState, optimizer: torch.optim.Optimizer,
+                state: ParallelState) -> tuple[int, int, list[str]]:
+    """Load checkpoint ``path`` into ``sharded`` (model and optimizer, resharded to this layout) after
+    ``check_resume``; this run's optimizer settings win over the saved ones, and the RNG is restored (or
+    re-derived from ``train.seed`` where it cannot be). Returns (step, consumed samples, notes to log)."""
+    meta = read_meta(path)
+    changes = check_resume(meta["config"], config, str(path))
+    rng_state, why = load_checkpoint(path, meta, sharded, state)
+    for group in optimizer.param_groups:
+        group.update({k: optimizer.defaults[k] for k in ("foreach", "fused") if k in optimizer.defaults})
+        group["betas"] = (config.optimizer.beta1, config.optimizer.beta2)
+        group["eps"] = config.optimizer.eps
+        if group["weight_decay"]:
+            group["weight_decay"] = config.optimizer.weight_decay
+    step = int(meta["step"])
+    notes = [f"resumed from {path} at step {step}, consumed_samples {meta['consumed_samples']}", *changes]
+    if rng_state is not None:
+        restore_rng_state(rng_state)
+    else:
+        seed_everything(derived_seed(config.train.seed, state.rank, step))
+        notes.append(f"{why}: RNG re-derived from train.seed {config.train.seed} at step {step} on every rank")
+    return step, int(meta["consumed_samples"]), notes

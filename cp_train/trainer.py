@@ -14,18 +14,16 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from cp_train import build
-from cp_train.checkpoint import ShardedState, load_checkpoint, read_meta, save_checkpoint
+from cp_train.checkpoint import ShardedState, save_checkpoint
 from cp_train.checkpoint_files import resume_hint, resume_source
 from cp_train.config import Config, dump_yaml
 from cp_train.data_parallel import gradient_sync
-from cp_train.errors import RunFailure, agree
+from cp_train.errors import agree
 from cp_train.hf_init import hf_init_message
 from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
 from cp_train.metrics import (
@@ -36,50 +34,17 @@ from cp_train.metrics import (
     reset_peak_memory,
 )
 from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
-from cp_train.resume import check_resume
-from cp_train.rng import derived_seed, restore_rng_state, seed_everything
+from cp_train.results import BatchLoss, NonFiniteLossError, StepResult, TrainResult
+from cp_train.resume import restore_run
+from cp_train.rng import derived_seed, seed_everything
 from cp_train.sinks import MetricsSinks
 from cp_train.state_bytes import setup_record
-from cp_train.validate import validate
+from cp_train.validate import check_parallel_state, validate
 from model import model_flops_per_token
-from parallel.attention_spec import canonical_algorithm
 from parallel.cp_plan import CPPlan
-from parallel.state import ParallelDims, ParallelState
+from parallel.state import ParallelState
 
 MicroBatch = dict[str, torch.Tensor]
-
-
-class NonFiniteLossError(RunFailure, FloatingPointError):
-    """The loss (or the gradient norm) became NaN or Inf; the message names the step and the checkpoint to
-    resume from."""
-
-
-class BatchLoss(NamedTuple):
-    loss: float  # global mean over the loss tokens of the global batch
-    tokens: float  # loss tokens of the global batch
-    local_tokens: float  # loss tokens of this rank's micro-batches
-    local_loss_sum: float  # this rank's summed token losses
-    imbalance: float  # attention work of the busiest CP rank over the mean (1.0: balanced)
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    loss_tokens: float  # of the global batch
-    local_loss_tokens: float  # of this rank
-    imbalance: float = 1.0  # attention work, busiest CP rank / mean
-
-
-@dataclass
-class TrainResult:
-    losses: dict[int, float] = field(default_factory=dict)  # step (1-based) -> global loss
-    grad_norms: dict[int, float] = field(default_factory=dict)  # before clipping
-    eval_losses: dict[int, float] = field(default_factory=dict)
-    messages: list[str] = field(default_factory=list)
-    run_dir: str = ""
-    final_step: int = 0
 
 
 class Trainer:
@@ -88,15 +53,7 @@ class Trainer:
     def __init__(self, config: Config, state: ParallelState) -> None:
         self.config, self.state = config, state
         self.dp = validate(config, state.world_size)
-        dims = ParallelDims(tp=config.parallel.tp, cp=config.parallel.cp, dp=self.dp)
-        if dims != state.dims:
-            raise ValueError(f"config layout {dims} differs from the parallel state's {state.dims}")
-        ulysses = state.cp_ulysses.size if state.cp_ulysses else 1
-        if config.parallel.cp > 1 and canonical_algorithm(config.parallel.cp_algorithm) == "hybrid" \
-                and ulysses != config.parallel.ulysses_size:
-            raise ValueError(f"parallel.ulysses_size {config.parallel.ulysses_size} differs from the parallel state's "
-                             f"Ulysses groups of {ulysses}: initialise it with ulysses_size="
-                             f"{config.parallel.ulysses_size}")
+        check_parallel_state(config, state, self.dp)
         self.device = build.select_device(state)
         if config.train.deterministic:
             build.use_deterministic_algorithms()
@@ -147,26 +104,10 @@ class Trainer:
                 build.ensure_writable_dir(Path(self.config.checkpoint.save), "checkpoint.save (--save)")
 
     def _load(self, path: Path) -> int:
-        meta = read_meta(path)
-        changes = check_resume(meta["config"], self.config, str(path))
-        rng_state, why = load_checkpoint(path, meta, self.sharded, self.state)
-        for group in self.optimizer.param_groups:  # this run's config and implementation win over the saved ones
-            group.update({k: self.optimizer.defaults[k] for k in ("foreach", "fused") if k in self.optimizer.defaults})
-            group["betas"] = (self.config.optimizer.beta1, self.config.optimizer.beta2)
-            group["eps"] = self.config.optimizer.eps
-            if group["weight_decay"]:
-                group["weight_decay"] = self.config.optimizer.weight_decay
-        self.step = int(meta["step"])
-        self._note(f"resumed from {path} at step {self.step}, consumed_samples {meta['consumed_samples']}")
-        for note in changes:
+        self.step, consumed, notes = restore_run(path, self.config, self.sharded, self.optimizer, self.state)
+        for note in notes:
             self._note(note)
-        if rng_state is not None:
-            restore_rng_state(rng_state)
-        else:
-            seed_everything(derived_seed(self.config.train.seed, self.state.rank, self.step))
-            self._note(f"{why}: RNG re-derived from train.seed {self.config.train.seed} at step {self.step} "
-                       f"on every rank")
-        return int(meta["consumed_samples"])
+        return consumed
 
     def _note(self, text: str) -> None:
         self.result.messages.append(text)

@@ -1,4 +1,5 @@
-"""Checks that a ``Config`` can run on a world of a given size; errors name the keys and the numbers."""
+"""Checks that a ``Config`` can run on a world of a given size (and on a given parallel state); errors name
+the keys and the numbers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from parallel.attention_spec import canonical_algorithm, check_algorithm, check_
 from parallel.layout import LAYOUTS, check_layout
 from parallel.rank_groups import check_ulysses
 from parallel.rank_groups import resolve_dp as resolve_layout_dp
+from parallel.state import ParallelDims, ParallelState
 
 DTYPES = ("auto", "bf16", "fp32")
 DECAYS = ("cosine", "linear", "constant")
@@ -138,3 +140,16 @@ def validate(config: Config, world_size: int) -> int:
     except ValueError as error:
         raise ConfigError(f"model: {error}") from None
     return dp
+
+
+def check_parallel_state(config: Config, state: ParallelState, dp: int) -> None:
+    """ValueError unless ``state`` (already initialised) has ``config``'s layout and Ulysses groups."""
+    dims = ParallelDims(tp=config.parallel.tp, cp=config.parallel.cp, dp=dp)
+    if dims != state.dims:
+        raise ValueError(f"config layout {dims} differs from the parallel state's {state.dims}")
+    ulysses = state.cp_ulysses.size if state.cp_ulysses else 1
+    if config.parallel.cp > 1 and canonical_algorithm(config.parallel.cp_algorithm) == "hybrid" \
+            and ulysses != config.parallel.ulysses_size:
+        raise ValueError(f"parallel.ulysses_size {config.parallel.ulysses_size} differs from the parallel state's "
+                         f"Ulysses groups of {ulysses}: initialise it with ulysses_size="
+                         f"{config.parallel.ulysses_size}")

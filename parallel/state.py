@@ -2,7 +2,7 @@
 
 Rank order is Megatron's ``tp-cp-dp`` (see ``parallel/rank_groups.py`` for the pure
 rank-group function, re-exported here). ``initialize_parallel`` creates
-the groups (every rank creates every group, in the same order) and returns a
+the groups (``process_groups.py``: every rank creates every group, in the same order) and returns a
 ``ParallelState``; the Megatron-named getters below read that current state. Library
 modules receive groups explicitly and never call the getters.
 """
@@ -12,15 +12,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.attention_spec import CPGroups
+from parallel.process_groups import AxisGroup, ParallelState, build_state, forget_meshes, init_default_group
 from parallel.rank_groups import (  # noqa: F401  (re-exported)
     AXIS_ORDER,
     DATA_AXES,
@@ -36,83 +35,7 @@ from parallel.rank_groups import (  # noqa: F401  (re-exported)
     resolve_dp,
 )
 
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass(frozen=True)
-class AxisGroup:
-    """One process group seen from this rank: its size, this rank's index, the members' global ranks."""
-
-    size: int
-    rank: int
-    group: dist.ProcessGroup
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ParallelState:
-    """The groups of this process. ``dims`` holds the axis sizes by name; ``mesh`` has dims
-    ``("dp", "cp", "tp")`` over ``arange(world).reshape(dp, cp, tp)``; ``dp_cp_mesh`` / ``tp_cp_mesh`` are
-    its flattenings of ``("dp", "cp")`` / ``("cp", "tp")``; ``shard_mesh`` is the 2-D ``("dp_cp", "tp")``
-    mesh on the same groups (where FSDP-sharded, TP-sharded tensors live for DCP). ``cp_prev_rank`` /
-    ``cp_next_rank`` are the global ranks of this rank's CP ring neighbours (itself when cp == 1)."""
-
-    dims: ParallelDims
-    world_size: int
-    rank: int
-    backend: str
-    tp: AxisGroup
-    cp: AxisGroup
-    dp: AxisGroup
-    dp_cp: AxisGroup
-    tp_cp: AxisGroup
-    cp_prev_rank: int
-    cp_next_rank: int
-    mesh: DeviceMesh
-    dp_cp_mesh: DeviceMesh
-    tp_cp_mesh: DeviceMesh
-    shard_mesh: DeviceMesh
-    owns_default_group: bool
-    cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
-    cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
-
-    @property
-    def cp_groups(self) -> CPGroups:
-        """The CP group and, for hybrid CP, its Ulysses and ring subgroups (what the attention takes)."""
-        return CPGroups(self.cp.group, self.cp_ulysses.group if self.cp_ulysses else None,
-                        self.cp_ring.group if self.cp_ring else None)
-
-
 _STATE: ParallelState | None = None
-
-
-def _axis(mesh: DeviceMesh) -> AxisGroup:
-    group = mesh.get_group()
-    return AxisGroup(size=dist.get_world_size(group), rank=dist.get_rank(group), group=group,
-                     ranks=tuple(dist.get_process_group_ranks(group)))
-
-
-def _subgroup_override(backend: str, timeout: timedelta) -> tuple[str, Any] | None:
-    """(backend, a NEW options object carrying ``timeout``) for one mesh dimension's groups; None where
-    the backend has no options. Call it once per dimension: c10d writes each group's ranks and name
-    into its options object, so an object shared by several groups would be overwritten."""
-    names = {"gloo": ("ProcessGroupGloo", "_Options"), "nccl": ("ProcessGroupNCCL", "Options")}
-    try:
-        options = getattr(getattr(dist, names[backend][0]), names[backend][1])()
-        options._timeout = timeout
-    except (KeyError, AttributeError, RuntimeError):
-        return None
-    return backend, options
-
-
-def _init_default_group(backend: str, timeout: timedelta) -> None:
-    missing = [name for name in _LAUNCH_ENV if name not in os.environ]
-    if missing:
-        raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: "
-                           f"launch with torchrun, or call torch.distributed.init_process_group first")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timeout)
 
 
 def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
@@ -140,7 +63,7 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
     created = not dist.is_initialized()
     if created:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        world = int(os.environ.get("WORLD_SIZE", "0"))  # 0: unknown, _init_default_group explains
+        world = int(os.environ.get("WORLD_SIZE", "0"))  # 0: unknown, init_default_group explains
     else:
         existing, world = dist.get_backend(), dist.get_world_size()
         if backend is not None and backend != existing:
@@ -151,57 +74,15 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
         dp = resolve_dp(world, tp, cp, dp)
     timeout = timedelta(minutes=timeout_minutes)
     if created:
-        _init_default_group(backend, timeout)
+        init_default_group(backend, timeout)
     try:
         dp = resolve_dp(dist.get_world_size(), tp, cp, dp)
-        _STATE = _build_state(ParallelDims(tp=tp, cp=cp, dp=dp), backend, timeout, created, ulysses_size)
+        _STATE = build_state(ParallelDims(tp=tp, cp=cp, dp=dp), backend, timeout, created, ulysses_size)
     except BaseException:
         if created:
             dist.destroy_process_group()
         raise
     return _STATE
-
-
-def _subgroups(groups: Groups, backend: str, timeout: timedelta) -> AxisGroup:
-    """Create every group of ``groups`` (every rank creates all of them, in order) and return this rank's."""
-    mine = None
-    for ranks in groups:
-        override = _subgroup_override(backend, timeout)
-        group = dist.new_group(list(ranks), timeout=timeout, backend=backend,
-                               pg_options=override[1] if override else None)
-        if dist.get_rank() in ranks:
-            mine = AxisGroup(size=len(ranks), rank=ranks.index(dist.get_rank()), group=group, ranks=ranks)
-    assert mine is not None
-    return mine
-
-
-def _build_state(dims: ParallelDims, backend: str, timeout: timedelta, created: bool,
-                 ulysses: int = 1) -> ParallelState:
-    device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    per_dim = {name: _subgroup_override(backend, timeout) for name in dims.mesh_names}
-    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_names,
-                            backend_override=per_dim if per_dim["dp"] else None)
-    dp_cp_mesh = mesh[DATA_AXES]._flatten(DATA_AXIS, backend_override=_subgroup_override(backend, timeout))
-    tp_cp_mesh = mesh["cp", "tp"]._flatten("tp_cp", backend_override=_subgroup_override(backend, timeout))
-    shard_mesh = DeviceMesh.from_group([dp_cp_mesh.get_group(), mesh["tp"].get_group()], device_type,
-                                       mesh=torch.arange(dims.world).reshape(dims.data, dims.tp),
-                                       mesh_dim_names=(DATA_AXIS, "tp"))
-    cp_axis = _axis(mesh["cp"])
-    return ParallelState(
-        dims=dims, world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,
-        tp=_axis(mesh["tp"]), cp=cp_axis, dp=_axis(mesh["dp"]), dp_cp=_axis(dp_cp_mesh),
-        tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % dims.cp],
-        cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % dims.cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
-        tp_cp_mesh=tp_cp_mesh, shard_mesh=shard_mesh, owns_default_group=created,
-        **_hybrid_axes(dims, ulysses, backend, timeout))
-
-
-def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:
-    if ulysses == 1:
-        return {}
-    groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, ulysses)
-    return {"cp_ulysses": _subgroups(groups.cp_ulysses, backend, timeout),
-            "cp_ring": _subgroups(groups.cp_ring, backend, timeout)}
 
 
 def destroy_parallel() -> None:
@@ -211,7 +92,7 @@ def destroy_parallel() -> None:
     state, _STATE = _STATE, None
     if state is None:
         return
-    _forget_meshes()
+    forget_meshes()
     if state.owns_default_group:
         dist.destroy_process_group()
         return
@@ -221,17 +102,6 @@ def destroy_parallel() -> None:
         if axis is not None and axis.group is not default and id(axis.group) not in seen:
             seen.add(id(axis.group))
             dist.destroy_process_group(axis.group)
-
-
-def _forget_meshes() -> None:
-    """Clear DTensor's sharding-propagation caches: they compare meshes by shape and names, not by their groups,
-    so after a re-initialisation a DTensor op (``nn.Parameter(dtensor)``, say) could return a DTensor on the
-    old, destroyed groups. Private torch API: skipped where this torch lacks it."""
-    try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:
-        return
-    _clear_sharding_prop_cache()
 
 
 @contextmanager

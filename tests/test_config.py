@@ -8,7 +8,8 @@ import pytest
 
 import train as train_script
 from cp_train.cli import parse_config
-from cp_train.config import Config, ConfigError, build_config, dump_yaml, load_config
+from cp_train.config import Config, ConfigError, build_config, dump_yaml
+from cp_train.config_sources import load_config
 from cp_train.validate import validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"

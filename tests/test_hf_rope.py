@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_train.config import ConfigError, load_config
+from cp_train.config import ConfigError
+from cp_train.config_sources import load_config
 from cp_train.validate import validate
 from model.config import ModelConfig
 from model.rope import ROPE_TYPES, resolve_rope_scaling, rope_frequencies, rope_tables

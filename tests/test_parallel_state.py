@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from parallel import process_groups
 from parallel import state as ps
 from parallel.spawn import free_port
 from parallel.state import compute_rank_groups, initialize_parallel, rank_coordinates
@@ -121,8 +122,8 @@ def test_initialize_from_torchrun_env_owns_and_destroys_default_group(monkeypatc
         initialize_parallel(dp=2, backend="gloo")
     assert not dist.is_initialized(), "a size error must be raised before the default group is created"
     made = []  # every options object handed to DeviceMesh: c10d writes each group's ranks into its own
-    original = ps._subgroup_override
-    monkeypatch.setattr(ps, "_subgroup_override", lambda *args: made.append(original(*args)) or made[-1])
+    original = process_groups._subgroup_override
+    monkeypatch.setattr(process_groups, "_subgroup_override", lambda *args: made.append(original(*args)) or made[-1])
     try:
         state = initialize_parallel(backend="gloo", timeout_minutes=3)
         assert len(made) == 5 and len({id(options) for _, options in made}) == 5, "options objects are shared"

@@ -22,8 +22,9 @@ from torch.distributed.tensor import DTensor
 from cp_train import build
 from cp_train import trainer as trainer_module
 from cp_train.config import Config, build_config
+from cp_train.results import NonFiniteLossError
 from cp_train.sinks import METRICS_FILE
-from cp_train.trainer import NonFiniteLossError, Trainer
+from cp_train.trainer import Trainer
 from data.indexed import IndexedDatasetWriter
 from parallel.state import ParallelDims, ParallelState
 
