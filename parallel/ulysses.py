@@ -14,8 +14,6 @@ wholly on one rank stay there, and only the other rows take the all-to-all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -23,9 +21,7 @@ from parallel.attention_spec import AttentionSpec, CPGroups
 from parallel.cp_plan import CPPlan
 from parallel.ring_comm import RingComm, count_sent
 from parallel.ring_core import accumulator_dtype, ring_backward, ring_forward
-from parallel.ulysses_documents import UlyssesDocumentsAttention
-
-Pending = tuple[object, Callable[[], torch.Tensor]]  # (work, the result once it completed)
+from parallel.ulysses_documents import Pending, UlyssesDocumentsAttention
 
 
 def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, blocks: bool = False) -> Pending:

@@ -32,12 +32,13 @@ Pending = tuple[object, Callable[[], torch.Tensor]]  # (work, the result once it
 
 def _post_to_heads(x: torch.Tensor, rows: Selector, docs: UlyssesDocuments, group: dist.ProcessGroup
                    ) -> tuple[object, list[torch.Tensor]]:
-    """Start sending this rank's cross ``rows`` of ``x`` ``[B, n, h, D]`` (h over the ``u`` ranks) to their
-    head owners; the result is every rank's cross rows of this rank's ``h / u`` heads, one block per rank."""
+    """Start sending this rank's cross ``rows`` (on ``x``'s device) of ``x`` ``[B, n, h, D]`` (h over the ``u``
+    ranks) to their head owners; the result is every rank's cross rows of this rank's ``h / u`` heads, one
+    block per rank."""
     u = len(docs.counts)
     batch, _, heads, dim = x.shape
     split = x.unflatten(2, (u, heads // u)).permute(2, 0, 1, 3, 4)  # [u, B, n, h/u, D], a view
-    send = split[:, :, rows].contiguous() if isinstance(rows, slice) else split.index_select(2, rows.to(x.device))
+    send = split[:, :, rows].contiguous() if isinstance(rows, slice) else split.index_select(2, rows)
     sizes = [batch * count * (heads // u) * dim for count in docs.counts]
     recv = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
     BYTES_SENT["all_to_all"] += (send.numel() // u) * (u - 1) * send.element_size()
@@ -59,12 +60,23 @@ def _post_home(flat: torch.Tensor, shapes: list[tuple[int, ...]], rank: int, gro
     return work, lambda: recv.view(u, *own).movedim(0, 2).flatten(2, 3)
 
 
+def _cross_rows(plan: CPPlan, device: torch.device) -> Selector:
+    """This rank's cross rows for tensors on ``device`` (an index tensor is copied there once per plan)."""
+    rows = plan.documents.cross
+    if isinstance(rows, slice):
+        return rows
+    key = ("cross", str(device))
+    if key not in plan.cache:
+        plan.cache[key] = rows.to(device)
+    return plan.cache[key]
+
+
 def _put(target: torch.Tensor, rows: Selector, value: torch.Tensor) -> None:
-    """``target[:, rows] = value`` for a slice or an index tensor of rows."""
+    """``target[:, rows] = value`` for a slice or an index tensor of rows (on ``target``'s device)."""
     if isinstance(rows, slice):
         target[:, rows] = value
     else:
-        target.index_copy_(1, rows.to(target.device), value.to(target.dtype))
+        target.index_copy_(1, rows, value.to(target.dtype))
 
 
 def _flat_blocks(counts: tuple[int, ...], batch: int, tail: tuple[int, ...], dtype: torch.dtype,
@@ -96,9 +108,10 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
         q_step, kv_step = heads // chunks, k.shape[2] // chunks
         acc = accumulator_dtype(q.dtype)
         travels = sum(docs.counts) > 0
+        cross = _cross_rows(plan, q.device)
 
         def post(c: int) -> list[tuple[object, list[torch.Tensor]]]:
-            return [_post_to_heads(x[:, :, c * w:(c + 1) * w], docs.cross, docs, group)
+            return [_post_to_heads(x[:, :, c * w:(c + 1) * w], cross, docs, group)
                     for x, w in ((q, q_step), (k, kv_step), (v, kv_step))]
 
         out = torch.empty(batch, rows, heads, dim, dtype=q.dtype, device=q.device)
@@ -127,7 +140,7 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
             back.append(((slice(c * q_step, (c + 1) * q_step),) * 2,
                          [_post_home(out_flat, shapes, rank, group),
                           _post_home(lse_flat, [s[:3] for s in shapes], rank, group)]))
-        _land(back, (out, lse), docs.cross)
+        _land(back, (out, lse), cross)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.received = saved
         ctx.group, ctx.spec, ctx.plan, ctx.chunks, ctx.shapes = group, spec, plan, chunks, (shape, kv_shape)
@@ -152,9 +165,10 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
         dk = torch.empty(batch, rows, kv_heads, dim, dtype=dout.dtype, device=dout.device)
         dv = torch.empty_like(dk)
         travels = sum(docs.counts) > 0
+        cross = _cross_rows(plan, dout.device)
 
         def post(c: int) -> tuple[object, list[torch.Tensor]]:
-            return _post_to_heads(dout[:, :, c * q_step:(c + 1) * q_step], docs.cross, docs, group)
+            return _post_to_heads(dout[:, :, c * q_step:(c + 1) * q_step], cross, docs, group)
 
         pending = post(0) if travels else None
         if docs.home is not None:
@@ -183,6 +197,6 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
                          [_post_home(dq_flat.to(dout.dtype), q_shapes, rank, group),
                           _post_home(dk_flat.to(dout.dtype), kv_shapes, rank, group),
                           _post_home(dv_flat.to(dout.dtype), kv_shapes, rank, group)]))
-        _land(back, (dq, dk, dv), docs.cross)
+        _land(back, (dq, dk, dv), cross)
         ctx.received = None
         return dq.view(q_shape), dk.view(kv_shape), dv.view(kv_shape), None, None, None, None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.attention_plan import RankPlan, Selector, StepPlan
-from parallel.mask_segments import runs, visible_intervals
+from parallel.mask_segments import Segment, runs, visible_intervals
 
 TOLERANCE = (102, 100)  # the busiest rank's work may exceed the mean by 2%
 
@@ -45,7 +45,7 @@ class UlyssesDocuments:
 
 def document_work(rows: int, causal: bool) -> int:
     """Query-key pairs of one document of ``rows`` tokens."""
-    return rows * (rows + 1) // 2 if causal else rows * rows
+    return Segment((0, rows), (0, rows), causal).area
 
 
 Choice = dict[int, int]  # document -> the rank that attends it at home
