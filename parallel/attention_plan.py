@@ -15,6 +15,7 @@ of the batch (``packed=False``), or, when samples differ, the batch folded into 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -85,6 +86,22 @@ class RankPlan:
         """max / mean of the ranks' mask areas (1.0: perfectly balanced)."""
         mean = sum(self.areas) / len(self.areas)
         return max(self.areas) / mean if mean else 1.0
+
+    def on_device(self, device: torch.device) -> RankPlan:
+        """This plan with its index selectors (``kv_send``, ``grad_grow``, ``home``) on ``device``: made once per
+        device and cached, so the ring's hops index on the device without a host copy (on CUDA a copy from
+        host memory waits for the stream). On CPU the plan itself."""
+        if device.type == "cpu":
+            return self
+        key = ("plan", str(device))
+        if key not in self.cache:
+            def move(rows: Selector) -> Selector:
+                return rows.to(device) if isinstance(rows, torch.Tensor) else rows
+
+            steps = tuple(dataclasses.replace(step, kv_send=move(step.kv_send), grad_grow=move(step.grad_grow))
+                          for step in self.steps)
+            self.cache[key] = dataclasses.replace(self, steps=steps, home=move(self.home))
+        return self.cache[key]
 
 
 def _segments(keys: torch.Tensor, docs: torch.Tensor, span: int, causal: bool) -> list[list[list[Segment]]]:

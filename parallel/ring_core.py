@@ -52,7 +52,8 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def pick(x: torch.Tensor, rows: Selector) -> torch.Tensor:
-    """Rows ``rows`` (dim 1) of a compacted store: a view for a slice, a gathered copy for an index."""
+    """Rows ``rows`` (dim 1) of a compacted store: a view for a slice, a gathered copy for an index (on
+    ``x``'s device: ``RankPlan.on_device``; the ``to`` is then free)."""
     if isinstance(rows, slice):
         return x[:, rows]
     return x.index_select(1, rows.to(x.device))
@@ -109,6 +110,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
                  plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the ring: returns out [B, n, H, D] (accumulator dtype) and lse [B, n, H]."""
     shape = q.shape
+    plan = plan.on_device(q.device)
     q, k, v = plan_rows(q, plan), plan_rows(k, plan), plan_rows(v, plan)
     batch, n, heads, dim = q.shape
     group_size = heads // k.shape[2]
@@ -204,6 +206,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype."""
     q_shape, kv_shape = q.shape, k.shape
+    plan = plan.on_device(q.device)
     dout, q, k, v, out, lse = (plan_rows(x, plan) for x in (dout, q, k, v, out, lse))
     batch, n, heads, dim = q.shape
     kv_heads = k.shape[2]

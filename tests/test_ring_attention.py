@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.attention_plan import plan_for_layout
+from parallel.attention_plan import plan_for_documents, plan_for_layout
 from parallel.attention_spec import AttentionSpec
 from parallel.cp_attention import context_parallel_attention
 from parallel.kernels import MathKernel, select_kernel
-from parallel.layout import STATIC_LAYOUTS
+from parallel.layout import STATIC_LAYOUTS, sequence_positions
 from parallel.package_api import zigzag_ring_flash_attn_func
 from tests import ring_cases
 from tests.numerics import rel_err
@@ -147,6 +147,27 @@ def test_transfers_carry_only_the_rows_still_needed() -> None:
     # the travelling dK/dV covers the rows used so far: block 1 after rank 2 (half), after ranks 2, 3, 0 (all)
     assert carried("zigzag", True, 2)[1] == n // 2 and carried("zigzag", True, 0)[3] == n
     assert carried("contiguous", True, 0)[1] == 0  # block 3 is used by nobody after rank 3
+
+
+def test_plan_index_selectors_move_to_the_device_once() -> None:
+    """Packed documents give index selectors; the ring reads them from a per-device copy of the plan (no
+    host-to-device copy per hop), made once; on CPU the plan is itself."""
+    world, n = 4, 16
+    positions = torch.stack([sequence_positions(n * world, r, world, "zigzag") for r in range(world)])[:, None]
+    plan = plan_for_documents(torch.bucketize(positions, torch.tensor([5, 20, 23, 40, 51])), positions, 1, True)
+    selectors = [plan.home, *(s for step in plan.steps for s in (step.kv_send, step.grad_grow))]
+    assert any(isinstance(s, torch.Tensor) for s in selectors)
+    assert plan.on_device(torch.device("cpu")) is plan
+    moved = plan.on_device(torch.device("meta"))
+    assert moved is plan.on_device(torch.device("meta"))
+    moved_selectors = [moved.home, *(s for step in moved.steps for s in (step.kv_send, step.grad_grow))]
+    for before, after in zip(selectors, moved_selectors, strict=True):
+        if isinstance(before, torch.Tensor):
+            assert after.device.type == "meta" and after.shape == before.shape
+        else:
+            assert after == before
+    assert [step.calls for step in moved.steps] == [step.calls for step in plan.steps]
+    assert all(s.device.type == "cpu" for s in selectors if isinstance(s, torch.Tensor))  # the plan is untouched
 
 
 
