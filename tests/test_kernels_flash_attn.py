@@ -20,6 +20,7 @@ from parallel.attention_plan import plan_for_layout
 from parallel.attention_spec import AttentionSpec
 from parallel.flash_attn_api import FlashAttn2, FlashAttn3, flash_attn_call_form, parameter_names
 from parallel.ring_core import ring_backward, ring_forward
+from tests import fa3_standins
 from tests import flash_attn_standins as standins
 from tests.numerics import rel_err
 
@@ -79,7 +80,7 @@ def test_flash_attn_calls_bind_and_unpack(version: str) -> None:
 
 @pytest.mark.parametrize("form", ["custom_op", "plain"])
 def test_fa3_flash_attn_interface_calls_bind_and_unpack(form: str) -> None:
-    kernel = FlashAttn3.load(standins.fa3_interface(form), deterministic=True)
+    kernel = FlashAttn3.load(fa3_standins.fa3_interface(form), deterministic=True)
     expected = "is_causal" if form == "custom_op" else "causal"
     assert kernel.causal_name == expected
     standins.CALLS.clear()
@@ -139,7 +140,7 @@ def test_flash_attn_is_chosen_on_cuda_when_it_imports(fresh_selection) -> None:
     assert kernels.select_kernel(cuda, torch.float32, 64).name == "torch efficient"  # flash-attn is fp16/bf16 only
     assert kernels.select_kernel(cuda, torch.bfloat16, 320).name == "torch efficient"  # head_dim > 256
     fresh_selection.setattr(kernels, "cuda_capability", lambda device: (9, 0))
-    _install(fresh_selection, "flash_attn_interface", standins.fa3_interface("custom_op"))
+    _install(fresh_selection, "flash_attn_interface", fa3_standins.fa3_interface("custom_op"))
     kernels._import_fa3.cache_clear()  # "not installed" was remembered above
     assert kernels.select_kernel(torch.device("cuda", 1), torch.float16, 128).name == "fa3"
 
@@ -188,4 +189,4 @@ def test_flash_attn_varlen_calls_bind_and_unpack(version: str) -> None:
 
 @pytest.mark.parametrize("form", ["custom_op", "plain"])
 def test_fa3_flash_attn_interface_varlen_calls_bind_and_unpack(form: str) -> None:
-    _check_varlen(FlashAttn3.load(standins.fa3_interface(form)))
+    _check_varlen(FlashAttn3.load(fa3_standins.fa3_interface(form)))
