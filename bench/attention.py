@@ -18,7 +18,10 @@ round's baseline and cases alike) and reports medians of the per-round figures, 
 
 Timings run with glibc's default malloc (freed buffers reused, as in training); the memory peaks come from
 a second set of ranks started with a 64 KiB mmap threshold, so that RSS follows live memory (one warm-up,
-one measured iteration). Columns: ``ratio`` is time over the local run's; ``mem_ratio`` added memory per
+one measured iteration). Columns: ``ratio`` is time over the local run's; ``kernel_ratio`` (``kernels/local``)
+the busiest rank's time inside attention kernel calls over the local run's time, so ``ratio -
+kernel_ratio`` is what the slowest rank adds outside its kernels (merges, accumulators, copies, waiting
+for transfers and for the other ranks); ``mem_ratio`` added memory per
 rank (peak RSS minus the RSS before the call) over the local run's; ``vs_1doc`` time over the same case
 with one document; ``imbalance`` the busiest rank's share of the mask over the mean (see
 ``bench/balance.py``); ``sent MB`` what one rank sends per iteration (collectives counted as the share a
@@ -53,12 +56,15 @@ def run_case(worlds: tuple[SpawnedWorld, SpawnedWorld], args: argparse.Namespace
     peaks = memory.run(time_case, case, shape, documents, fwd_only, 1, 1, args.head_chunks, args.ulysses_size)
     iteration = [max(r["times"][i] for r in per_rank) for i in range(args.repeats)]  # the slowest rank's
     seconds = median(iteration)
+    kernels = [max(r["kernel_times"][i] for r in per_rank) for i in range(args.repeats)
+               ] if per_rank[0]["kernel_times"] else None  # the busiest rank's time inside kernel calls
     area = per_rank[0]["area"] or shape["batch"] * shape["seqlen"] * (shape["seqlen"] + 1) // 2
     if not shape["causal"] and per_rank[0]["area"] is None:
         area = shape["batch"] * shape["seqlen"] ** 2
     flops = 4.0 * area * shape["heads"] * shape["head_dim"] * (1.0 if fwd_only else 3.5)
     return {"case": case, "world": timing.world, "threads_per_rank": timing.threads, "documents": documents,
             **shape, "fwd_only": fwd_only, "ms_per_iter": 1000.0 * seconds,
+            "kernel_ms": None if kernels is None else 1000.0 * median(kernels),
             "peak_mb_per_rank": max(r["added_mb"] for r in peaks), "tflops": flops / seconds / 1e12,
             "sent_mb_per_rank": max(r["sent_mb"] for r in per_rank), "imbalance": per_rank[0]["imbalance"]}
 
@@ -81,6 +87,8 @@ def one_round(args: argparse.Namespace, shape: dict, cases: list[str], fwd_only:
                     record = run_case((timing, memory), args, shape, case, documents, fwd_only)
                     record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
                     record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
+                    if record["kernel_ms"] is not None:
+                        record["kernel_ratio"] = record["kernel_ms"] / baseline["ms_per_iter"]
                     records.append(record)
         for record in records[records.index(baseline):]:
             key = (record["case"], record["world"])
@@ -97,7 +105,7 @@ def combine(rounds: list[list[dict]]) -> list[dict]:
     combined = []
     for same in zip(*rounds, strict=True):
         record = dict(same[0], rounds=len(same))
-        for key in ("ms_per_iter", "peak_mb_per_rank", "ratio", "mem_ratio", "vs_1doc"):
+        for key in ("ms_per_iter", "kernel_ms", "peak_mb_per_rank", "ratio", "kernel_ratio", "mem_ratio", "vs_1doc"):
             if same[0].get(key) is not None:
                 record[key] = median([r[key] for r in same])
         record["tflops"] = same[0]["tflops"] * same[0]["ms_per_iter"] / record["ms_per_iter"]
@@ -145,6 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    ("documents", "docs", text), ("fwd_only", "fwd_only", text), ("ms_per_iter", "ms/iter", num(1)),
                    ("peak_mb_per_rank", "peak MB/rank", num(1)), ("tflops", "TFLOP/s", num(4)),
                    ("ratio", "ring/local", num(3)), ("ratio_min", "min", num(3)), ("ratio_max", "max", num(3)),
+                   ("kernel_ratio", "kernels/local", num(3)),
                    ("mem_ratio", "mem ring/local", num(3)),
                    ("sent_mb_per_rank", "sent MB/rank", num(1)), ("vs_1doc", "vs 1 doc", num(3)),
                    ("imbalance", "imbalance", num(3))])

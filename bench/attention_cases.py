@@ -9,6 +9,7 @@ Plans are built before the timed iterations, as the model builds one per batch f
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from bench.common import median, peak_memory_mb, reset_peak_memory
 from parallel.attention_spec import CPGroups
 from parallel.balanced_layout import balanced_positions
-from parallel.cp_attention import attention_plan, context_parallel_attention
+from parallel.cp_attention import attention_plan, context_parallel_attention, make_spec
 from parallel.layout import sequence_positions
 from parallel.rank_groups import compute_rank_groups
 from parallel.ring_comm import BYTES_SENT
@@ -84,6 +85,28 @@ def _torch_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
     return TorchRing.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
+class TimedKernel:
+    """An attention kernel that adds the seconds spent in its calls to ``seconds`` (everything else delegated)."""
+
+    TIMED = ("forward", "backward", "varlen_forward", "varlen_backward")
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.seconds = kernel, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.kernel, name)
+        if name not in self.TIMED:
+            return attribute
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
 def _groups(algorithm: str, ulysses: int) -> CPGroups:
     """The world as the CP group (with hybrid's Ulysses and ring subgroups)."""
     if algorithm != "hybrid":
@@ -123,6 +146,13 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
         positions if masked else None, algorithm if ":" in case else "ring")
     for x in (q, k, v):
         x.requires_grad_(not fwd_only)
+    ours = case != "torch_cp" and not (case == "local" and one_document)
+    spec, timed = None, None
+    if ours:  # our own call path: time its kernel calls too
+        spec = make_spec(q, k, algorithm if ":" in case else "ring", layout, causal, head_chunks=head_chunks,
+                         plan=plan)
+        timed = TimedKernel(spec.kernel)
+        spec = dataclasses.replace(spec, kernel=timed)
 
     def step() -> None:
         with torch.set_grad_enabled(not fwd_only):
@@ -133,26 +163,29 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
                                                      is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
                 out = out.transpose(1, 2)
             else:
-                out = context_parallel_attention(q, k, v, group, layout, causal, head_chunks=head_chunks, plan=plan,
-                                                 algorithm=algorithm if ":" in case else "ring")
+                out = context_parallel_attention(q, k, v, group, layout, causal, plan=plan, spec=spec)
             if not fwd_only:
                 out.backward(dout)
         for x in (q, k, v):
             x.grad = None
 
-    times, added, sent = [], [], 0
+    times, kernel_times, added, sent = [], [], [], 0
     for index in range(warmup + repeats):
         if world > 1:
             dist.barrier()
         base = reset_peak_memory()
         before = sum(BYTES_SENT.values())
+        if timed is not None:
+            timed.seconds = 0.0
         start = time.perf_counter()
         step()
         elapsed = time.perf_counter() - start
         if index >= warmup:
             times.append(elapsed)
+            if timed is not None:
+                kernel_times.append(timed.seconds)
             added.append(peak_memory_mb() - base)
             sent = sum(BYTES_SENT.values()) - before
     area = None if plan is None else sum(plan.areas) * batch ** (not plan.packed)
-    return {"times": times, "added_mb": median(added), "area": area, "sent_mb": sent / 2**20,
-            "imbalance": None if plan is None else plan.imbalance}
+    return {"times": times, "kernel_times": kernel_times, "added_mb": median(added), "area": area,
+            "sent_mb": sent / 2**20, "imbalance": None if plan is None else plan.imbalance}
