@@ -24,33 +24,26 @@ from parallel.ring_core import accumulator_dtype, ring_backward, ring_forward
 from parallel.ulysses_documents import Pending, UlyssesDocumentsAttention
 
 
-def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, blocks: bool = False) -> Pending:
-    """Start ``[B, n, h, D]`` (this rank's tokens) -> ``[B, u*n, h/u, D]`` (the group's tokens, rank by rank),
-    or with ``blocks`` the received ``[u, B, n, h/u, D]`` as it lands (no copy)."""
+def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Start ``[B, n, h, D]`` (this rank's tokens) -> ``[B, u*n, h/u, D]`` (the group's tokens, rank by rank)."""
     u = dist.get_world_size(group)
     batch, n, heads, dim = x.shape
     send = x.reshape(batch, n, u, heads // u, dim).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     count_sent("all_to_all", send, (u - 1) / u)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    if blocks:
-        return work, lambda: recv
     return work, lambda: recv.permute(1, 0, 2, 3, 4).reshape(batch, u * n, heads // u, dim)
 
 
-def _post_blocks_to_seq(send: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """Start ``[u, B, n, h, ...]`` (block j: rank j's tokens) -> ``[B, n, u*h, ...]`` (this rank's tokens)."""
-    recv = torch.empty_like(send)
-    count_sent("all_to_all", send, (send.shape[0] - 1) / send.shape[0])
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    return work, lambda: recv.movedim(0, 2).flatten(2, 3)
-
-
 def _post_heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """Start the inverse: ``[B, u*n, h, ...]`` -> ``[B, n, u*h, ...]``."""
+    """Start the inverse: ``[B, u*n, h, ...]`` -> ``[B, n, u*h, ...]`` (block j of the rows goes to rank j)."""
     u = dist.get_world_size(group)
     batch, rows = x.shape[:2]
-    return _post_blocks_to_seq(x.reshape(batch, u, rows // u, *x.shape[2:]).transpose(0, 1).contiguous(), group)
+    send = x.reshape(batch, u, rows // u, *x.shape[2:]).transpose(0, 1).contiguous()  # [u, B, n, h, ...]
+    recv = torch.empty_like(send)
+    count_sent("all_to_all", send, (u - 1) / u)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return work, lambda: recv.movedim(0, 2).flatten(2, 3)
 
 
 def _done(pending: Pending) -> torch.Tensor:
