@@ -110,8 +110,12 @@ class MetricsSinks:
             drop_records_after(run_dir / METRICS_FILE, first_step)
         self.jsonl = open(run_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
         if use_wandb and wandb_mode(mode) != "disabled":
-            import wandb  # slow import: only when used
-
+            try:
+                import wandb  # slow import: only when used
+            except ImportError:  # a declared dependency, but machines without it should still train
+                self.message("wandb is not installed: metrics go to metrics.jsonl only "
+                             "(pip install wandb, or set logging.wandb=false to silence this)")
+                return
             self.wandb_run = wandb.init(
                 project=project, name=run_name, dir=str(run_dir), mode=wandb_mode(mode),
                 group=f"tp{layout['tp']}-cp{layout['cp']}-dp{layout['dp']}-seq{layout['seq_len']}",

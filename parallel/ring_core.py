@@ -262,7 +262,7 @@ def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: Grads, like
     if rows == 0:
         return []
     if not arriving and len(grads) == 1 and _covers(grads[0][2], rows) and grads[0][0].dtype == like.dtype:
-        return [grads[0][0], grads[0][1]]  # the first contribution covers every row: send it as it is
+        return [g.contiguous() for g in grads[0][:2]]  # the first contribution covers every row: send it as it is
     if arriving and arriving[0].shape[1] == rows:
         total = arriving
     else:

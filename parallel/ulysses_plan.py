@@ -84,10 +84,11 @@ def _capped(whole: list[list[int]], work: dict[int, int], rows: dict[int, int],
     """Every rank keeps its least-work documents up to a common cap on its home work: the cap that fits and
     keeps the most rows (a cap of 0 always fits)."""
     prefix = [list(itertools.accumulate((work[d] for d in docs), initial=0)) for docs in whole]
+    row_prefix = [list(itertools.accumulate((rows[d] for d in docs), initial=0)) for docs in whole]
     best, best_rows = (0,) * len(whole), 0
     for cap in sorted({w for sums in prefix for w in sums}, reverse=True):
         kept = tuple(bisect.bisect_right(sums, cap) - 1 for sums in prefix)
-        staying = sum(rows[d] for docs, n in zip(whole, kept, strict=True) for d in docs[:n])
+        staying = sum(counts[n] for counts, n in zip(row_prefix, kept, strict=True))
         if staying > best_rows and fits([sums[n] for sums, n in zip(prefix, kept, strict=True)]):
             best, best_rows = kept, staying
     return {d: rank for rank, (docs, n) in enumerate(zip(whole, best, strict=True)) for d in docs[:n]}

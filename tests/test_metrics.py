@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -106,6 +107,18 @@ def test_sinks_write_jsonl_and_console_lines(tmp_path) -> None:
     silent = MetricsSinks(False, tmp_path / "other", "x", 1, 0, {}, {}, False, "p", None)
     silent.log(records[0])
     assert not (tmp_path / "other").exists()
+
+
+def test_sinks_without_wandb_installed_log_to_jsonl_with_one_line(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    stream = io.StringIO()
+    sinks = MetricsSinks(True, tmp_path, "run", 1, 0, {}, {"tp": 1, "cp": 1, "dp": 1, "seq_len": 8}, use_wandb=True,
+                         project="p", mode="offline", stream=stream)
+    sinks.log({"kind": "eval", "step": 1, "loss": 1.5, "perplexity": 4.48})
+    sinks.close()
+    assert sinks.wandb_run is None and [r["step"] for r in read_records(tmp_path)] == [1]
+    assert stream.getvalue().splitlines()[0] == ("[cp-train] wandb is not installed: metrics go to metrics.jsonl only "
+                                                 "(pip install wandb, or set logging.wandb=false to silence this)")
 
 
 def test_console_line_and_bar() -> None:

@@ -11,6 +11,7 @@ from parallel.cp_attention import context_parallel_attention
 from parallel.kernels import MathKernel, select_kernel
 from parallel.layout import STATIC_LAYOUTS, sequence_positions
 from parallel.package_api import zigzag_ring_flash_attn_func
+from parallel.ring_core import _accumulate
 from tests import ring_cases
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
@@ -168,6 +169,18 @@ def test_plan_index_selectors_move_to_the_device_once() -> None:
             assert after == before
     assert [step.calls for step in moved.steps] == [step.calls for step in plan.steps]
     assert all(s.device.type == "cpu" for s in selectors if isinstance(s, torch.Tensor))  # the plan is untouched
+
+
+
+def test_a_strided_first_accumulator_travels_contiguous() -> None:
+    """The dK/dV a step sends on as the kernel returned them must be contiguous (NCCL refuses strided
+    tensors; the float64 math kernel returns strided gradients)."""
+    step = plan_for_layout("contiguous", False, 2, 0, 8).steps[1]
+    assert step.grad_rows[0] == 8
+    dk, dv = (torch.randn(1, 2, 8, 4, dtype=torch.float64).transpose(1, 2) for _ in range(2))  # [1, 8, 2, 4], strided
+    sent = _accumulate([], step, [(dk, dv, (0, 8))], torch.empty(1, 8, 2, 4, dtype=torch.float64))
+    assert all(x.is_contiguous() for x in sent)
+    assert torch.equal(sent[0], dk) and torch.equal(sent[1], dv)
 
 
 
