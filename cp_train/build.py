@@ -28,6 +28,7 @@ from model import GPTModel
 from model.hf import load_llama_weights
 from model.meta import allocate, materialize, meta_model
 from model.shards import full_shape, local_tensor
+from parallel.cp_plan import SamplePlanner
 from parallel.state import ParallelState
 
 
@@ -144,17 +145,19 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
 
 
 def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, consumed_samples: int,
-                 device: torch.device) -> StepLoader:
+                 device: torch.device, planner: SamplePlanner | None = None) -> StepLoader:
     """This rank's loader: DP rank's samples from ``consumed_samples`` on, CP slice in the model's layout.
 
     On CUDA the batches are prefetched by worker processes (``data.num_workers``, default 2) into
-    pinned memory, so the trainer's non-blocking copy overlaps the GPU's work."""
+    pinned memory, so the trainer's non-blocking copy overlaps the GPU's work; with a ``planner``
+    (``GPTModel.sample_planner``) each micro-batch's attention plan is made there too."""
     cuda = device.type == "cuda"
     workers = config.data.num_workers if config.data.num_workers is not None else (2 if cuda else 0)
     return build_data_loader(dataset, config.train.micro_batch_size, config.train.global_batch_size,
                              dp_rank=state.dp.rank, dp_size=state.dp.size, cp_rank=state.cp.rank,
                              cp_size=state.cp.size, layout=config.parallel.cp_layout,
-                             consumed_samples=consumed_samples, num_workers=workers, pin_memory=cuda)
+                             consumed_samples=consumed_samples, num_workers=workers, pin_memory=cuda,
+                             planner=planner)
 
 
 BUILD_ON_META = True  # False: build the full model on the device first (the tests compare both builds)

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,11 +41,12 @@ from cp_train.rng import derived_seed, seed_everything
 from cp_train.sinks import MetricsSinks
 from cp_train.state_bytes import setup_record
 from cp_train.validate import check_parallel_state, validate
+from data.loader import ATTENTION_PLAN
 from model import model_flops_per_token
 from parallel.cp_plan import CPPlan
 from parallel.state import ParallelState
 
-MicroBatch = dict[str, torch.Tensor]
+MicroBatch = dict[str, Any]  # per-token tensors [B, local_seqlen], and the loader's ATTENTION_PLAN
 
 
 class Trainer:
@@ -84,7 +86,8 @@ class Trainer:
         if resume is not None:
             consumed = self._load(resume)
         self.train_data, self.valid_data = build.build_datasets(config, self.sources, state)
-        self.loader = build.build_loader(config, self.train_data, state, consumed, self.device)
+        self.planner = self.model.sample_planner() if config.data.document_mask else None
+        self.loader = build.build_loader(config, self.train_data, state, consumed, self.device, self.planner)
         self.grad_callback: Callable[[int], None] | None = None  # called after the gradient sum (tests)
         self._last_saved = self.step if resume is not None else -1
 
@@ -115,7 +118,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ step
     def _to_device(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-        return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        return [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+                for mb in micro_batches]
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -126,7 +130,9 @@ class Trainer:
         """Per-token losses of one micro-batch (attention per document when ``data.document_mask``) and the
         attention plan they used (None without a ring)."""
         documents = mb["document_ids"] if self.config.data.document_mask else None
-        plan = self.model.attention_plan(mb["tokens"].shape[1], documents, mb["position_ids"])
+        plan = mb.get(ATTENTION_PLAN)  # made by the loader (with the document mask)
+        if plan is None:
+            plan = self.model.attention_plan(mb["tokens"].shape[1], documents, mb["position_ids"])
         losses = self.module(mb["tokens"], mb["position_ids"], labels=mb["labels"], document_ids=documents, plan=plan)
         return losses, plan
 
@@ -182,7 +188,7 @@ class Trainer:
         """Mean loss over the validation batches (exact over DP x CP), or NaN without a validation split."""
         if self.valid_data is None:
             return float("nan")
-        loader = build.build_loader(self.config, self.valid_data, self.state, 0, self.device)
+        loader = build.build_loader(self.config, self.valid_data, self.state, 0, self.device, self.planner)
         self.module.eval()
         local_sum, local_tokens = 0.0, 0.0
         for micro_batches in loader:

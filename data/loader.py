@@ -11,7 +11,7 @@ layout it resumes with.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +19,9 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from data.gpt_dataset import PER_TOKEN_KEYS
 from parallel.balanced_layout import balanced_positions
-from parallel.layout import LAYOUTS, check_layout, shard_sequence
+from parallel.layout import LAYOUTS, check_layout, sequence_positions, shard_sequence
+
+ATTENTION_PLAN = "attention_plan"  # a micro-batch's key for its attention plan (built by the collate's planner)
 
 
 def slice_for_context_parallel(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
@@ -121,15 +123,39 @@ class _MicroBatches:
             yield from step
 
 
+def rank_positions(document_ids: torch.Tensor, cp_size: int, layout: str) -> torch.Tensor:
+    """Which sequence positions every CP rank keeps of each row of ``document_ids`` ``[B, seq_len]``:
+    ``[cp_size, B, seq_len // cp_size]`` (``slice_for_context_parallel``'s choice, for every rank at once)."""
+    batch, seq_len = document_ids.shape
+    if cp_size == 1:
+        return torch.arange(seq_len).expand(1, batch, -1)
+    if layout == "balanced":
+        return torch.stack([balanced_positions(row, cp_size) for row in document_ids], dim=1)
+    every = torch.stack([sequence_positions(seq_len, r, cp_size, layout) for r in range(cp_size)])
+    return every[:, None].expand(cp_size, batch, -1)
+
+
 class CollateForContextParallel:
-    """Stack samples into a micro-batch (``[B, seq_len]``), then keep this CP rank's slice."""
+    """Stack samples into a micro-batch (``[B, seq_len]``), then keep this CP rank's slice.
 
-    def __init__(self, cp_rank: int, cp_size: int, layout: str) -> None:
-        self.cp_rank, self.cp_size, self.layout = cp_rank, cp_size, layout
+    With a ``planner`` (``parallel.cp_plan.SamplePlanner``) the micro-batch also carries, under
+    ``ATTENTION_PLAN``, the per-document attention plan built from every CP rank's ``document_ids`` and
+    ``position_ids`` (``[cp, B, seq_len // cp]``, rank order), here where the whole sample is at hand."""
 
-    def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return slice_for_context_parallel(default_collate(samples), self.cp_rank, self.cp_size,
-                                          self.layout)
+    def __init__(self, cp_rank: int, cp_size: int, layout: str,
+                 planner: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> None:
+        self.cp_rank, self.cp_size, self.layout, self.planner = cp_rank, cp_size, layout, planner
+
+    def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        batch = default_collate(samples)
+        if self.planner is None:
+            return slice_for_context_parallel(batch, self.cp_rank, self.cp_size, self.layout)
+        index = rank_positions(batch["document_ids"], self.cp_size, self.layout)
+        every = {key: torch.gather(batch[key].expand(self.cp_size, *batch[key].shape), 2, index)
+                 for key in PER_TOKEN_KEYS if key in batch}
+        out = {key: every[key][self.cp_rank] if key in every else value for key, value in batch.items()}
+        out[ATTENTION_PLAN] = self.planner(every["document_ids"], every["position_ids"])
+        return out
 
 
 class StepLoader:
@@ -163,12 +189,14 @@ class StepLoader:
 def build_data_loader(dataset: Dataset, micro_batch_size: int, global_batch_size: int,
                       dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
                       layout: str = "zigzag", consumed_samples: int = 0,
-                      num_workers: int = 0, pin_memory: bool = False) -> StepLoader:
+                      num_workers: int = 0, pin_memory: bool = False,
+                      planner: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> StepLoader:
     """A ``StepLoader`` over ``dataset`` for one (DP rank, CP rank).
 
     Micro-batch tensors are ``[micro_batch_size, seq_len // cp_size]`` (per-token keys). With
     ``num_workers`` > 0, worker processes prepare the next micro-batches while the current step
     runs; ``pin_memory`` puts them in page-locked memory so the copy to a GPU can be asynchronous.
+    ``planner``: see ``CollateForContextParallel`` (the plan is then made in the workers too).
     Raises ``ValueError`` early when ``seq_len`` does not split over ``cp_size`` for ``layout``
     or the batch sizes do not divide.
     """
@@ -185,6 +213,6 @@ def build_data_loader(dataset: Dataset, micro_batch_size: int, global_batch_size
     sampler = DataParallelSampler(total, micro_batch_size, global_batch_size, dp_rank, dp_size,
                                   consumed_samples)
     loader = DataLoader(dataset, batch_sampler=_MicroBatches(sampler), num_workers=num_workers,
-                        collate_fn=CollateForContextParallel(cp_rank, cp_size, layout),
+                        collate_fn=CollateForContextParallel(cp_rank, cp_size, layout, planner),
                         pin_memory=pin_memory, persistent_workers=False)
     return StepLoader(sampler, loader)

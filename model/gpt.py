@@ -24,7 +24,7 @@ from model.config import ModelConfig, param_seed
 from model.rope import rope_tables
 from parallel.attention_spec import CPGroups, canonical_algorithm, check_heads
 from parallel.cp_attention import as_groups, attention_plan
-from parallel.cp_plan import CPPlan
+from parallel.cp_plan import CPPlan, SamplePlanner
 from parallel.layout import sequence_positions
 from parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -114,6 +114,11 @@ class GPTModel(nn.Module):
         layout = self.cp_layout if self.cp_size > 1 else "contiguous"
         return attention_plan(self.cp_groups, layout, True, local_len, document_ids, position_ids,
                               self.cp_algorithm)
+
+    def sample_planner(self) -> SamplePlanner:
+        """``attention_plan`` for a data loader that holds whole samples (``data.loader``): the same plan, made
+        from every CP rank's document ids without communication."""
+        return SamplePlanner(self.cp_algorithm, self.cp_size, self.cp_rank, self.cp_groups.ulysses_size)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,

@@ -160,4 +160,26 @@ def build_cp_plan(algorithm: str, groups: CPGroups, layout: str, causal: bool, l
             return None
         return _static_plan(algorithm, layout, causal, world, groups.ulysses_size, rank, local_len)
     docs, positions = gather_mask_inputs(document_ids, position_ids, groups.cp, layout)
-    return _plan(algorithm if world > 1 else "ring", _tokens(docs, positions), rank, groups.ulysses_size, causal)
+    return plan_from_gathered(algorithm, world, rank, groups.ulysses_size, causal, docs, positions)
+
+
+def plan_from_gathered(algorithm: str, world: int, rank: int, ulysses: int, causal: bool, docs: torch.Tensor,
+                       positions: torch.Tensor) -> CPPlan:
+    """``build_cp_plan`` from every CP rank's ``docs`` and ``positions`` ``[world, B, n]`` (int64, CPU, rank
+    order): what the all-gather would return. No communication."""
+    return _plan(algorithm if world > 1 else "ring", _tokens(docs, positions), rank, ulysses, causal)
+
+
+@dataclass(frozen=True)
+class SamplePlanner:
+    """Builds CP rank ``rank``'s plan where the whole sample is at hand (the data loader's collate, in a worker
+    process ahead of the step): no all-gather, no device-to-host copy, no planning inside the step."""
+
+    algorithm: str
+    world: int
+    rank: int
+    ulysses: int = 1
+    causal: bool = True
+
+    def __call__(self, docs: torch.Tensor, positions: torch.Tensor) -> CPPlan:
+        return plan_from_gathered(self.algorithm, self.world, self.rank, self.ulysses, self.causal, docs, positions)

@@ -13,8 +13,15 @@ from torch.utils.data import default_collate
 from cp_train import build
 from cp_train.config import build_config
 from data.gpt_dataset import PER_TOKEN_KEYS, GPTDataset
-from data.loader import DataParallelSampler, build_data_loader, slice_for_context_parallel
+from data.loader import (
+    ATTENTION_PLAN,
+    CollateForContextParallel,
+    DataParallelSampler,
+    build_data_loader,
+    slice_for_context_parallel,
+)
 from parallel.balanced_layout import balanced_positions
+from parallel.cp_plan import SamplePlanner, plan_from_gathered
 from parallel.layout import STATIC_LAYOUTS, gather_sequence, sequence_positions, unshard_sequence
 from tests.test_data_gpt_dataset import EOD, make_indexed
 
@@ -112,6 +119,37 @@ def test_balanced_slices_follow_each_samples_documents(dataset):
         assert torch.equal(held, torch.arange(16))
     with pytest.raises(ValueError, match=r"sequence length 16 is not divisible by cp = 3"):
         slice_for_context_parallel(batch, 0, 3, "balanced")
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "allgather", "ulysses", "hybrid"])
+@pytest.mark.parametrize("layout", [*STATIC_LAYOUTS, "balanced"])
+def test_collate_plans_from_the_whole_sample_as_the_gather_would(dataset, layout, algorithm):
+    """With a planner the collate keeps the same slices and adds the plan that every rank's gathered document
+    ids and positions give (what ``build_cp_plan`` computes after its all-gather)."""
+    samples = [dataset[i] for i in range(3)]
+    batch = default_collate(samples)
+    cp = 4 if algorithm == "hybrid" else 2
+    for rank in range(cp):
+        planner = SamplePlanner(algorithm, cp, rank, 2 if algorithm == "hybrid" else 1)
+        got = CollateForContextParallel(rank, cp, layout, planner)(samples)
+        every = [slice_for_context_parallel(batch, r, cp, layout) for r in range(cp)]
+        assert got.keys() == every[rank].keys() | {ATTENTION_PLAN}
+        for key in PER_TOKEN_KEYS:
+            assert torch.equal(got[key], every[rank][key]), key
+        docs, positions = (torch.stack([part[key] for part in every]) for key in ("document_ids", "position_ids"))
+        expected = plan_from_gathered(algorithm, cp, rank, planner.ulysses, True, docs, positions)
+        assert repr(got[ATTENTION_PLAN]) == repr(expected)
+        assert got[ATTENTION_PLAN].areas == expected.areas and sum(expected.areas) > 0
+
+
+def test_loader_workers_hand_over_the_same_plans(dataset):
+    """Plans made in a worker process (CUDA runs load with workers) travel pickled and arrive whole."""
+    planner = SamplePlanner("hybrid", 4, 1, 2)
+    inline, workers = (build_data_loader(dataset, 2, 4, cp_rank=1, cp_size=4, layout="balanced", num_workers=n,
+                                         planner=planner) for n in (0, 1))
+    for step_inline, step_workers in itertools.islice(zip(inline, workers, strict=True), 2):
+        for a, b in zip(step_inline, step_workers, strict=True):
+            assert repr(a[ATTENTION_PLAN]) == repr(b[ATTENTION_PLAN]) and torch.equal(a["tokens"], b["tokens"])
 
 
 def test_cp_slice_of_plain_positions_is_the_layout(dataset):
