@@ -125,6 +125,10 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
     data, train = config.data, config.train
     if data.valid_fraction > 0:
         train_docs, valid_docs = train_valid_split(indexed.num_documents, data.valid_fraction)
+        if not valid_docs.size and train.eval_interval > 0:
+            raise ConfigError(f"data.valid_fraction {data.valid_fraction} leaves no validation document of the "
+                              f"{indexed.num_documents} in {sources.prefix}: raise it to at least "
+                              f"{1 / indexed.num_documents:.3g}, or set train.eval_interval=0")
     else:
         train_docs, valid_docs = np.arange(indexed.num_documents), np.arange(0)
     common = {"seed": data.seed, "eod_id": sources.eod_id, "pad_id": sources.pad_id,

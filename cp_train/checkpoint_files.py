@@ -148,7 +148,14 @@ def resume_source(load: str | None, save: str | None) -> Path | None:
             hint = f"; its newest complete checkpoint is {newest}: --load {newest}" if newest else ""
             raise InputError(f"checkpoint.load (--load) {load} holds no checkpoint (no `latest`, no {META}){hint}")
         return found
-    return find_checkpoint(save) if save else None
+    if not save:
+        return None
+    found = find_checkpoint(save)
+    newest = newest_complete(Path(save)) if found is None and Path(save).is_dir() else None
+    if newest is not None:  # starting afresh would mix two runs in one directory and prune the good checkpoint
+        raise InputError(f"checkpoint.save (--save) {save} holds checkpoints but no `latest`: resume from the newest "
+                         f"complete one with --load {newest}, or start a new run with another --save")
+    return found
 
 
 def resume_hint(save: str | None, resumed_from: Path | None) -> str:

@@ -72,6 +72,9 @@ def restore_run(path: Path, config: Config, sharded: ShardedState, optimizer: to
     ``check_resume``; this run's optimizer settings win over the saved ones, and the RNG is restored (or
     re-derived from ``train.seed`` where it cannot be). Returns (step, consumed samples, notes to log)."""
     meta = read_meta(path)
+    if int(meta["step"]) > config.train.steps:
+        raise InputError(f"checkpoint {path} is at step {meta['step']}, beyond train.steps {config.train.steps}: "
+                         f"raise --train-steps, or start a new run with another --save")
     changes = check_resume(meta["config"], config, str(path))
     rng_state, why = load_checkpoint(path, meta, sharded, state)
     for group in optimizer.param_groups:

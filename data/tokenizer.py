@@ -40,7 +40,11 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"tokenizer model {self.model_path} is missing; train one with train_tokenizer or "
                 f"build the default one with python -m data.prepare_default")
-        self._sp = spm.SentencePieceProcessor(model_file=str(self.model_path))
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.model_path))
+        except RuntimeError as error:  # sentencepiece's "could not parse ModelProto"
+            raise ValueError(f"{self.model_path} is not a SentencePiece model ({error}): pass a .model file "
+                             f"trained by sentencepiece, or a Hugging Face tokenizer.json") from None
 
     def __getstate__(self) -> dict:
         return {"model_path": self.model_path}

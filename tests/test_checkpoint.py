@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cp_train.checkpoint import LATEST, META, find_checkpoint, step_dir_name
-from parallel.spawn import SpawnedWorld
+from parallel.spawn import RankError, SpawnedWorld
 from parallel.state import ParallelDims, run_with_parallel
 from tests import trainer_cases
 
@@ -173,3 +173,5 @@ def test_training_longer_continues_the_same_sample_stream(spawn_world, corpus, t
         assert longer[rank]["batches"] == {s: whole[rank]["batches"][s] for s in range(half + 1, STEPS + 1)}
     assert longer[0]["step_at_start"] == half
     assert any(f"train.steps {half} -> {STEPS}" in m for m in longer[0]["messages"]), longer[0]["messages"]
+    with pytest.raises(RankError, match=rf"is at step {half}, beyond train.steps 1: raise --train-steps"):
+        run(world, LAYOUT, corpus, tmp_path / "shorter", **{"train.steps": 1, "checkpoint.load": str(tmp_path / "ck")})

@@ -70,6 +70,7 @@ def test_input_errors_stop_before_step_1(base, tmp_path) -> None:
     tokenizer = train_tokenizer([Path(textwrap.__file__)], 400, tmp_path / "tok")
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("a file, not a directory")
+    (tmp_path / "file.model").write_text("not a tokenizer")
     config = base["config"]
     cases = {
         "vocab": (["--config", config, "--set", f"data.tokenizer={tokenizer}", "--set", "model.vocab_size=128"],
@@ -81,6 +82,12 @@ def test_input_errors_stop_before_step_1(base, tmp_path) -> None:
                     r"logging\.dir \(--run-dir\) \S+file/run is not a writable directory \(Not a directory\)"),
         "data": (["--config", config, "--data-path", str(tmp_path / "nothing")],
                  r"data\.prefix \S+nothing: \S+nothing\.idx is missing"),
+        "tokenizer": (["--config", config, "--set", f"data.tokenizer={not_a_dir}.model"],
+                      r"data\.tokenizer \S+file\.model: \S+file\.model is not a SentencePiece model \(.*\): pass a "
+                      r"\.model file trained by sentencepiece"),
+        "no validation document": (["--config", config, "--set", "data.valid_fraction=0.0001", "--eval-interval", "2"],
+                                   r"data\.valid_fraction 0\.0001 leaves no validation document of the \d+ in \S+: "
+                                   r"raise it to at least \S+, or set train\.eval_interval=0"),
     }
     outcomes = run_many({name: args for name, (args, _) in cases.items()})
     for name, (_, pattern) in cases.items():
@@ -118,6 +125,21 @@ def test_damaged_checkpoints_name_the_file_and_the_load_to_use(base) -> None:
         assert_one_line(outcomes[name], 2, rf"{re.escape(copy)}/latest names {named}, an incomplete checkpoint: "
                                            rf"\S*{problems[name]}; resume from the newest complete checkpoint with "
                                            rf"--load {re.escape(copy)}/{good}$")
+
+
+def test_lost_latest_and_fewer_steps_than_the_checkpoint_stop_with_the_fix(base) -> None:
+    """A save directory whose `latest` is gone is not started afresh (that would prune its checkpoints); a
+    checkpoint beyond train.steps says so."""
+    copy = checkpoint_copy(base, "no-latest")
+    (copy / LATEST).unlink()
+    outcomes = run_many({"no latest": ["--config", base["config"], "--save", str(copy)],
+                         "beyond": ["--config", base["config"], "--load", str(base["ckpt"]), "--train-steps", "3"]})
+    assert_one_line(outcomes["no latest"], 2, rf"checkpoint\.save \(--save\) {re.escape(str(copy))} holds checkpoints "
+                                              rf"but no `latest`: resume from the newest complete one with --load "
+                                              rf"{re.escape(str(copy))}/{step_dir_name(6)}, or start a new run")
+    assert sorted(p.name for p in copy.iterdir()) == [step_dir_name(4), step_dir_name(6)]  # nothing pruned
+    assert_one_line(outcomes["beyond"], 2, rf"checkpoint \S+{step_dir_name(6)} is at step 6, beyond train\.steps 3: "
+                                           rf"raise --train-steps, or start a new run with another --save")
 
 
 def test_resume_changes_rng_files_and_non_finite_loss(base) -> None:

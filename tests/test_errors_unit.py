@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from cp_train import collectives
-from cp_train.checkpoint_files import DCP_METADATA, LATEST, META, prune, step_dir_name
+from cp_train.checkpoint_files import DCP_METADATA, LATEST, META, prune, resume_source, step_dir_name
 from cp_train.config import ConfigError, build_config
 from cp_train.errors import InputError, RunFailure, describe
 from cp_train.launch import summarize
@@ -106,15 +106,35 @@ def test_metrics_after_a_resume_drop_the_redone_steps(tmp_path) -> None:
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
 
 
+def _fake_checkpoint(root, step: int, complete: bool = True) -> None:  # noqa: ANN001
+    directory = root / step_dir_name(step)
+    directory.mkdir()
+    if complete:  # complete as checkpoint_files sees it: meta.json, and DCP metadata naming no shard
+        (directory / META).write_text(json.dumps({"step": step, "consumed_samples": 0, "layout": {},
+                                                  "config": {}}))
+        with open(directory / DCP_METADATA, "wb") as handle:
+            pickle.dump(Metadata(state_dict_metadata={}, storage_data={}), handle)
+
+
+def test_a_save_directory_without_latest_is_not_started_afresh(tmp_path) -> None:
+    """Auto-resume finds no `latest` but complete checkpoints: starting afresh would mix two runs and prune the
+    good ones, so the run stops with the --load to use."""
+    _fake_checkpoint(tmp_path, 2, complete=False)
+    assert resume_source(None, str(tmp_path)) is None  # only an interrupted first save: start afresh
+    _fake_checkpoint(tmp_path, 4)
+    _fake_checkpoint(tmp_path, 6)
+    (tmp_path / LATEST).write_text(step_dir_name(4))
+    assert resume_source(None, str(tmp_path)) == tmp_path / step_dir_name(4)
+    (tmp_path / LATEST).unlink()
+    with pytest.raises(InputError, match=rf"holds checkpoints but no `latest`: resume from the newest complete one "
+                                         rf"with --load {tmp_path / step_dir_name(6)}, or start a new run"):
+        resume_source(None, str(tmp_path))
+    assert resume_source(None, str(tmp_path / "new")) is None
+
+
 def test_prune_keeps_the_newest_complete_checkpoints(tmp_path) -> None:
     def checkpoint(step: int, complete: bool = True) -> None:
-        directory = tmp_path / step_dir_name(step)
-        directory.mkdir()
-        if complete:  # complete as checkpoint_files sees it: meta.json, and DCP metadata naming no shard
-            (directory / META).write_text(json.dumps({"step": step, "consumed_samples": 0, "layout": {},
-                                                      "config": {}}))
-            with open(directory / DCP_METADATA, "wb") as handle:
-                pickle.dump(Metadata(state_dict_metadata={}, storage_data={}), handle)
+        _fake_checkpoint(tmp_path, step, complete)
 
     for step in (2, 4, 6):
         checkpoint(step)
