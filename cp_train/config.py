@@ -148,7 +148,8 @@ NULLABLE = {"model.vocab_size"}  # fields typed int that also accept None (resol
 
 
 def _sections() -> dict[str, type]:
-    return _hints(Config)
+    """The config's sections (its dataclass fields; not the per-instance notes ``explicit_keys``/``deprecations``)."""
+    return {name: kind for name, kind in _hints(Config).items() if dataclasses.is_dataclass(kind)}
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -159,7 +160,10 @@ def field_type(key: str) -> Any:
     """The type of dotted ``key`` (``section.name``); ConfigError for an unknown key."""
     section, _, name = key.partition(".")
     sections = _sections()
-    if section not in sections or not name:
+    if section in sections and not name:
+        raise ConfigError(f"{section} is a config section, not a key: set one of its keys, {section}.KEY=VALUE "
+                          f"(keys of {section}: {', '.join(_hints(sections[section]))})")
+    if section not in sections:
         raise ConfigError(f"unknown config key {key!r}: sections are {', '.join(sections)}"
                           f"{_suggest(section, sections)}")
     hints = _hints(sections[section])

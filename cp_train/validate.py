@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from cp_train.config import Config, ConfigError, field_type
 from parallel.attention_spec import canonical_algorithm, check_algorithm, check_heads
 from parallel.layout import LAYOUTS, check_layout
@@ -16,6 +18,7 @@ DTYPES = ("auto", "bf16", "fp32")
 DECAYS = ("cosine", "linear", "constant")
 OPTIMIZERS = ("auto", "fused", "foreach")
 WANDB_MODES = (None, "online", "offline", "disabled")
+CUDA_ATTENTION = ("fa3", "flash_attn", "torch_efficient")  # attention backends that run on CUDA only
 FP32_MAX = 3.4028234663852886e38
 
 
@@ -70,6 +73,19 @@ def _check_cp_algorithm(config: Config) -> None:
         raise ConfigError(f"parallel.cp_algorithm={parallel.cp_algorithm}: {error}") from None
 
 
+def _check_device_settings(config: Config) -> None:
+    """The backends that need CUDA, on a machine or a run without it (the run is on CUDA when the process
+    group is nccl: ``build.select_device``)."""
+    backend, attention = config.parallel.backend, config.model.attention_backend
+    cuda = torch.cuda.is_available()
+    if backend == "nccl" and not cuda:
+        raise ConfigError("parallel.backend nccl needs CUDA GPUs and this machine has none: use gloo, or leave it "
+                          "unset")
+    if attention in CUDA_ATTENTION and not (cuda and backend in (None, "nccl")):
+        raise ConfigError(f"model.attention_backend {attention} needs CUDA and this run is on the CPU "
+                          f"(parallel.backend {backend or 'gloo'}): use torch or math, or leave it unset")
+
+
 def validate(config: Config, world_size: int) -> int:
     """Raise ConfigError unless ``config`` runs on ``world_size`` ranks; return the DP size."""
     dp = resolve_dp(config, world_size)
@@ -98,6 +114,7 @@ def validate(config: Config, world_size: int) -> int:
         if not 0 <= beta < 1:
             raise ConfigError(f"{key} must be in [0, 1), got {beta}")
     _choice("train.dtype", train.dtype, DTYPES)
+    _check_device_settings(config)
     _choice("schedule.decay", config.schedule.decay, DECAYS)
     _choice("optimizer.implementation", config.optimizer.implementation, OPTIMIZERS)
     _choice("logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import train as train_script
 from cp_train.cli import parse_config
@@ -88,7 +89,10 @@ def test_bad_values_name_the_key(override, message) -> None:
     (["--set", "model.hiden_size=3"], "unknown config key 'model.hiden_size' .*did you mean 'model.hidden_size'"),
     (["--set", "trian.steps=3"], "unknown config key 'trian.steps'.*did you mean 'train'"),
     (["--set", "train.steps"], "must look like section.key=value"),
-    (["--set", "train=3"], "unknown config key 'train'"),
+    (["--set", "train=3"], r"train is a config section, not a key: set one of its keys, train\.KEY=VALUE \(keys of "
+                           r"train: steps, "),
+    (["--set", "explicit_keys.x=1"], r"unknown config key 'explicit_keys.x': sections are model, parallel, data, "
+                                     r"optimizer, schedule, train, checkpoint, logging$"),
 ])
 def test_unknown_or_malformed_overrides(argv, message) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -169,6 +173,17 @@ VALIDATION_ERRORS = [
 def test_validation_errors_name_the_numbers(overrides, world, message) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(small(**overrides), world)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA-only settings are valid with a GPU")
+def test_cuda_only_settings_on_a_machine_without_cuda() -> None:
+    with pytest.raises(ConfigError, match=r"parallel.backend nccl needs CUDA GPUs and this machine has none: use gloo"):
+        validate(small(**{"parallel.backend": "nccl"}), 2)
+    for backend in ("flash_attn", "fa3", "torch_efficient"):
+        with pytest.raises(ConfigError, match=rf"model.attention_backend {backend} needs CUDA and this run is on the "
+                                              rf"CPU \(parallel.backend gloo\): use torch or math"):
+            validate(small(**{"model.attention_backend": backend}), 2)
+    validate(small(**{"model.attention_backend": "math"}), 2)
 
 
 def test_valid_layouts_resolve_dp() -> None:
