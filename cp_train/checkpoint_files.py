@@ -98,11 +98,14 @@ def newest_complete(root: Path, before: Path | None = None) -> Path | None:
     return None
 
 
-def _instead(root: Path, broken: Path | None = None) -> str:
-    """What to do when a checkpoint of ``root`` cannot be used: the ``--load`` of the newest complete one."""
+RESUME_FROM = "resume from the newest complete checkpoint with --load {}"
+
+
+def _instead(root: Path, broken: Path | None = None, use: str = RESUME_FROM) -> str:
+    """What to do when a checkpoint of ``root`` cannot be used: ``use`` filled with the newest complete one."""
     good = newest_complete(root, before=broken) or newest_complete(root)
     if good is not None and good != broken:
-        return f"resume from the newest complete checkpoint with --load {good}"
+        return use.format(good)
     return f"no complete checkpoint is left in {root}: start afresh (delete {root / LATEST} or use another --save)"
 
 
@@ -110,16 +113,17 @@ def _is_checkpoint_dir(path: Path) -> bool:
     return STEP_DIR.fullmatch(path.name) is not None or (path / META).exists() or (path / DCP_METADATA).exists()
 
 
-def find_checkpoint(path: str | os.PathLike) -> Path | None:
+def find_checkpoint(path: str | os.PathLike, use: str = RESUME_FROM) -> Path | None:
     """The complete checkpoint ``path`` names: ``path`` itself when it is one checkpoint directory, else
     ``path/latest``'s target; None when ``path`` holds none yet. InputError naming the file when the
-    checkpoint named is incomplete or damaged (and the ``--load`` of the newest complete one)."""
+    checkpoint named is incomplete or damaged, and what to do (``use`` filled with the newest complete one)."""
     given = Path(path)
     if _is_checkpoint_dir(given):
         try:
             check_complete(given)
         except InputError as error:
-            raise InputError(f"checkpoint {given} is incomplete: {error}; {_instead(given.parent, given)}") from None
+            instead = _instead(given.parent, given, use)
+            raise InputError(f"checkpoint {given} is incomplete: {error}; {instead}") from None
         return given
     pointer = given / LATEST
     if not pointer.is_file():
@@ -132,7 +136,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
         check_complete(target)
     except InputError as error:
         raise InputError(f"{pointer} names {name}, an incomplete checkpoint: {error}; "
-                         f"{_instead(given, target)}") from None
+                         f"{_instead(given, target, use)}") from None
     return target
 
 

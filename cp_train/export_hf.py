@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from cp_train.checkpoint import META, find_checkpoint
+from cp_train.checkpoint_files import newest_complete
+from cp_train.errors import InputError, run_entry_point
 from model.config import ModelConfig
 from model.hf import DEFAULT_SHARD_BYTES, write_hf_model
 from model.hf_weights import hf_tensors
@@ -53,9 +56,14 @@ def _tokenizer_source(meta: dict[str, Any], given: str | None) -> Path | None:
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
                       tokenizer_from: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write the model of ``checkpoint`` as an HF Llama directory ``out``; ``dtype`` None keeps the stored one."""
-    path = find_checkpoint(checkpoint)
+    if not Path(checkpoint).is_dir():
+        raise InputError(f"{checkpoint} is not a directory: pass a run's checkpoint directory (checkpoint.save) or "
+                         f"one of its step_* directories")
+    path = find_checkpoint(checkpoint, use="export the newest complete checkpoint instead: {}")
     if path is None:
-        raise FileNotFoundError(f"{checkpoint} holds no complete checkpoint (no {META}, no `latest`)")
+        newest = newest_complete(Path(checkpoint))
+        hint = f": export its newest complete checkpoint, {newest}" if newest else ""
+        raise InputError(f"{checkpoint} holds no complete checkpoint (no {META}, no `latest`){hint}")
     meta = json.loads((path / META).read_text())
     config = checkpoint_model_config(meta)
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
@@ -88,6 +96,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
+    """The command line (``python -m cp_train.export_hf --help``); returns the output directory."""
     parser = argparse.ArgumentParser(prog="python -m cp_train.export_hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="checkpoint directory (its `latest`) or one step_* directory")
@@ -106,4 +115,4 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry_point("python -m cp_train.export_hf", lambda args: main(args) and None))

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cp_train.errors import InputError, run_entry_point
 from cp_train.sinks import METRICS_FILE
 
 
@@ -22,8 +24,14 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every record of ``RUN_DIR/metrics.jsonl``, in order (a resumed run appends to the same file)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: is {run_dir} a run directory (logging.dir)?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise InputError(f"{path} is missing: pass a run directory (logging.dir, --run-dir) holding {METRICS_FILE}")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed while writing leaves a partial last line
+            continue
+    return records
 
 
 def _series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list[int], list[float]]:
@@ -86,4 +94,4 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry_point("python -m cp_train.plot", lambda args: main(args) and None))

@@ -9,13 +9,18 @@ same tensors. Resuming the run (in another layout, without FSDP) uses the DCP ch
 from __future__ import annotations
 
 import json
+import pickle
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import Metadata
 
+from cp_train.checkpoint_files import DCP_METADATA, LATEST, META, step_dir_name
 from cp_train.cli import parse_config
 from cp_train.config import ConfigError
+from cp_train.errors import InputError, run_entry_point
 from cp_train.export_hf import export_checkpoint
 from cp_train.export_hf import main as export_main
 from model.config import ModelConfig
@@ -114,6 +119,18 @@ def test_conflicting_model_keys_are_listed(small_hf, tmp_path) -> None:
         parse_config(["--init-from-hf", str(tmp_path / "nowhere")])
 
 
-def test_export_needs_a_checkpoint(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+def test_export_needs_a_checkpoint(tmp_path, capsys) -> None:
+    with pytest.raises(InputError, match="holds no complete checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "out")
+    for step in (2, 4):  # step 2 complete (meta.json, DCP metadata naming no shard), step 4 without its metadata
+        (tmp_path / step_dir_name(step)).mkdir()
+        (tmp_path / step_dir_name(step) / META).write_text(json.dumps({"step": step, "consumed_samples": 0,
+                                                                       "layout": {}, "config": {}}))
+    with open(tmp_path / step_dir_name(2) / DCP_METADATA, "wb") as handle:
+        pickle.dump(Metadata(state_dict_metadata={}, storage_data={}), handle)
+    (tmp_path / LATEST).write_text(step_dir_name(4))
+    code = run_entry_point("export", lambda args: export_main(args) and None, [str(tmp_path), str(tmp_path / "out")])
+    line = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in line and "--load" not in line, line
+    assert re.fullmatch(rf"export: error: {tmp_path}/latest names {step_dir_name(4)}, an incomplete checkpoint: .*; "
+                        rf"export the newest complete checkpoint instead: {tmp_path}/{step_dir_name(2)}", line), line
