@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,8 @@ from cp_train.config import Config, ConfigError
 from cp_train.data_parallel import fsdp_shard_dim
 from cp_train.optim import build_optimizer
 from cp_train.validate import validate
+from data.prepare_default import DEFAULT_VOCAB_SIZE
+from data.tokenizer import load_tokenizer, padded_vocab_size
 from model.meta import meta_model
 from model.shards import tensor_parallel_dim
 from parallel.rank_groups import ParallelDims
@@ -104,12 +107,28 @@ def transient_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: P
     return compute * gathered + 4 * unsharded_grads
 
 
+def dry_run_vocab(config: Config) -> int:
+    """``model.vocab_size``, else the one training would take from the tokenizer (padded to a multiple of 128):
+    the embedded corpus's, or ``data.tokenizer``'s when that file is on this machine."""
+    if config.model.vocab_size is not None:
+        return config.model.vocab_size
+    tokenizer = config.data.tokenizer
+    if tokenizer is None and config.data.prefix is None:
+        return padded_vocab_size(DEFAULT_VOCAB_SIZE)
+    if tokenizer is not None and Path(tokenizer).exists():
+        try:
+            return padded_vocab_size(load_tokenizer(tokenizer).vocab_size)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"data.tokenizer {tokenizer}: {error}") from None
+    where = f"data.tokenizer {tokenizer} is not on this machine" if tokenizer else "data.prefix has no data.tokenizer"
+    raise ConfigError(f"the dry run needs model.vocab_size ({where}): set it to the tokenizer's size, e.g. "
+                      f"--set model.vocab_size=128256 for Llama 3")
+
+
 def plan(config: Config, world: int) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, object]]:
     """Every rank's memory for ``config`` on ``world`` ranks: the layout, per rank figures, the activation
     estimate's terms and the assumptions (device, dtypes, tokens)."""
-    if config.model.vocab_size is None:
-        raise ConfigError("the dry run needs model.vocab_size (it reads no tokenizer): set it, e.g. "
-                          "--set model.vocab_size=128256")
+    config.model.vocab_size = dry_run_vocab(config)
     dp = validate(config, world)
     dims = ParallelDims(tp=config.parallel.tp, cp=config.parallel.cp, dp=dp)
     cuda = config.parallel.backend != "gloo"

@@ -8,9 +8,16 @@ Loss and gradient equality with the unsharded run, state bytes per rank and the 
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
+from cp_train.config import ConfigError
+from cp_train.config_sources import load_config
+from cp_train.dry_run import dry_run_vocab
+from data.tokenizer import train_tokenizer
 from parallel.state import run_with_parallel
 from tests import fsdp_cases, trainer_cases
 from train import main as train_main
@@ -74,3 +81,16 @@ def test_dry_run_of_the_8b_config_fits_on_80_gb(capsys) -> None:
     state = {float(row[4]) for row in ranks}
     assert len(state) == 1 and abs(state.pop() - 16 * 8_030_261_248 / 8 / 2**30) < 0.01  # 16 B / parameter / 8
     assert lines[-1].startswith("fits: the largest rank"), lines[-1]
+
+
+def test_dry_run_takes_the_vocabulary_training_would(tmp_path) -> None:
+    """Configs that read their vocabulary from the tokenizer: the embedded corpus's, or a tokenizer file here."""
+    config = load_config(Path("launch/configs/cpu-tiny.yaml"))
+    assert config.model.vocab_size is None and dry_run_vocab(config) == 8192
+    tokenizer = train_tokenizer([Path(textwrap.__file__)], 400, tmp_path / "tok")
+    config.data.tokenizer = str(tokenizer)
+    assert dry_run_vocab(config) == 512  # 400 ids, padded to a multiple of 128
+    config.data.tokenizer = str(tmp_path / "elsewhere.model")
+    with pytest.raises(ConfigError, match=r"needs model.vocab_size \(data.tokenizer \S+elsewhere.model is not on this "
+                                          r"machine\): set it to the tokenizer's size"):
+        dry_run_vocab(config)
