@@ -5,12 +5,14 @@
 # NPROC defaults to the number of visible GPUs (2 without GPUs). Extra torchrun options: TORCHRUN_ARGS.
 # Runs torchrun through cp_train.launch (same options): a failure ends with one line and the failed
 # rank's exit code (2: config or input error, 1: failed run) instead of torchrun's traceback and exit 1.
+# Relative paths (the config, --save, --data-path, --run-dir) are the caller's: it runs where it is started.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="${root}${PYTHONPATH:+:${PYTHONPATH}}"
 config="${1:?usage: launch/torchrun.sh CONFIG.yaml [train.py flags]}"
 shift
 if [[ -z "${NPROC:-}" ]]; then
   NPROC=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
 fi
 exec python -m cp_train.launch --standalone --nproc-per-node "${NPROC}" ${TORCHRUN_ARGS:-} \
-  train.py --config "${config}" "$@"
+  "${root}/train.py" --config "${config}" "$@"
