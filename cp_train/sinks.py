@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from cp_train.errors import InputError, one_line
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -116,11 +118,17 @@ class MetricsSinks:
                 self.message("wandb is not installed: metrics go to metrics.jsonl only "
                              "(pip install wandb, or set logging.wandb=false to silence this)")
                 return
-            self.wandb_run = wandb.init(
-                project=project, name=run_name, dir=str(run_dir), mode=wandb_mode(mode),
-                group=f"tp{layout['tp']}-cp{layout['cp']}-dp{layout['dp']}-seq{layout['seq_len']}",
-                config={**config, "layout": layout}, tags=[f"cp{layout['cp']}", f"seq{layout['seq_len']}"],
-                reinit="finish_previous")
+            try:
+                self.wandb_run = wandb.init(
+                    project=project, name=run_name, dir=str(run_dir), mode=wandb_mode(mode),
+                    group=f"tp{layout['tp']}-cp{layout['cp']}-dp{layout['dp']}-seq{layout['seq_len']}",
+                    config={**config, "layout": layout}, tags=[f"cp{layout['cp']}", f"seq{layout['seq_len']}"],
+                    reinit="finish_previous")
+            except wandb.Error as error:  # no API key for an online run, a bad project name, ...
+                self.close()
+                why = one_line(str(error))
+                raise InputError(f"wandb could not start its {wandb_mode(mode)} run ({why}): set WANDB_API_KEY or run "
+                                 f"`wandb login`, or use --wandb-mode offline or disabled") from None
 
     def message(self, text: str) -> None:
         if self.enabled and self.console:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from cp_train.errors import InputError
 from cp_train.metrics import (
     IntervalMeter,
     gpu_peak_tflops,
@@ -119,6 +120,20 @@ def test_sinks_without_wandb_installed_log_to_jsonl_with_one_line(tmp_path, monk
     assert sinks.wandb_run is None and [r["step"] for r in read_records(tmp_path)] == [1]
     assert stream.getvalue().splitlines()[0] == ("[cp-train] wandb is not installed: metrics go to metrics.jsonl only "
                                                  "(pip install wandb, or set logging.wandb=false to silence this)")
+
+
+def test_sinks_when_wandb_cannot_start_say_what_to_set(tmp_path, monkeypatch) -> None:
+    wandb = pytest.importorskip("wandb")
+
+    def no_key(**kwargs) -> None:
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    expected = (r"^wandb could not start its online run \(No API key configured\. .*\): set WANDB_API_KEY or run "
+                r"`wandb login`, or use --wandb-mode offline or disabled$")
+    with pytest.raises(InputError, match=expected):
+        MetricsSinks(True, tmp_path, "run", 1, 0, {}, {"tp": 1, "cp": 1, "dp": 1, "seq_len": 8}, use_wandb=True,
+                     project="p", mode="online")
 
 
 def test_console_line_and_bar() -> None:
