@@ -154,5 +154,5 @@ def test_plot_writes_pngs(tmp_path) -> None:
     written = plot_main([str(tmp_path), "--out", str(tmp_path / "plots")])
     assert [p.name for p in written] == ["loss.png", "throughput.png"]
     assert all(p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl is missing"):
+    with pytest.raises(InputError, match="metrics.jsonl is missing: pass a run directory"):
         read_records(tmp_path / "plots")
