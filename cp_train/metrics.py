@@ -2,7 +2,8 @@
 
 - tokens/s: tokens of the global batches (``global_batch_size * seq_len`` per step, masked ones
   included) over the interval's wall time; per device: divided by the world size.
-- TFLOP/s per device: ``model_flops_per_token(model, seq_len)`` (model FLOPs, no recomputation) times
+- TFLOP/s per device: ``model_flops_per_token(model, seq_len)`` (model FLOPs, no recomputation; with
+  per-document masks the attention counts the pairs the mask leaves, ``model.flops.attention_flops``) times
   the global tokens/s, divided by the world size.
 - MFU: TFLOP/s per device over the device's peak: ``logging.peak_tflops`` if set, else the dense
   bf16 tensor-core peak of the GPU found in ``PEAK_TFLOPS`` by name, else ``logging.cpu_peak_tflops`` on CPU.
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from model.config import ModelConfig
+from model.flops import attention_flops, matmul_params, model_flops_per_token
 
 # Dense bf16 tensor-core peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
 PEAK_TFLOPS: dict[str, float] = {
@@ -103,13 +107,29 @@ class IntervalMeter:
     step_time: float = 0.0
     data_time: float = 0.0
     imbalance_sum: float = 0.0
+    dense_flops_per_token: float = 0.0  # the matmuls' share of ``flops_per_token``
+    flops_per_pair: float = 0.0  # attention FLOPs per visible query-key pair
+    flops_sum: float = 0.0  # model FLOPs of the steps that counted their attention pairs
+    flops_steps: int = 0
 
-    def add(self, loss: float, step_time: float, data_time: float, imbalance: float = 1.0) -> None:
+    @classmethod
+    def for_model(cls, model: ModelConfig, seq_len: int, global_batch: int, world_size: int,
+                  peak: float) -> IntervalMeter:
+        return cls(global_batch * seq_len, model_flops_per_token(model, seq_len), world_size, peak,
+                   dense_flops_per_token=6.0 * matmul_params(model), flops_per_pair=attention_flops(model, 1))
+
+    def add(self, loss: float, step_time: float, data_time: float, imbalance: float = 1.0,
+            attention_pairs: float | None = None) -> None:
+        """One step; ``attention_pairs``: the visible query-key pairs of its global batch under per-document
+        masks (None: causal over each whole sample, as ``flops_per_token`` counts)."""
         self.steps += 1
         self.loss_sum += loss
         self.step_time += step_time
         self.data_time += data_time
         self.imbalance_sum += imbalance
+        if attention_pairs is not None:
+            self.flops_sum += self.dense_flops_per_token * self.tokens_per_step + self.flops_per_pair * attention_pairs
+            self.flops_steps += 1
 
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` (evaluation, checkpointing) out of the interval's wall time."""
@@ -122,7 +142,8 @@ class IntervalMeter:
         elapsed = max(now - self.started, 1e-9)
         steps = max(self.steps, 1)
         tokens_per_s = self.tokens_per_step * self.steps / elapsed
-        tflops = tokens_per_s * self.flops_per_token / self.world_size / 1e12
+        flops = self.flops_sum + (self.steps - self.flops_steps) * self.tokens_per_step * self.flops_per_token
+        tflops = flops / elapsed / self.world_size / 1e12
         record = {
             "kind": "train", "step": step, "loss": self.loss_sum / steps, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
@@ -134,5 +155,5 @@ class IntervalMeter:
         if memory_reserved_gib is not None:
             record["peak_memory_reserved_gib"] = memory_reserved_gib
         self.started, self.steps, self.loss_sum, self.step_time, self.data_time = now, 0, 0.0, 0.0, 0.0
-        self.imbalance_sum = 0.0
+        self.imbalance_sum, self.flops_sum, self.flops_steps = 0.0, 0.0, 0
         return record

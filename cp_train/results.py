@@ -19,6 +19,7 @@ class BatchLoss(NamedTuple):
     local_tokens: float  # loss tokens of this rank's micro-batches
     local_loss_sum: float  # this rank's summed token losses
     imbalance: float  # attention work of the busiest CP rank over the mean (1.0: balanced)
+    attention_pairs: int = 0  # visible query-key pairs of this replica's micro-batches (per-document masks)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class StepResult:
     loss_tokens: float  # of the global batch
     local_loss_tokens: float  # of this rank
     imbalance: float = 1.0  # attention work, busiest CP rank / mean
+    attention_pairs: float | None = None  # of the global batch, with per-document masks (else causal: S^2 / 2)
 
 
 @dataclass

@@ -42,7 +42,6 @@ from cp_train.sinks import MetricsSinks
 from cp_train.state_bytes import setup_record
 from cp_train.validate import check_parallel_state, validate
 from data.loader import ATTENTION_PLAN
-from model import model_flops_per_token
 from parallel.cp_plan import CPPlan
 from parallel.state import ParallelState
 
@@ -146,7 +145,7 @@ class Trainer:
         masks = [mb["loss_mask"] for mb in micro_batches]
         tokens = global_loss_tokens(masks, group)
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        areas = [0] * self.state.cp.size  # attention work per CP rank over the micro-batches
+        areas, pairs = [0] * self.state.cp.size, 0  # attention work per CP rank, visible pairs in all
         for index, mb in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             with gradient_sync(self.module, last, keep_gathered=not self.config.parallel.fsdp_reshard_after_forward):
@@ -156,10 +155,11 @@ class Trainer:
                 (loss_sum / tokens).backward()
             local_sum += loss_sum.detach().double()
             if plan is not None:
-                areas = [a + b for a, b in zip(areas, plan.areas, strict=True)]
+                areas, pairs = [a + b for a, b in zip(areas, plan.areas, strict=True)], pairs + plan.pairs
         local_tokens = float(sum(float(m.sum()) for m in masks))
         imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
-        return BatchLoss(reduce_loss(local_sum, tokens, group), tokens, local_tokens, float(local_sum), imbalance)
+        return BatchLoss(reduce_loss(local_sum, tokens, group), tokens, local_tokens, float(local_sum), imbalance,
+                         pairs)
 
     def _diverged(self, what: str, detail: str = "") -> NonFiniteLossError:
         hint = resume_hint(self.config.checkpoint.save, self._resumed_from)
@@ -169,7 +169,7 @@ class Trainer:
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step on one global batch (this rank's micro-batches, already CP-sliced)."""
         lr = self.schedule.apply(self.optimizer, self.step)
-        loss, tokens, local_tokens, _, imbalance = self.forward_backward(self._to_device(micro_batches))
+        loss, tokens, local_tokens, _, imbalance, pairs = self.forward_backward(self._to_device(micro_batches))
         if not math.isfinite(loss):
             raise self._diverged(f"loss is {loss}")
         if self.grad_callback is not None:
@@ -180,7 +180,10 @@ class Trainer:
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
         self.optimizer.step()
         self.step += 1
-        return StepResult(loss, float(norm), lr, tokens, local_tokens, imbalance)
+        if self.planner is not None:  # every CP rank's plan counts its replica's pairs: the sum over DP
+            pairs = reduce_sums([pairs / self.state.cp.size], self.state.dp_cp.group, self.device)[0]
+        return StepResult(loss, float(norm), lr, tokens, local_tokens, imbalance,
+                          pairs if self.planner is not None else None)
 
     # ------------------------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -239,8 +242,8 @@ class Trainer:
                       f"dp {state.dp.size}, device {self.device}, run dir {self.run_dir}; peak {peak} TFLOP/s per "
                       f"device ({peak_source})")
         self._flush(sinks)
-        meter = IntervalMeter(config.train.global_batch_size * config.data.seq_len,
-                              model_flops_per_token(config.model, config.data.seq_len), state.world_size, peak)
+        meter = IntervalMeter.for_model(config.model, config.data.seq_len, config.train.global_batch_size,
+                                        state.world_size, peak)
         reset_peak_memory(self.device)
         batches = iter(self.loader)
         first = self.step
@@ -252,7 +255,7 @@ class Trainer:
                 out = self.train_step(micro_batches)
                 if self.step == first + 1:  # gradients and optimizer state exist now: measure them
                     sinks.log(self._setup_record(sizes, first))
-                meter.add(out.loss, time.perf_counter() - started, loaded - started, out.imbalance)
+                meter.add(out.loss, time.perf_counter() - started, loaded - started, out.imbalance, out.attention_pairs)
                 self.result.losses[self.step] = out.loss
                 self.result.grad_norms[self.step] = out.grad_norm
                 if self.step % config.logging.interval == 0 or self.step == last:

@@ -12,6 +12,8 @@ Megatron / PaLM convention, per token at global sequence length ``s``:
 - Attention scores ``Q K^T`` and ``P V`` cost ``4 * s * heads * head_dim`` per token per layer
   forward with every key visible, 3x that with the backward (``12 * L * h_attn * s``); causal
   masking halves it (each query sees ``s/2`` keys on average), giving ``6 * L * h_attn * s``.
+- Packed documents with per-document masks: each query sees only its own document, so the attention
+  term counts the query-key pairs the mask leaves (``attention_flops``), not ``s/2`` per token.
 - MODEL FLOPs: recomputation (activation checkpointing, the chunked MLP, flash attention's
   backward) is not counted, so MFU compares configurations fairly.
 """
@@ -36,3 +38,9 @@ def model_flops_per_token(config: ModelConfig, seq_len: int, causal: bool = True
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     attention = 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_len
     return 6.0 * matmul_params(config) + (attention / 2 if causal else attention)
+
+
+def attention_flops(config: ModelConfig, pairs: float) -> float:
+    """Training FLOPs (fwd + bwd) of attention over ``pairs`` visible query-key pairs (per head, all layers'
+    shared mask): ``12 * L * heads * head_dim`` per pair."""
+    return 12.0 * config.num_layers * config.num_heads * config.head_dim * pairs

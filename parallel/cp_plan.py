@@ -19,6 +19,7 @@ document per sample in a static layout: that plan is cached) and returns a ``CPP
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ class CPPlan:
     areas: tuple[int, ...]
     max_calls: int = 1  # the most dense kernel calls any rank makes in one step (the same on every rank)
     documents: UlyssesDocuments | None = None  # ulysses with documents: home rows and the cross blocks
+    pairs: int = 0  # visible query-key pairs (per head) of the whole micro-batch, every sample and CP rank
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # device copies of ``order``
 
     @property
@@ -167,7 +169,16 @@ def plan_from_gathered(algorithm: str, world: int, rank: int, ulysses: int, caus
                        positions: torch.Tensor) -> CPPlan:
     """``build_cp_plan`` from every CP rank's ``docs`` and ``positions`` ``[world, B, n]`` (int64, CPU, rank
     order): what the all-gather would return. No communication."""
-    return _plan(algorithm if world > 1 else "ring", _tokens(docs, positions), rank, ulysses, causal)
+    tokens = _tokens(docs, positions)
+    plan = _plan(algorithm if world > 1 else "ring", tokens, rank, ulysses, causal)
+    return dataclasses.replace(plan, pairs=_pairs(tokens, causal))
+
+
+def _pairs(tokens: _Tokens, causal: bool) -> int:
+    """Visible query-key pairs of every sample: per document of ``c`` tokens ``c (c + 1) / 2``, or ``c * c``."""
+    counts = torch.bincount(tokens.docs.flatten())
+    pairs = int((counts * (counts + 1) // 2 if causal else counts * counts).sum())
+    return pairs if tokens.packed else pairs * tokens.batch
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,8 @@ def test_collate_plans_from_the_whole_sample_as_the_gather_would(dataset, layout
         expected = plan_from_gathered(algorithm, cp, rank, planner.ulysses, True, docs, positions)
         assert repr(got[ATTENTION_PLAN]) == repr(expected)
         assert got[ATTENTION_PLAN].areas == expected.areas and sum(expected.areas) > 0
+        counts = [torch.unique(row, return_counts=True)[1] for row in batch["document_ids"]]
+        assert got[ATTENTION_PLAN].pairs == sum(int((c * (c + 1) // 2).sum()) for c in counts)  # the causal mask's
 
 
 def test_loader_workers_hand_over_the_same_plans(dataset):

@@ -22,6 +22,7 @@ from cp_train.metrics import (
 from cp_train.plot import main as plot_main
 from cp_train.plot import read_records
 from cp_train.sinks import METRICS_FILE, MetricsSinks, console_line, progress_bar, wandb_mode
+from model import ModelConfig, matmul_params
 
 
 @pytest.mark.parametrize("name,peak", [
@@ -68,6 +69,23 @@ def test_interval_meter_throughput_flops_and_mfu() -> None:
     assert (record["step"], record["loss"], record["step_time_s"], record["data_time_s"]) == (8, 2.0, 0.5, 0.1)
     assert (record["consumed_samples"], record["consumed_tokens"]) == (64, 64 * 256)
     assert meter.steps == 0 and meter.loss_sum == 0.0  # the next interval starts fresh
+
+
+def test_meter_counts_the_attention_pairs_documents_leave() -> None:
+    """With per-document masks a step's model FLOPs count the visible query-key pairs: a whole causal sample's
+    pairs give the causal count; documents of S/16 tokens cut the attention term 16-fold."""
+    model = ModelConfig(vocab_size=512, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                        ffn_hidden_size=128, max_position_embeddings=4096)
+    seq, batch = 4096, 2
+    meters = {name: IntervalMeter.for_model(model, seq, batch, 1, 1.0) for name in ("causal", "one", "docs")}
+    docs = 16 * (seq // 16) * (seq // 16 + 1) // 2
+    for name, pairs in (("causal", None), ("one", seq * (seq + 1) // 2), ("docs", docs)):
+        meters[name].add(2.0, 1.0, 0.0, attention_pairs=None if pairs is None else batch * pairs)
+    records = {name: meter.record(1, 0.0, 0.0, 0, seq, 0.0) for name, meter in meters.items()}
+    flops = {name: r["tflops_per_device"] * batch * seq / r["tokens_per_s"] for name, r in records.items()}  # TFLOP
+    assert flops["one"] == pytest.approx(flops["causal"], rel=1e-3)
+    dense = 6 * matmul_params(model) * batch * seq / 1e12
+    assert (flops["docs"] - dense) == pytest.approx((flops["causal"] - dense) * (seq / 16 + 1) / (seq + 1), rel=1e-2)
 
 
 def test_cpu_peak_memory_follows_the_high_water_mark() -> None:
