@@ -36,7 +36,8 @@ from model.hf_weights import hf_tensors
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.dtype's names too
 
 
 def checkpoint_model_config(meta: dict[str, Any]) -> ModelConfig:
@@ -111,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype), args.tokenizer_from,
                             int(args.max_shard_gb * 2**30))
     print(f"exported {args.checkpoint} to {out}")
+    if not any((out / name).is_file() for name in TOKENIZER_FILES):
+        print(f"no tokenizer files in {out}: the run's tokenizer is not a Hugging Face one; copy them with "
+              f"--tokenizer-from HF_DIR (tokenizer.json and its config) for transformers' AutoTokenizer")
     return out
 
 
