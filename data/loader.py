@@ -40,8 +40,7 @@ def slice_for_context_parallel(batch: Mapping[str, Any], cp_rank: int, cp_size: 
         documents = out["document_ids"]
         check_cp_split(documents.shape[-1], cp_size, layout)
         rows = documents.reshape(-1, documents.shape[-1])
-        positions = torch.stack([balanced_positions(row, cp_size)[cp_rank] for row in rows])
-        positions = positions.reshape(*documents.shape[:-1], -1)
+        positions = rank_positions(rows, cp_size, layout)[cp_rank].reshape(*documents.shape[:-1], -1)
         for key in PER_TOKEN_KEYS:
             if key in out:
                 out[key] = torch.gather(out[key], -1, positions)
@@ -150,11 +149,12 @@ class CollateForContextParallel:
         batch = default_collate(samples)
         if self.planner is None:
             return slice_for_context_parallel(batch, self.cp_rank, self.cp_size, self.layout)
-        index = rank_positions(batch["document_ids"], self.cp_size, self.layout)
-        every = {key: torch.gather(batch[key].expand(self.cp_size, *batch[key].shape), 2, index)
-                 for key in PER_TOKEN_KEYS if key in batch}
-        out = {key: every[key][self.cp_rank] if key in every else value for key, value in batch.items()}
-        out[ATTENTION_PLAN] = self.planner(every["document_ids"], every["position_ids"])
+        index = rank_positions(batch["document_ids"], self.cp_size, self.layout)  # [cp, B, seq_len // cp]
+        out = {key: torch.gather(value, -1, index[self.cp_rank]) if key in PER_TOKEN_KEYS else value
+               for key, value in batch.items()}
+        every = [torch.gather(batch[key].expand(self.cp_size, *batch[key].shape), 2, index)
+                 for key in ("document_ids", "position_ids")]  # every rank's, as the all-gather would give
+        out[ATTENTION_PLAN] = self.planner(*every)
         return out
 
 
