@@ -29,16 +29,17 @@ from parallel.state import parallel_context
 
 
 def dry_run(config: Config, args: Namespace) -> int:
-    """Print every rank's planned memory (``cp_train/dry_run.py``); rank 0 alone under torchrun."""
+    """Print every rank's planned memory (``cp_train/dry_run.py``); rank 0 alone under torchrun. Exit status 1
+    when the largest rank does not fit the device."""
     from cp_train.dry_run import dry_run_world, report
 
     device_gib = args.device_memory_gib
     if device_gib is None:
         device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    text = report(config, dry_run_world(config), device_gib, args.config or "the command line")
+    planned = report(config, dry_run_world(config), device_gib, args.config or "the command line")
     if this_rank() == 0:
-        print(text)
-    return 0
+        print(planned.text)
+    return 0 if planned.fits else 1
 
 
 def train(argv: list[str]) -> int:

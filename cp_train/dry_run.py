@@ -17,6 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -150,8 +151,14 @@ def plan(config: Config, world: int) -> tuple[ParallelDims, list[RankMemory], di
     return dims, ranks, activations, assumed
 
 
-def report(config: Config, world: int, device_gib: float, source: str = "the config") -> str:
-    """The dry run's text: the layout and assumptions, the activation terms, one line per rank, the verdict."""
+class DryRunReport(NamedTuple):
+    text: str
+    fits: bool  # the largest rank's total within the device memory
+
+
+def report(config: Config, world: int, device_gib: float, source: str = "the config") -> DryRunReport:
+    """The dry run's text (the layout and assumptions, the activation terms, one line per rank, the verdict and,
+    when the largest rank does not fit, what to change) and whether it fits."""
     dims, ranks, activations, assumed = plan(config, world)
     parallel, model = config.parallel, config.model
     mode = (f"FSDP over dp x cp ({'ZeRO-3' if parallel.fsdp_reshard_after_forward else 'ZeRO-2'})"
@@ -172,10 +179,28 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     lines.append("GiB per rank:")
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     worst = max(ranks, key=lambda r: r.total_bytes)
-    verdict = "fits" if worst.total_bytes <= device_gib * GIB else "does NOT fit"
-    lines.append(f"{verdict}: the largest rank ({worst.rank}) needs {worst.total_bytes / GIB:.1f} GiB of "
-                 f"{device_gib:g} GiB per device ({100 * worst.total_bytes / (device_gib * GIB):.0f}%)")
-    return "\n".join(lines)
+    fits = worst.total_bytes <= device_gib * GIB
+    lines.append(f"{'fits' if fits else 'does NOT fit'}: the largest rank ({worst.rank}) needs "
+                 f"{worst.total_bytes / GIB:.1f} GiB of {device_gib:g} GiB per device "
+                 f"({100 * worst.total_bytes / (device_gib * GIB):.0f}%)")
+    if not fits:
+        lines.append(f"to fit: {shrink_hint(config, worst)}")
+    return DryRunReport("\n".join(lines), fits)
+
+
+def shrink_hint(config: Config, worst: RankMemory) -> str:
+    """What to change, the largest part first: the state (sharding) or the activations (tokens per rank)."""
+    model, parallel = config.model, config.parallel
+    state = [] if parallel.fsdp else ["--fsdp (shards parameters, gradients and optimizer state over dp x cp)"]
+    state += ["a larger parallel.tp (splits the weights)"] + (["more ranks in dp (FSDP shards over dp x cp)"]
+                                                              if parallel.fsdp else [])
+    if parallel.fsdp and not parallel.fsdp_reshard_after_forward:
+        state.insert(0, "parallel.fsdp_reshard_after_forward=true (gathers one block at a time)")
+    acts = [] if model.activation_checkpointing else ["model.activation_checkpointing=true"]
+    acts += [f"model.mlp_chunks={2 * model.mlp_chunks}", "a larger parallel.cp (fewer tokens per rank)",
+             "a smaller train.micro_batch_size or data.seq_len"]
+    parts = [state, acts] if worst.state_bytes + worst.gathered_bytes >= worst.activation_bytes else [acts, state]
+    return "; ".join(parts[0] + parts[1][:2])
 
 
 def dry_run_world(config: Config) -> int:

@@ -197,6 +197,8 @@ def test_valid_layouts_resolve_dp() -> None:
 def test_shipped_configs_are_valid(name, world) -> None:
     config = load_config(CONFIGS / name)
     assert config.parallel.cp == (2 if name == "cpu-tiny.yaml" else 8)
+    assert config.data.document_mask and config.parallel.cp_layout == ("zigzag" if name == "cpu-tiny.yaml"
+                                                                       else "balanced")
     validate(config, world)
     assert config.logging.dir and config.logging.interval >= 1
 

@@ -83,6 +83,17 @@ def test_dry_run_of_the_8b_config_fits_on_80_gb(capsys) -> None:
     assert lines[-1].startswith("fits: the largest rank"), lines[-1]
 
 
+def test_dry_run_that_does_not_fit_says_what_to_change_and_fails(capsys) -> None:
+    """Exit status 1 when the largest rank exceeds the device, and a line naming the settings that shrink it."""
+    argv = ["--config", "launch/configs/gpt-8b-128k-cp8.yaml", "--dry-run", "--device-memory-gib", "30"]
+    assert train_main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("does NOT fit: the largest rank (0) needs 38.9 GiB of 30 GiB"), lines[-2]
+    assert lines[-1].startswith("to fit: a larger parallel.tp"), lines[-1]
+    assert train_main([*argv, "--set", "parallel.fsdp=false"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("to fit: --fsdp (shards parameters")
+
+
 def test_dry_run_takes_the_vocabulary_training_would(tmp_path) -> None:
     """Configs that read their vocabulary from the tokenizer: the embedded corpus's, or a tokenizer file here."""
     config = load_config(Path("launch/configs/cpu-tiny.yaml"))
