@@ -39,6 +39,12 @@ def select_device(state: ParallelState) -> torch.device:
     return torch.device("cpu")
 
 
+def autocast_dtype(config: Config, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast for ``train.dtype`` bf16, or auto on CUDA; None (no autocast) otherwise."""
+    dtype = config.train.dtype
+    return torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and device.type == "cuda") else None
+
+
 def use_deterministic_algorithms() -> None:
     """Deterministic kernels from here on (cuBLAS needs its workspace setting before its first use);
     the attention kernels follow it too (see parallel/kernels.py)."""

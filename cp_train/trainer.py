@@ -58,7 +58,7 @@ class Trainer:
         self.device = build.select_device(state)
         if config.train.deterministic:
             build.use_deterministic_algorithms()
-        self.autocast_dtype = self._autocast_dtype()
+        self.autocast_dtype = build.autocast_dtype(config, self.device)
         seed_everything(derived_seed(config.train.seed, state.rank))
         self.sources = build.resolve_data(config, state)
         self.run_name = config.run_name(self.dp)
@@ -91,12 +91,6 @@ class Trainer:
         self._last_saved = self.step if resume is not None else -1
 
     # ----------------------------------------------------------------------------------- setup
-    def _autocast_dtype(self) -> torch.dtype | None:
-        dtype = self.config.train.dtype
-        if dtype == "bf16" or (dtype == "auto" and self.device.type == "cuda"):
-            return torch.bfloat16
-        return None
-
     def _check_directories(self) -> None:
         """The run directory and the checkpoint directory must take files before step 1 (rank 0 writes both
         the metrics and the checkpoint metadata)."""
