@@ -1,66 +1,16 @@
 """cp-train entry point: ``torchrun --nproc-per-node N train.py --config FILE [flags] [--set key=value ...]``.
 
-Parses the config (YAML < flags < ``--set``), initialises torch.distributed from torchrun's
-environment (nccl on CUDA, gloo on CPU; every collective bounded by ``parallel.timeout_minutes``),
-builds the run and trains. See ``python train.py --help`` and ``launch/``.
-
-A failure ends the process with one line on stderr (rank 0 alone for config and input errors) and exit
-code 2 for a config or input error, 1 for a failed run; ``--debug`` or ``CP_TRAIN_DEBUG=1`` adds the
-traceback (``cp_train/errors.py``).
+The command itself is ``cp_train/main.py`` (also ``python -m cp_train`` where the package is installed).
+See ``python train.py --help`` and ``launch/``.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from argparse import Namespace
-from collections.abc import Sequence
 
-import torch
+from cp_train.main import dry_run, main, train
 
-from cp_train.cli import parse_args
-from cp_train.collectives import explain_collective_failure, trace_collectives
-from cp_train.config import Config
-from cp_train.errors import run_entry_point, this_rank
-from cp_train.trainer import run_training
-from cp_train.validate import validate
-from parallel.spawn import free_port
-from parallel.state import parallel_context
-
-
-def dry_run(config: Config, args: Namespace) -> int:
-    """Print every rank's planned memory (``cp_train/dry_run.py``); rank 0 alone under torchrun. Exit status 1
-    when the largest rank does not fit the device."""
-    from cp_train.dry_run import dry_run_world, report
-
-    device_gib = args.device_memory_gib
-    if device_gib is None:
-        device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    planned = report(config, dry_run_world(config), device_gib, args.config or "the command line")
-    if this_rank() == 0:
-        print(planned.text)
-    return 0 if planned.fits else 1
-
-
-def train(argv: list[str]) -> int:
-    config, args = parse_args(argv)
-    if args.dry_run:
-        return dry_run(config, args)
-    dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
-    if "RANK" not in os.environ:  # plain `python train.py`: a world of one (on a free port: several may run)
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
-    parallel = config.parallel
-    with parallel_context(parallel.tp, parallel.cp, dp, parallel.backend, parallel.timeout_minutes,
-                          parallel.ulysses_size) as state:
-        trace_collectives(state, parallel.timeout_minutes)
-        run_training(config, state)
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_entry_point("train.py", train, argv, explain=explain_collective_failure)
-
+__all__ = ["dry_run", "main", "train"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -106,6 +106,12 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
     if tokenizer_path is not None:
         with input_errors(f"data.tokenizer {tokenizer_path}"):
             tokenizer = load_tokenizer(tokenizer_path)
+        hf = config.checkpoint.init_from_hf
+        if vocab is not None and vocab < tokenizer.vocab_size and hf:
+            raise ConfigError(f"the Hugging Face model {hf} has {vocab} token ids, fewer than the "
+                              f"{tokenizer.vocab_size} of the tokenizer {tokenizer_path}: train it with its own "
+                              f"tokenizer, --tokenizer-model {hf} (data.tokenizer), on data tokenized with it "
+                              f"(python -m data.preprocess, then --data-path)")
         if vocab is not None and vocab < tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size {vocab} is smaller than the {tokenizer.vocab_size} ids of the "
                               f"tokenizer {tokenizer_path}: set model.vocab_size >= {tokenizer.vocab_size} (e.g. "

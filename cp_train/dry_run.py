@@ -164,8 +164,9 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     mode = (f"FSDP over dp x cp ({'ZeRO-3' if parallel.fsdp_reshard_after_forward else 'ZeRO-2'})"
             if parallel.fsdp else "DDP (replicated parameters)")
     lines = [f"dry run of {source}: {assumed['parameters']:,} parameters, world {dims.world} = tp {dims.tp} x cp "
-             f"{dims.cp} x dp {dims.dp}, {mode}, {assumed['compute']} compute on {assumed['device']} "
-             f"(--set parallel.backend=gloo: CPU), {assumed['tokens_per_rank']:,} tokens per rank per micro-batch, "
+             f"{dims.cp} x dp {dims.dp}, {mode}, {assumed['compute']} compute on {assumed['device']}"
+             f"{' (--set parallel.backend=gloo: CPU)' if assumed['device'] == 'cuda' else ''}, "
+             f"{assumed['tokens_per_rank']:,} tokens per rank per micro-batch, "
              f"{assumed['accumulation']} micro-batch(es) per step",
              f"activations per rank (estimate): blocks {activations['blocks'] / GIB:.2f} GiB ({model.num_layers} "
              f"blocks, activation checkpointing {'on' if model.activation_checkpointing else 'off'}, mlp_chunks "

@@ -60,6 +60,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     if not Path(checkpoint).is_dir():
         raise InputError(f"{checkpoint} is not a directory: pass a run's checkpoint directory (checkpoint.save) or "
                          f"one of its step_* directories")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise InputError(f"{out} is a file: pass a directory for the Hugging Face model (created if missing)")
     path = find_checkpoint(checkpoint, use="export the newest complete checkpoint instead: {}")
     if path is None:
         newest = newest_complete(Path(checkpoint))
@@ -84,6 +86,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
         return tensor
 
     source = _tokenizer_source(meta, tokenizer_from)
+    if source is not None and Path(out).resolve() == source.resolve():
+        raise InputError(f"{out} is the tokenizer source (--tokenizer-from, or the run's checkpoint.init_from_hf): "
+                         f"exporting there would overwrite the model the run started from; pass another directory")
     extra = {}
     if source is not None:
         hf = json.loads((source / "config.json").read_text()) if (source / "config.json").is_file() else {}

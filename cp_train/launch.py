@@ -10,7 +10,9 @@ error, 1 for a failed run, 128 + N for a rank killed by signal N. ``launch/torch
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -22,6 +24,21 @@ from torch.distributed.run import parse_args, run
 
 PROG = "cp_train.launch"
 QUIETED_LOGGERS = "torch.distributed.elastic.multiprocessing"  # log each failure: the summary line says it all
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun (Linux): have the kernel send this rank SIGTERM when its launcher dies. torchrun starts
+    its ranks in sessions of their own, so a launcher killed outright (SIGKILL) would leave them training and
+    writing checkpoints and metrics beside the rerun that the README advises. Elsewhere nothing."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0 and (
+            os.getppid() != parent):  # the launcher died between the two calls
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_code_of(code: int) -> int:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cp_train.errors import InputError, run_entry_point
 from data.hf_tokenizer import HFTokenizer, train_hf_tokenizer
 from data.prepare_default import stdlib_sources
 from model.config import ModelConfig
@@ -35,6 +37,10 @@ def tiny_model_config(vocab_size: int, context: int, seed: int = 0) -> ModelConf
 def make_tiny_hf(out_dir: str | Path, context: int = 128, vocab_size: int = 2048, seed: int = 0) -> Path:
     """Write the tokenizer and the random model into ``out_dir``; returns it."""
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} is a file: pass a directory for the model (created if missing)")
+    if (out / "config.json").is_file():
+        raise InputError(f"{out} already holds a model (config.json): pass a new directory, or remove it first")
     texts = (path.read_text(encoding="utf-8", errors="replace") for path in stdlib_sources()[:TOKENIZER_FILES])
     train_hf_tokenizer(texts, vocab_size, out)
     tokenizer = HFTokenizer(out)
@@ -61,4 +67,4 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry_point("python -m cp_train.tiny_hf", lambda args: main(args) and None))

@@ -181,6 +181,9 @@ class IndexedDataset:
         self.prefix = os.fspath(prefix)
         idx_file, bin_file = index_path(self.prefix), data_path(self.prefix)
         for path in (idx_file, bin_file):
+            if not path.is_file() and self.prefix.endswith((".bin", ".idx")):
+                raise FileNotFoundError(f"{path} is missing: pass the dataset's prefix without .bin or .idx "
+                                        f"({self.prefix[:-4]})")
             if not path.is_file():
                 raise FileNotFoundError(
                     f"{path} is missing; an indexed dataset needs both {idx_file.name} and "
@@ -268,6 +271,15 @@ class IndexedDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Raise ``ValueError`` unless a tokenizer of ``vocab_size`` ids fits this data's dtype."""
+    def check_vocab(self, vocab_size: int, scan_tokens: int = 2**26) -> None:
+        """Raise ``ValueError`` unless a tokenizer of ``vocab_size`` ids fits this data's dtype and the first
+        ``scan_tokens`` tokens are ids in ``[0, vocab_size)`` (a bounded scan, about 0.1 s: data made with
+        another tokenizer shows it from the start)."""
         check_vocab_fits(self.dtype, vocab_size, what=f"{data_path(self.prefix)}")
+        head = self._tokens[:scan_tokens]
+        low, high = (int(head.min()), int(head.max())) if head.size else (0, 0)
+        if high >= vocab_size or low < 0:
+            bad = high if high >= vocab_size else low
+            raise ValueError(f"{data_path(self.prefix)} holds token id {bad}, outside the model's {vocab_size} ids: it "
+                             f"was tokenized with another tokenizer; train with the tokenizer it was made with "
+                             f"(data.tokenizer), or re-run data.preprocess with this one")

@@ -52,7 +52,7 @@ class PreprocessSummary:
         return self.tokens / max(self.seconds, 1e-9)
 
     def __str__(self) -> str:
-        return (f"wrote {data_path(self.prefix)} and {index_path(self.prefix).name}: "
+        return (f"wrote {data_path(self.prefix)} and {index_path(self.prefix)}: "
                 f"{self.documents} documents, {self.tokens} tokens "
                 f"({self.skipped_empty} empty skipped) in {self.seconds:.1f} s, "
                 f"{self.tokens_per_second:,.0f} tokens/s")
@@ -180,6 +180,9 @@ def warn(text: str) -> None:
 def run(argv: Sequence[str] | None = None) -> PreprocessSummary:
     """Preprocess as the command line ``argv`` says; raises ``InputError`` for a bad input."""
     args = parse_args(argv)
+    if args.output_prefix.endswith(("/", os.sep)) or Path(args.output_prefix).is_dir():
+        raise InputError(f"--output-prefix {args.output_prefix} names a directory: add the files' name, e.g. "
+                         f"{Path(args.output_prefix) / 'data'} (writes data.bin and data.idx there)")
     files = list_input_files(args.input, args.glob)
     if not files:
         raise InputError(f"no input files found in {' '.join(args.input)} (glob {args.glob!r}): "

@@ -155,3 +155,13 @@ def write_weights(path: Path, sizes: list[tuple[str, int]],
     if write and len(shards) > 1:
         index = {"metadata": {"total_size": sum(nbytes for _, nbytes in sizes)}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if write:
+        remove_stale_weights(path, set(names) | ({INDEX_FILE} if len(shards) > 1 else set()))
+
+
+def remove_stale_weights(path: Path, written: set[str]) -> None:
+    """Delete the safetensors weights and index an earlier save left in ``path`` (other shard counts): loaders
+    would otherwise read them (transformers prefers ``model.safetensors`` to an index)."""
+    for old in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+        if old.is_file() and old.name not in written:
+            old.unlink()

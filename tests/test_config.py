@@ -105,6 +105,9 @@ def test_unknown_or_malformed_overrides(argv, message) -> None:
     ("model: 3\n", "'model' must be a mapping"),
     ("- a\n- b\n", "the top level must be a mapping"),
     ("model: [\n", "not valid YAML"),
+    ("model:\n  num_layers: 2\ntrain:\n  steps: 3\nmodel:\n  num_layers: 4\n",
+     r"run.yaml:5:1: not valid YAML: 'model' appears twice in one mapping: merge the two"),
+    ("model:\n  num_layers: 2\n  num_layers: 4\n", r"run.yaml:3:3: .*'num_layers' appears twice"),
 ])
 def test_unknown_keys_in_yaml_name_the_key_and_the_file(tmp_path, text, message) -> None:
     path = tmp_path / "run.yaml"
@@ -199,6 +202,7 @@ def test_shipped_configs_are_valid(name, world) -> None:
     assert config.parallel.cp == (2 if name == "cpu-tiny.yaml" else 8)
     assert config.data.document_mask and config.parallel.cp_layout == ("zigzag" if name == "cpu-tiny.yaml"
                                                                        else "balanced")
+    assert config.parallel.backend == ("gloo" if name.startswith("cpu") else None)  # None: nccl on CUDA
     validate(config, world)
     assert config.logging.dir and config.logging.interval >= 1
 
@@ -225,3 +229,20 @@ def test_cp_layout_moved_to_parallel_with_a_deprecation_note() -> None:
     assert (flags.parallel.cp_layout, flags.parallel.cp_algorithm, flags.parallel.ulysses_size) == \
         ("balanced", "a2a+p2p", 2)
     assert parse_config(["--cp-comm-type", "all_gather"]).parallel.cp_algorithm == "all_gather"
+
+
+def test_the_installed_package_runs_the_same_command(tmp_path) -> None:
+    """``python -m cp_train`` (``torchrun -m cp_train`` where the package is installed) is train.py, from any
+    directory."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "cp_train", "--config", str(CONFIGS / "cpu-tiny.yaml"), "--dry-run"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("dry run of "), done.stdout + done.stderr
+    done = subprocess.run([sys.executable, "-m", "cp_train", "--config", str(tmp_path / "missing.yaml")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("cp_train: error: --config "), done.stderr

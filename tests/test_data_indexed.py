@@ -121,6 +121,10 @@ def test_missing_files_are_named(tmp_path):
         IndexedDataset(tmp_path / "m")
     with pytest.raises(FileNotFoundError, match=r"nothing\.idx is missing"):
         IndexedDataset(tmp_path / "nothing")
+    _write(tmp_path / "d", _documents(np.uint16, 2), np.uint16)
+    with pytest.raises(FileNotFoundError, match=rf"d\.bin\.idx is missing: pass the dataset's prefix without \.bin or "
+                                                rf"\.idx \({tmp_path}/d\)"):
+        IndexedDataset(data_path(tmp_path / "d"))
 
 
 @pytest.mark.parametrize("keep", [20, 60])  # inside the header, inside the arrays
@@ -157,11 +161,17 @@ def test_bad_magic_and_version(tmp_path):
         IndexedDataset(tmp_path / "b")
 
 
-def test_vocab_that_does_not_fit_the_dtype(tmp_path):
-    _write(tmp_path / "v", _documents(np.uint16, 2), np.uint16)
+def test_vocab_that_does_not_fit_the_dtype_or_the_ids(tmp_path):
+    documents = _documents(np.uint16, 2)
+    _write(tmp_path / "v", documents, np.uint16)
     ds = IndexedDataset(tmp_path / "v")
-    ds.check_vocab(8192)
+    largest = int(max(doc.max() for doc in documents))
     ds.check_vocab(65536)
+    ds.check_vocab(largest + 1)
+    with pytest.raises(ValueError, match=rf"v\.bin holds token id {largest}, outside the model's {largest} ids: it was "
+                                         rf"tokenized with another tokenizer"):
+        ds.check_vocab(largest)
+    ds.check_vocab(largest, scan_tokens=0)  # the scan is bounded
     with pytest.raises(ValueError, match=r"100000 ids does not fit .*v\.bin.*uint16.*int32"):
         ds.check_vocab(100_000)
     check_vocab_fits(np.int32, 100_000)

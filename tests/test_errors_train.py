@@ -76,6 +76,9 @@ def test_input_errors_stop_before_step_1(base, tmp_path) -> None:
         "vocab": (["--config", config, "--set", f"data.tokenizer={tokenizer}", "--set", "model.vocab_size=128"],
                   r"model\.vocab_size 128 is smaller than the 400 ids of the tokenizer \S+tok\.model: set "
                   r"model\.vocab_size >= 400 \(e\.g\. 512\) or null"),
+        "other tokenizer": (["--config", config, "--set", "model.vocab_size=64"],
+                            r"data\.prefix \S+docs: \S+docs\.bin holds token id 127, outside the model's 64 ids: it "
+                            r"was tokenized with another tokenizer"),
         "save dir": (["--config", config, "--save", str(not_a_dir / "ckpt")],
                      r"checkpoint\.save \(--save\) \S+file/ckpt is not a writable directory \(Not a directory\)"),
         "run dir": (["--config", config, "--run-dir", str(not_a_dir / "run")],

@@ -110,6 +110,27 @@ def test_hung_rank_times_out_naming_the_collective_and_the_key(corpus, tmp_path)
     assert not PROJECT_FRAME.search(output), output[-3000:]
 
 
+def test_ranks_stop_when_their_launcher_is_killed(corpus, tmp_path) -> None:
+    """torchrun starts ranks in sessions of their own; SIGKILL to the launcher must not leave them training on."""
+    config = write_config(tmp_path / "run.yaml", corpus, tmp_path / "run", cp=2,
+                          **{"train.steps": 100_000, "logging.console": False})
+    process = start(["--config", str(config)], world=2, launcher="launch")
+    pids: dict[int, int] = {}
+    try:
+        wait_for_step(tmp_path / "run" / "metrics.jsonl", 2, process)
+        pids = rank_pids(process.pid)
+        process.kill()
+        process.communicate(timeout=60)
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in pids.values()) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids.values()), "the ranks outlived their launcher"
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _can_mount_tmpfs() -> bool:
     try:
         return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],

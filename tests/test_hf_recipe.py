@@ -11,8 +11,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
 import torch
 
+from cp_train.errors import InputError
 from cp_train.export_hf import main as export_main
 from cp_train.tiny_hf import main as tiny_hf_main
 from data.preprocess import main as preprocess_main
@@ -25,7 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_readme_cpu_recipe(tmp_path) -> None:
     tiny = tiny_hf_main([str(tmp_path / "tiny-llama")])
+    with pytest.raises(InputError, match=r"tiny-llama already holds a model \(config.json\): pass a new directory"):
+        tiny_hf_main([str(tiny)])  # never overwrites a model
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert preprocess_main(["--input", str(stdlib / "json"), "--tokenizer", str(tiny), "--output-prefix",
+                            f"{tmp_path}/"]) == 2  # a directory, not a prefix
     preprocess_main(["--input", str(stdlib / "email"), str(stdlib / "json"), "--glob", "*.py", "--tokenizer",
                      str(tiny), "--output-prefix", str(tmp_path / "data"), "--quiet"])
     run_dir = tmp_path / "run"

@@ -73,6 +73,7 @@ def test_defaults_are_filled_as_transformers_fills_them() -> None:
     ({"rope_type": "dynamic", "factor": 2.0}, "unknown rope_scaling.rope_type 'dynamic'; known types: "
                                               + ", ".join(ROPE_TYPES)),
     ({"factor": 2.0}, "unknown rope_scaling.rope_type None"),
+    ({"rope_type:yarn": None, "factor:4.0": None}, "reads as keys without values: in YAML put a space after each"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "rope_type 'llama3' is missing high_freq_factor"),
     ({"rope_type": "linear", "factor": 2.0, "beta_fast": 3}, "rope_type 'linear' does not take beta_fast"),
     ({"rope_type": "linear", "factor": 0.5}, "rope_scaling.factor must be a number >= 1.0, got 0.5"),

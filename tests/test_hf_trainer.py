@@ -11,18 +11,22 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import Metadata
 
+from cp_train.build import resolve_data
 from cp_train.checkpoint_files import DCP_METADATA, LATEST, META, step_dir_name
 from cp_train.cli import parse_config
 from cp_train.config import ConfigError
 from cp_train.errors import InputError, run_entry_point
 from cp_train.export_hf import export_checkpoint
 from cp_train.export_hf import main as export_main
+from data.tokenizer import train_tokenizer
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.hf import load_llama, save_llama
@@ -69,6 +73,18 @@ def test_init_from_hf_train_export_resume(spawn_world, tmp_path) -> None:
     assert rel_err(logits, hf_cases.hf_reference(load_hf(hf_dir), tokens)["logits"]) > 1e-3, "it trained"
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == trainer_cases.EOD and config["rms_norm_eps"] == 1e-6  # from the HF source
+    # exporting again replaces the earlier weight files (a stale model.safetensors would be what loads)
+    export_main([str(checkpoints), str(out), "--max-shard-gb", str(20_000 / 2**30)])
+    shards = sorted(f.name for f in out.glob("model*.safetensors*"))
+    assert "model.safetensors" not in shards and "model.safetensors.index.json" in shards and len(shards) > 2
+    export_main([str(checkpoints), str(out)])
+    assert sorted(f.name for f in out.glob("model*.safetensors*")) == ["model.safetensors"]
+    source_weights = (hf_dir / "model.safetensors").read_bytes()
+    with pytest.raises(InputError, match=r"is the tokenizer source .* would overwrite the model the run started"):
+        export_main([str(checkpoints), str(hf_dir)])  # the run's init_from_hf directory
+    assert (hf_dir / "model.safetensors").read_bytes() == source_weights
+    with pytest.raises(InputError, match=r"config.json is a file: pass a directory"):
+        export_main([str(checkpoints), str(out / "config.json")])
 
     resumed = world.run(run_with_parallel, (1, 2, 2), hf_cases.train_from_hf_on_rank, corpus,
                         str(tmp_path / "run2"), {**overrides, "train.steps": 4, "parallel.fsdp": False}, tokens)[0]
@@ -134,3 +150,14 @@ def test_export_needs_a_checkpoint(tmp_path, capsys) -> None:
     assert code == 2 and "\n" not in line and "--load" not in line, line
     assert re.fullmatch(rf"export: error: {tmp_path}/latest names {step_dir_name(4)}, an incomplete checkpoint: .*; "
                         rf"export the newest complete checkpoint instead: {tmp_path}/{step_dir_name(2)}", line), line
+
+
+def test_hf_model_with_a_larger_tokenizer_says_to_use_its_own(small_hf, tmp_path) -> None:
+    """The HF model's vocabulary is fixed by its config.json: the fix is its tokenizer, not model.vocab_size."""
+    tokenizer = train_tokenizer([Path(textwrap.__file__)], 400, tmp_path / "tok")
+    config = parse_config(["--init-from-hf", str(small_hf), "--tokenizer-model", str(tokenizer),
+                           "--data-path", str(tmp_path / "docs")])
+    with pytest.raises(ConfigError, match=rf"the Hugging Face model {small_hf} has 128 token ids, fewer than the 400 "
+                                          rf"of the tokenizer \S+tok.model: train it with its own tokenizer, "
+                                          rf"--tokenizer-model {small_hf} \(data.tokenizer\)"):
+        resolve_data(config, None)
