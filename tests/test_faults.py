@@ -7,12 +7,14 @@ the uninterrupted run's bitwise, and its metrics.jsonl holds one record per step
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -78,27 +80,41 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_hung_rank_times_out_naming_the_collective_and_the_key(corpus, tmp_path) -> None:
-    """Rank 1 stops (SIGSTOP) mid-run; rank 0's collective times out after parallel.timeout_minutes = 0.05
-    (3 s). Through plain torchrun: rank 0's one line, its exit code 1 in torchrun's summary, no project traceback."""
+def _seconds_until(done, timeout: float) -> float:  # noqa: ANN001 - a predicate
+    """Poll ``done()`` until it holds or ``timeout`` seconds pass; the seconds waited."""
+    start = time.monotonic()
+    while not done() and time.monotonic() - start < timeout:
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def _endless_run(corpus: str, tmp_path: Path, launcher: str, step: int, **overrides: object
+                 ) -> Iterator[tuple[subprocess.Popen, dict[int, int]]]:
+    """A 2-rank run without end, started and at ``step``: (the launcher process, {rank: pid}); ranks still
+    alive afterwards are killed (a stopped process ignores torchrun's SIGTERM)."""
     config = write_config(tmp_path / "run.yaml", corpus, tmp_path / "run", cp=2,
-                          **{"train.steps": 100_000, "parallel.timeout_minutes": 0.05, "logging.console": False})
-    process = start(["--config", str(config)], world=2, launcher="torchrun")
+                          **{"train.steps": 100_000, "logging.console": False, **overrides})
+    process = start(["--config", str(config)], world=2, launcher=launcher)
     pids: dict[int, int] = {}
     try:
-        wait_for_step(tmp_path / "run" / "metrics.jsonl", 3, process)
-        pids = rank_pids(process.pid)
-        stopped = time.monotonic()
-        os.kill(pids[1], signal.SIGSTOP)
-        while _alive(pids[0]) and time.monotonic() - stopped < 120:
-            time.sleep(0.05)
-        waited = time.monotonic() - stopped
-    finally:  # torchrun's SIGTERM cannot end a stopped process: end it here
+        wait_for_step(tmp_path / "run" / "metrics.jsonl", step, process)
+        pids.update(rank_pids(process.pid))
+        yield process, pids
+    finally:
         for pid in pids.values():
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         if not pids:
             process.kill()
+
+
+def test_hung_rank_times_out_naming_the_collective_and_the_key(corpus, tmp_path) -> None:
+    """Rank 1 stops (SIGSTOP) mid-run; rank 0's collective times out after parallel.timeout_minutes = 0.05
+    (3 s). Through plain torchrun: rank 0's one line, its exit code 1 in torchrun's summary, no project traceback."""
+    with _endless_run(corpus, tmp_path, "torchrun", 3, **{"parallel.timeout_minutes": 0.05}) as (process, pids):
+        os.kill(pids[1], signal.SIGSTOP)
+        waited = _seconds_until(lambda: not _alive(pids[0]), 120)
     output, _ = process.communicate(timeout=120)
     assert 2.5 < waited < 60, f"rank 0 stopped {waited:.1f} s after rank 1 hung"
     lines = [line for line in output.splitlines() if line.startswith("train.py: ")]
@@ -112,23 +128,11 @@ def test_hung_rank_times_out_naming_the_collective_and_the_key(corpus, tmp_path)
 
 def test_ranks_stop_when_their_launcher_is_killed(corpus, tmp_path) -> None:
     """torchrun starts ranks in sessions of their own; SIGKILL to the launcher must not leave them training on."""
-    config = write_config(tmp_path / "run.yaml", corpus, tmp_path / "run", cp=2,
-                          **{"train.steps": 100_000, "logging.console": False})
-    process = start(["--config", str(config)], world=2, launcher="launch")
-    pids: dict[int, int] = {}
-    try:
-        wait_for_step(tmp_path / "run" / "metrics.jsonl", 2, process)
-        pids = rank_pids(process.pid)
+    with _endless_run(corpus, tmp_path, "launch", 2) as (process, pids):
         process.kill()
         process.communicate(timeout=60)
-        killed = time.monotonic()
-        while any(_alive(pid) for pid in pids.values()) and time.monotonic() - killed < 60:
-            time.sleep(0.05)
+        _seconds_until(lambda: not any(_alive(pid) for pid in pids.values()), 60)
         assert not any(_alive(pid) for pid in pids.values()), "the ranks outlived their launcher"
-    finally:
-        for pid in pids.values():
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def _can_mount_tmpfs() -> bool:
