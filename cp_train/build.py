@@ -77,6 +77,8 @@ def input_errors(what: str) -> Iterator[None]:
 
 def ensure_writable_dir(path: Path, key: str) -> None:
     """Create directory ``path`` if needed and write a file in it; ``InputError`` naming ``key`` if that fails."""
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{key} {path} is a file: pass a directory (created if missing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
@@ -107,12 +109,12 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
         with input_errors(f"data.tokenizer {tokenizer_path}"):
             tokenizer = load_tokenizer(tokenizer_path)
         hf = config.checkpoint.init_from_hf
-        if vocab is not None and vocab < tokenizer.vocab_size and hf:
+        if vocab is not None and vocab < tokenizer.vocab_size and hf:  # the HF config fixes the vocabulary
             raise ConfigError(f"the Hugging Face model {hf} has {vocab} token ids, fewer than the "
                               f"{tokenizer.vocab_size} of the tokenizer {tokenizer_path}: train it with its own "
                               f"tokenizer, --tokenizer-model {hf} (data.tokenizer), on data tokenized with it "
                               f"(python -m data.preprocess, then --data-path)")
-        if vocab is not None and vocab < tokenizer.vocab_size:
+        elif vocab is not None and vocab < tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size {vocab} is smaller than the {tokenizer.vocab_size} ids of the "
                               f"tokenizer {tokenizer_path}: set model.vocab_size >= {tokenizer.vocab_size} (e.g. "
                               f"{padded_vocab_size(tokenizer.vocab_size)}) or null to take it from the tokenizer")

@@ -192,11 +192,13 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
 def shrink_hint(config: Config, worst: RankMemory) -> str:
     """What to change, the largest part first: the state (sharding) or the activations (tokens per rank)."""
     model, parallel = config.model, config.parallel
-    state = [] if parallel.fsdp else ["--fsdp (shards parameters, gradients and optimizer state over dp x cp)"]
-    state += ["a larger parallel.tp (splits the weights)"] + (["more ranks in dp (FSDP shards over dp x cp)"]
-                                                              if parallel.fsdp else [])
-    if parallel.fsdp and not parallel.fsdp_reshard_after_forward:
-        state.insert(0, "parallel.fsdp_reshard_after_forward=true (gathers one block at a time)")
+    if not parallel.fsdp:
+        state = ["--fsdp (shards parameters, gradients and optimizer state over dp x cp)",
+                 "a larger parallel.tp (splits the weights)"]
+    else:
+        state = ([] if parallel.fsdp_reshard_after_forward else
+                 ["parallel.fsdp_reshard_after_forward=true (gathers one block at a time)"])
+        state += ["a larger parallel.tp (splits the weights)", "more ranks in dp (FSDP shards over dp x cp)"]
     acts = [] if model.activation_checkpointing else ["model.activation_checkpointing=true"]
     acts += [f"model.mlp_chunks={2 * model.mlp_chunks}", "a larger parallel.cp (fewer tokens per rank)",
              "a smaller train.micro_batch_size or data.seq_len"]

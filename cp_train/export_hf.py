@@ -26,6 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from cp_train.build import ensure_writable_dir
 from cp_train.checkpoint import META, find_checkpoint
 from cp_train.checkpoint_files import newest_complete
 from cp_train.errors import InputError, run_entry_point
@@ -60,8 +61,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     if not Path(checkpoint).is_dir():
         raise InputError(f"{checkpoint} is not a directory: pass a run's checkpoint directory (checkpoint.save) or "
                          f"one of its step_* directories")
-    if Path(out).exists() and not Path(out).is_dir():
-        raise InputError(f"{out} is a file: pass a directory for the Hugging Face model (created if missing)")
     path = find_checkpoint(checkpoint, use="export the newest complete checkpoint instead: {}")
     if path is None:
         newest = newest_complete(Path(checkpoint))
@@ -89,6 +88,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     if source is not None and Path(out).resolve() == source.resolve():
         raise InputError(f"{out} is the tokenizer source (--tokenizer-from, or the run's checkpoint.init_from_hf): "
                          f"exporting there would overwrite the model the run started from; pass another directory")
+    ensure_writable_dir(Path(out), "the output directory")
     extra = {}
     if source is not None:
         hf = json.loads((source / "config.json").read_text()) if (source / "config.json").is_file() else {}

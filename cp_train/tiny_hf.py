@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cp_train.build import ensure_writable_dir
 from cp_train.errors import InputError, run_entry_point
 from data.hf_tokenizer import HFTokenizer, train_hf_tokenizer
 from data.prepare_default import stdlib_sources
@@ -37,10 +38,9 @@ def tiny_model_config(vocab_size: int, context: int, seed: int = 0) -> ModelConf
 def make_tiny_hf(out_dir: str | Path, context: int = 128, vocab_size: int = 2048, seed: int = 0) -> Path:
     """Write the tokenizer and the random model into ``out_dir``; returns it."""
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out} is a file: pass a directory for the model (created if missing)")
     if (out / "config.json").is_file():
         raise InputError(f"{out} already holds a model (config.json): pass a new directory, or remove it first")
+    ensure_writable_dir(out, "the output directory")
     texts = (path.read_text(encoding="utf-8", errors="replace") for path in stdlib_sources()[:TOKENIZER_FILES])
     train_hf_tokenizer(texts, vocab_size, out)
     tokenizer = HFTokenizer(out)

@@ -181,13 +181,12 @@ class IndexedDataset:
         self.prefix = os.fspath(prefix)
         idx_file, bin_file = index_path(self.prefix), data_path(self.prefix)
         for path in (idx_file, bin_file):
-            if not path.is_file() and self.prefix.endswith((".bin", ".idx")):
-                raise FileNotFoundError(f"{path} is missing: pass the dataset's prefix without .bin or .idx "
-                                        f"({self.prefix[:-4]})")
             if not path.is_file():
-                raise FileNotFoundError(
-                    f"{path} is missing; an indexed dataset needs both {idx_file.name} and "
-                    f"{bin_file.name} (make them with python -m data.preprocess)")
+                hint = (f": pass the dataset's prefix without .bin or .idx ({self.prefix[:-4]})"
+                        if self.prefix.endswith((".bin", ".idx")) else
+                        f"; an indexed dataset needs both {idx_file.name} and {bin_file.name} (make them with "
+                        f"python -m data.preprocess)")
+                raise FileNotFoundError(f"{path} is missing{hint}")
         self._read_index(idx_file)
         self._check_data_size(bin_file)
         self._bin_path = bin_file
