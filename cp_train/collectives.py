@@ -35,12 +35,15 @@ TIMEOUT_MARKERS = ("timed out", "timeout")
 PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                      "connection refused", "socket closed", "read error", "write error")
 _TAG = "_cp_train_collective"
+# a future's then() wraps its callback's error: "Got the following error ...: RuntimeError: <text> At: <traceback>"
+_CALLBACK_WRAPPER = re.compile(r"^Got the following error when running the callback: \w+: (.*?)(?: At: .*)?$")
 _BACKEND_LOCATION = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")  # "[/.../unbound_buffer.cc:129] "
 
 _labels: dict[int, list[str]] = {}  # id(process group) -> its roles, e.g. ["cp", "dp_cp"]
 _ranks: dict[int, tuple[int, ...]] = {}
 _in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Work -> (operation, group)
 _settings: dict[str, float] = {}
+_last_failure: list[tuple[str, str, Any]] = []  # the latest (message, operation, group) that failed
 _installed = False
 
 
@@ -60,6 +63,7 @@ def _group_argument(name: str, fn: Callable[..., Any]) -> Callable[[tuple, dict]
 
 
 def _tag(error: BaseException, operation: str, group: Any) -> None:
+    _last_failure[:] = [(str(error), operation, group)]
     if getattr(error, _TAG, None) is None:
         try:
             setattr(error, _TAG, (operation, group))
@@ -125,6 +129,12 @@ def trace_collectives(state: ParallelState, timeout_minutes: float) -> None:
     _install()
 
 
+def note_failure(error: BaseException, operation: str, group: Any) -> None:
+    """Record that ``operation`` on ``group`` raised ``error`` where the trace cannot see it: in a future's
+    callback (DDP's comm hook), whose error reaches the caller re-wrapped in a new exception that quotes it."""
+    _tag(error, operation, group)
+
+
 def group_name(group: Any) -> str:
     """``the cp group (ranks 0, 1)``; groups the trace does not know by their torch description."""
     key = id(group if group is not None else dist.group.WORLD)
@@ -136,6 +146,13 @@ def group_name(group: Any) -> str:
     return f"group {getattr(group, 'group_desc', None) or getattr(group, 'group_name', '?')}"
 
 
+def _wrapped_failure(text: str) -> tuple[str | None, Any]:
+    """(operation, group) of the latest recorded failure when ``text`` quotes its message."""
+    if _last_failure and _last_failure[0][0] and _last_failure[0][0] in text:
+        return _last_failure[0][1:]
+    return None, None
+
+
 def explain_collective_failure(error: BaseException) -> str | None:
     """One line for a collective that timed out or lost a peer; None for any other error."""
     text = " ".join(str(error).split())
@@ -143,9 +160,10 @@ def explain_collective_failure(error: BaseException) -> str | None:
     timeout, lost = any(m in lower for m in TIMEOUT_MARKERS), any(m in lower for m in PEER_LOST_MARKERS)
     if not (timeout or lost) or not isinstance(error, RuntimeError):
         return None
-    operation, group = getattr(error, _TAG, (None, None))
+    operation, group = getattr(error, _TAG, None) or _wrapped_failure(str(error))
     where = f"{operation} on {group_name(group)}" if operation else "a collective"
-    detail = f"({_BACKEND_LOCATION.sub('', text).split('. ')[0][:160]})"  # the backend's first sentence
+    backend_text = _CALLBACK_WRAPPER.sub(r"\1", _BACKEND_LOCATION.sub("", text))
+    detail = f"({backend_text.split('. ')[0][:160]})"  # the backend's first sentence
     minutes = _settings.get("timeout_minutes")
     if timeout:
         limit = f"{minutes:g} min (parallel.timeout_minutes={minutes:g})" if minutes else "parallel.timeout_minutes"

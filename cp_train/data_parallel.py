@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
+from cp_train.collectives import note_failure
 from model.gpt import GPTModel
 from model.shards import mark_tensor_parallel, tensor_parallel_dim, tensor_parallel_dims
 from parallel.compat import ReduceScatterBase, reduce_scatter_single
@@ -147,7 +148,15 @@ def _sum_all_reduce(group, bucket):  # noqa: ANN001, ANN202 - DDP checks the ann
     """DDP comm hook (a ``dist.GradBucket`` -> ``Future[Tensor]``): all-reduce the bucket with SUM (DDP's own
     hook divides by the group size)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda future: future.value()[0])
+
+    def summed(future: torch.futures.Future) -> torch.Tensor:
+        try:
+            return future.value()[0]
+        except Exception as error:  # DDP re-raises it wrapped: record which collective failed
+            note_failure(error, "all_reduce", group)
+            raise
+
+    return work.get_future().then(summed)
 
 
 def replicate_with_ddp(model: nn.Module, group: dist.ProcessGroup, bucket_mb: float) -> nn.Module:

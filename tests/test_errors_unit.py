@@ -7,12 +7,14 @@ import json
 import os
 import pickle
 import signal
+from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from cp_train import collectives
+from cp_train import collectives, data_parallel
 from cp_train.checkpoint_files import DCP_METADATA, LATEST, META, prune, resume_source, step_dir_name
 from cp_train.config import ConfigError, build_config
 from cp_train.errors import InputError, RunFailure, describe
@@ -65,6 +67,28 @@ def test_collective_failures_name_operation_group_and_timeout(monkeypatch) -> No
         "(Connection closed by peer [10.0.0.2]:5000)")
     assert collectives.explain_collective_failure(RuntimeError("shape mismatch")) is None
     assert collectives.explain_collective_failure(ValueError("timed out")) is None
+
+
+def test_a_failed_ddp_reduction_names_its_collective_though_ddp_rewraps_the_error(monkeypatch) -> None:
+    """DDP waits on its comm hook's future in C++ and raises a new error ("Got the following error when running
+    the callback: ..."): the hook records which collective failed, so the one line still names it."""
+    monkeypatch.setitem(collectives._settings, "timeout_minutes", 0.05)
+    monkeypatch.setattr(collectives, "_last_failure", [])
+    group = object()
+    monkeypatch.setitem(collectives._labels, id(group), ["dp_cp"])
+    monkeypatch.setitem(collectives._ranks, id(group), (0, 1))
+    failed = torch.futures.Future()
+    failed.set_exception(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    work = SimpleNamespace(get_future=lambda: failed)
+    monkeypatch.setattr(data_parallel.dist, "all_reduce", lambda *args, **kwargs: work)
+    bucket = SimpleNamespace(buffer=lambda: torch.zeros(4))
+    with pytest.raises(RuntimeError) as raised:
+        data_parallel._sum_all_reduce(group, bucket).wait()
+    assert getattr(raised.value, collectives._TAG, None) is None  # a new exception, not the one the hook saw
+    assert collectives.explain_collective_failure(raised.value) == (
+        "all_reduce on the dp_cp group (ranks 0, 1) timed out after 0.05 min (parallel.timeout_minutes=0.05): "
+        "another rank of the group stopped taking part (hung or stopped: look at its output) or is slower than "
+        "that (raise parallel.timeout_minutes) (Timed out waiting 3000ms for recv operation to complete)")
 
 
 def _failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
