@@ -1,8 +1,9 @@
 """The flash-attn packages' private forward/backward functions, bound once per installed version.
 
 The varlen functions (``_flash_attn_varlen_forward``/``_backward``) follow the same forms; besides,
-2.5.7-2.5.9 require a ``block_table`` argument (2.5.0-2.5.6 have none), and 2.5.x keep the varlen lse
-padded per sequence (``[sequences, H, max_seqlen]``) where 2.6 and later pack it (``[H, total]``).
+the forward requires a ``block_table`` argument in 2.5.7-2.6.0.post1 (2.5.0-2.5.6 have none; 2.6.1 gave
+it a default; None is passed wherever it exists), and 2.5.x keep the varlen lse padded per sequence
+(``[sequences, H, max_seqlen]``) where 2.6 and later pack it (``[H, total]``).
 
 The ring needs each block's log-sum-exp and a backward that takes the rows' *final* ``out``/``lse``,
 which only the packages' private functions offer. Their signatures changed between releases
@@ -110,7 +111,8 @@ class FlashAttn2:
         options = {"dropout_p": 0.0, **_window(form), "alibi_slopes": None}
         if form != "2.5":
             options["softcap"] = 0.0
-        varlen_options = {**options, "block_table": None} if form == "2.5" and _patch(version) >= 7 else options
+        takes_block_table = form != "2.5" or _patch(version) >= 7  # required in 2.5.7-2.6.0.post1
+        varlen_options = {**options, "block_table": None} if takes_block_table else options
         return cls(f"flash_attn {version}", interface._flash_attn_forward, interface._flash_attn_backward,
                    getattr(interface, "_flash_attn_varlen_forward", None),
                    getattr(interface, "_flash_attn_varlen_backward", None), options, varlen_options,

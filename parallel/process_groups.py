@@ -120,13 +120,15 @@ def build_state(dims: ParallelDims, backend: str, timeout: timedelta, created: b
                                        mesh=torch.arange(dims.world).reshape(dims.data, dims.tp),
                                        mesh_dim_names=(DATA_AXIS, "tp"))
     cp_axis = _axis(mesh["cp"])
-    return ParallelState(
+    state = ParallelState(
         dims=dims, world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,
         tp=_axis(mesh["tp"]), cp=cp_axis, dp=_axis(mesh["dp"]), dp_cp=_axis(dp_cp_mesh),
         tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % dims.cp],
         cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % dims.cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
         tp_cp_mesh=tp_cp_mesh, shard_mesh=shard_mesh, owns_default_group=created,
         **_hybrid_axes(dims, ulysses, backend, timeout))
+    connect_groups(state)
+    return state
 
 
 def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:
@@ -135,6 +137,18 @@ def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timede
     groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, ulysses)
     return {"cp_ulysses": _subgroups(groups.cp_ulysses, backend, timeout),
             "cp_ring": _subgroups(groups.cp_ring, backend, timeout)}
+
+
+def connect_groups(state: ParallelState) -> None:
+    """One one-element all-reduce over each of this rank's groups with more than one rank, axis by axis in
+    the same order on every rank. NCCL creates a group's communicator at its first operation, and where that
+    is a batched P2P (a ring hop) every member must take part; the ring skips hops with nothing to move, so
+    a rank can miss the first one. Connecting at start-up also turns a broken link into a start-up error."""
+    on_cuda = "nccl" in state.backend and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring):
+        if axis is not None and axis.size > 1:
+            dist.all_reduce(torch.zeros(1, device=device), group=axis.group)
 
 
 def forget_meshes() -> None:

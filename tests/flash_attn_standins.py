@@ -150,6 +150,14 @@ def _varlen_fwd_26(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
 
 
+def _varlen_fwd_260(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                    causal, window_size, softcap, alibi_slopes, return_softmax, block_table):
+    """2.6.0 and 2.6.0.post1: every argument required (defaults came with 2.6.1)."""
+    assert softcap == 0.0 and block_table is None
+    return _varlen_fwd_26(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                          causal, window_size, softcap, alibi_slopes, return_softmax)
+
+
 def _varlen_bwd_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    rng_state=None):
@@ -245,7 +253,8 @@ def flash_attn_interface(version: str) -> types.ModuleType:
         module._flash_attn_varlen_backward = _varlen_bwd_25
     elif minor == 6:
         module._flash_attn_forward, module._flash_attn_backward = _fwd_26, _bwd_26
-        module._flash_attn_varlen_forward, module._flash_attn_varlen_backward = _varlen_fwd_26, _varlen_bwd_26
+        module._flash_attn_varlen_forward = _varlen_fwd_26 if patch >= 1 else _varlen_fwd_260
+        module._flash_attn_varlen_backward = _varlen_bwd_26
     else:
         namespace = f"cptrain_standin_fa2{minor}"
         if namespace not in _CUSTOM_OPS:

@@ -96,7 +96,7 @@ def test_second_call_returns_existing_files(built, capsys):
     stamps = [p.stat().st_mtime_ns for p in files]
     start = time.perf_counter()
     assert main(["--cache-dir", str(cache)]) == corpus
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 10.0  # no tokenizer training, no tokenizing (a loaded machine: seconds)
     assert [p.stat().st_mtime_ns for p in files] == stamps
     out = capsys.readouterr().out
     assert str(corpus.tokenizer_model) in out and "documents" in out

@@ -25,7 +25,8 @@ from tests import flash_attn_standins as standins
 from tests.numerics import rel_err
 
 VERSIONS = ["2.5.9", "2.6.3", "2.7.4.post1", "2.8.3"]
-VARLEN_VERSIONS = ["2.5.6", "2.5.9", "2.6.3", "2.7.4.post1", "2.8.3"]  # 2.5.7 added block_table
+# 2.5.7 added a required block_table; 2.6.1 gave it a default
+VARLEN_VERSIONS = ["2.5.6", "2.5.9", "2.6.0.post1", "2.6.3", "2.7.4.post1", "2.8.3"]
 MATH = kernels.MathKernel()
 
 

@@ -280,3 +280,33 @@ def test_spawned_hybrid_subgroups(spawn_world) -> None:
     results = spawn_world(8).run(ps.run_with_parallel, (2, 4, 1, 2), describe_hybrid_on_rank)
     assert results[0] == ((0, 2), (0, 4), 2) and results[3] == ((1, 3), (3, 7), 2)
     assert results[6] == ((4, 6), (2, 6), 2)
+
+
+def groups_connected_on_rank(tp: int, cp: int, dp: int, ulysses: int) -> tuple[int, int]:
+    """(groups all-reduced while the state was built, this rank's groups of more than one rank)."""
+    reduced, all_reduce = [], dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        reduced.append(group)
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        state = initialize_parallel(tp=tp, cp=cp, dp=dp, ulysses_size=ulysses)
+    finally:
+        dist.all_reduce = all_reduce
+    try:
+        axes = [state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring]
+        expected = [axis.group for axis in axes if axis is not None and axis.size > 1]
+        assert reduced == expected, (reduced, expected)
+        return len(reduced), len(expected)
+    finally:
+        ps.destroy_parallel()
+
+
+def test_every_group_carries_a_collective_before_the_first_ring_hop(spawn_world) -> None:
+    """NCCL needs every member in a group's first batched P2P, and the ring skips empty hops: each group of more
+    than one rank is connected (one all-reduce, in the same order everywhere) when the state is built."""
+    world = spawn_world(8)
+    assert world.run(groups_connected_on_rank, 2, 4, 1, 2) == [(6, 6)] * 8  # dp = 1: no dp group
+    assert world.run(groups_connected_on_rank, 1, 2, 4, 1) == [(4, 4)] * 8  # no tp axis: 1 rank

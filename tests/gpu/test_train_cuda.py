@@ -19,6 +19,7 @@ def _train(tmp_path: Path, name: str, *flags: str) -> dict[int, float]:
     env = {**os.environ, "CP_TRAIN_CACHE": str(tmp_path / "cache")}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
                str(free_port()), "train.py", "--config", "launch/configs/cpu-tiny.yaml", "--cp-size", "1",
+               "--set", "parallel.backend=nccl",  # cpu-tiny sets gloo: CPU ranks
                "--train-steps", str(STEPS), "--set", "train.deterministic=true", "--set", "logging.wandb=false",
                "--set", "logging.interval=1", "--set", "train.eval_interval=0", "--set", f"logging.dir={run_dir}",
                *flags]
