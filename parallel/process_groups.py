@@ -144,8 +144,10 @@ def connect_groups(state: ParallelState) -> None:
     the same order on every rank. NCCL creates a group's communicator at its first operation, and where that
     is a batched P2P (a ring hop) every member must take part; the ring skips hops with nothing to move, so
     a rank can miss the first one. Connecting at start-up also turns a broken link into a start-up error."""
-    on_cuda = "nccl" in state.backend and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    device = torch.device("cpu")
+    if "nccl" in state.backend and torch.cuda.is_available():  # the device the run computes on (build.select_device)
+        local_rank = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
     for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring):
         if axis is not None and axis.size > 1:
             dist.all_reduce(torch.zeros(1, device=device), group=axis.group)
