@@ -58,7 +58,10 @@ def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bo
     for name, param in model.named_parameters():
         if dims[name] is not None and tp_size > 1 and param.dim() == 1:
             raise ValueError(f"FSDP cannot shard the 1-D tensor-parallel parameter {name} within its TP group")
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    # no input casting: it would rebuild every block's plan (losing its per-device index cache); the blocks'
+    # activations arrive in the compute dtype already, and RoPE casts its tables to q's dtype
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                                  cast_forward_inputs=False)
     common = {"mesh": mesh, "mp_policy": policy,
               "shard_placement_fn": lambda param: Shard(fsdp_shard_dim(param, tp_size))}
     last = len(model.layers) - 1

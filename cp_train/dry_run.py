@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -88,7 +88,8 @@ def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: Parall
     module = torch.nn.ParameterList(held)
     for param in held:
         param.grad = torch.empty_like(param)
-    optimizer = build_optimizer(module, config.optimizer, torch.device("meta"))
+    optimizer = build_optimizer(module, replace(config.optimizer, implementation="foreach"),
+                                torch.device("meta"))  # the same state as fused, which meta tensors refuse
     optimizer.step()  # AdamW creates its state (on the meta device, the step counts on the CPU)
     moments = [value for entry in optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
     return _nbytes(stored), _nbytes(stored), _nbytes(moments)

@@ -24,8 +24,8 @@ def capture_rng_state() -> dict[str, Any]:
     """Everything needed to continue this process's random streams exactly."""
     state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's device only: a resume may see
+        state["cuda"] = torch.cuda.get_rng_state()                  # fewer GPUs per process than the save did
     return state
 
 
@@ -34,4 +34,4 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])

@@ -77,12 +77,20 @@ def bf16_step(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]
                       state)
     seen: list[torch.dtype] = []
     qkv = trainer.model.layers[0].attention.qkv
-    handle = qkv.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    handles = [qkv.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))]
+    given, plans = [], []  # the plan the model is given, and what each block receives (casting would copy it)
+    handles += [trainer.model.register_forward_pre_hook(lambda module, args, kwargs: given.append(kwargs["plan"]),
+                                                        with_kwargs=True)]
+    handles += [layer.register_forward_pre_hook(lambda module, args: plans.append(args[3]))
+                for layer in trainer.model.layers]
     result = trainer.train_step(next(iter(trainer.loader)))
-    handle.remove()
+    for handle in handles:
+        handle.remove()
     params = list(trainer.model.parameters())
     return {"compute": seen[0], "stored": {p.dtype for p in params}, "grads": {p.grad.dtype for p in params},
-            "loss": result.loss}
+            "loss": result.loss, "plan_type": type(given[0]).__name__, "blocks_run": len(plans),
+            "expected_blocks": len(given) * len(trainer.model.layers),
+            "foreign_plans": len({id(plan) for plan in plans} - {id(plan) for plan in given})}
 
 
 def reduce_scatters_overlap(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]:

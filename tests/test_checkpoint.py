@@ -12,13 +12,16 @@ complete checkpoint.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from cp_train.checkpoint import LATEST, META, find_checkpoint, step_dir_name
+from cp_train.rng import capture_rng_state, restore_rng_state
 from parallel.spawn import RankError, SpawnedWorld
 from parallel.state import ParallelDims, run_with_parallel
 from tests import trainer_cases
@@ -175,3 +178,28 @@ def test_training_longer_continues_the_same_sample_stream(spawn_world, corpus, t
     assert any(f"train.steps {half} -> {STEPS}" in m for m in longer[0]["messages"]), longer[0]["messages"]
     with pytest.raises(RankError, match=rf"is at step {half}, beyond train.steps 1: raise --train-steps"):
         run(world, LAYOUT, corpus, tmp_path / "shorter", **{"train.steps": 1, "checkpoint.load": str(tmp_path / "ck")})
+
+
+def test_rng_state_resumes_every_stream_and_only_this_ranks_cuda_generator(monkeypatch) -> None:
+    """Python, numpy and torch continue exactly; of CUDA's generators only this rank's device is saved, so a
+    resume on a node showing fewer GPUs per process does not index a generator it lacks."""
+    state = capture_rng_state()
+    drawn = (random.random(), np.random.rand(), torch.rand(3))
+    restore_rng_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert drawn[:2] == again[:2] and torch.equal(drawn[2], again[2])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("every device's CUDA generator touched")
+
+    device_state, restored = torch.arange(4, dtype=torch.uint8), []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": device_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda new_state, device="cuda": restored.append(new_state))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", refuse)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", refuse)
+    state = capture_rng_state()
+    assert state["cuda"] is device_state
+    restore_rng_state(state)
+    assert restored == [device_state]

@@ -66,6 +66,9 @@ def test_bf16_computes_in_bf16_with_fp32_master_weights(spawn_world, corpus, tmp
     got = world.run(run_with_parallel, LAYOUT, fsdp_cases.bf16_step, corpus, str(tmp_path / "bf16"))[0]
     assert got["compute"] == torch.bfloat16
     assert got["stored"] == {torch.float32} and got["grads"] == {torch.float32}
+    # every block gets the batch's own plan (its per-device index cache), not a copy made by input casting
+    assert got["plan_type"] == "CPPlan" and got["blocks_run"] == got["expected_blocks"] >= 2, got
+    assert got["foreign_plans"] == 0, got
     fp32 = world.run(run_with_parallel, LAYOUT, trainer_cases.train_layout, corpus, str(tmp_path / "fp32"),
                      {"parallel.fsdp": True}, 1)[0]["losses"][1]
     assert abs(got["loss"] - fp32) <= 2e-2 * fp32, (got["loss"], fp32)
@@ -81,6 +84,10 @@ def test_dry_run_of_the_8b_config_fits_on_80_gb(capsys) -> None:
     state = {float(row[4]) for row in ranks}
     assert len(state) == 1 and abs(state.pop() - 16 * 8_030_261_248 / 8 / 2**30) < 0.01  # 16 B / parameter / 8
     assert lines[-1].startswith("fits: the largest rank"), lines[-1]
+    # fused AdamW (the CUDA default) keeps the same state; its meta-device build must not refuse the dry run
+    assert train_main(["--config", "launch/configs/gpt-8b-128k-cp8.yaml", "--dry-run", "--set",
+                       "optimizer.implementation=fused"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
 
 
 def test_dry_run_that_does_not_fit_says_what_to_change_and_fails(capsys) -> None:
