@@ -140,17 +140,17 @@ def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timede
 
 
 def connect_groups(state: ParallelState) -> None:
-    """One one-element all-reduce over each of this rank's groups with more than one rank, axis by axis in
-    the same order on every rank. NCCL creates a group's communicator at its first operation, and where that
-    is a batched P2P (a ring hop) every member must take part; the ring skips hops with nothing to move, so
-    a rank can miss the first one. Connecting at start-up also turns a broken link into a start-up error."""
+    """One one-element all-reduce over the group the ring sends on (CP; hybrid CP: its ring subgroup) when it has
+    more than one rank. NCCL creates a group's communicator at its first operation, and where that is a batched P2P
+    every member must take part; the ring skips hops with nothing to move, so a rank can miss the first one.
+    Other groups start with collectives that every member joins, and stay lazy (no unused communicators)."""
     device = torch.device("cpu")
     if "nccl" in state.backend and torch.cuda.is_available():  # the device the run computes on (build.select_device)
         local_rank = os.environ.get("LOCAL_RANK")
         device = torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
-    for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring):
-        if axis is not None and axis.size > 1:
-            dist.all_reduce(torch.zeros(1, device=device), group=axis.group)
+    ring = state.cp_ring if state.cp_ring is not None else state.cp
+    if ring.size > 1:
+        dist.all_reduce(torch.zeros(1, device=device), group=ring.group)
 
 
 def forget_meshes() -> None:

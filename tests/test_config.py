@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,17 @@ def test_shipped_configs_are_valid(name, world) -> None:
     assert config.parallel.backend == ("gloo" if name.startswith("cpu") else None)  # None: nccl on CUDA
     validate(config, world)
     assert config.logging.dir and config.logging.interval >= 1
+
+
+@pytest.mark.parametrize("name", ["gpt-1b-128k-cp8.yaml", "gpt-8b-128k-cp8.yaml"])
+def test_documented_multi_node_commands_are_valid(name) -> None:
+    """The ``sbatch --nodes N ...`` line a GPU config documents validates at N nodes of 8 GPUs."""
+    text = (CONFIGS / name).read_text()
+    found = re.search(rf"sbatch --nodes (\d+) launch/slurm.sbatch launch/configs/{re.escape(name)}(.*)", text)
+    assert found, f"{name} documents no multi-node command"
+    flags = found.group(2).split("(")[0].split()
+    config = parse_config(["--config", str(CONFIGS / name), *flags])
+    assert validate(config, 8 * int(found.group(1))) == int(found.group(1))  # dp = nodes
 
 
 def test_train_script_reports_config_errors(capsys, monkeypatch) -> None:

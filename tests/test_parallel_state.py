@@ -283,7 +283,7 @@ def test_spawned_hybrid_subgroups(spawn_world) -> None:
 
 
 def groups_connected_on_rank(tp: int, cp: int, dp: int, ulysses: int) -> tuple[int, int]:
-    """(groups all-reduced while the state was built, this rank's groups of more than one rank)."""
+    """(groups all-reduced while the state was built, groups expected: the ring's, if it has more than one rank)."""
     reduced, all_reduce = [], dist.all_reduce
 
     def recording(tensor, *args, group=None, **kwargs):
@@ -296,17 +296,18 @@ def groups_connected_on_rank(tp: int, cp: int, dp: int, ulysses: int) -> tuple[i
     finally:
         dist.all_reduce = all_reduce
     try:
-        axes = [state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring]
-        expected = [axis.group for axis in axes if axis is not None and axis.size > 1]
+        ring = state.cp_ring if state.cp_ring is not None else state.cp
+        expected = [ring.group] if ring.size > 1 else []
         assert reduced == expected, (reduced, expected)
         return len(reduced), len(expected)
     finally:
         ps.destroy_parallel()
 
 
-def test_every_group_carries_a_collective_before_the_first_ring_hop(spawn_world) -> None:
-    """NCCL needs every member in a group's first batched P2P, and the ring skips empty hops: each group of more
-    than one rank is connected (one all-reduce, in the same order everywhere) when the state is built."""
+def test_ring_groups_carry_a_collective_before_the_first_ring_hop(spawn_world) -> None:
+    """NCCL needs every member in a group's first batched P2P, and the ring skips empty hops: the group the ring
+    sends on (CP; hybrid: its ring subgroup) is connected by one all-reduce when the state is built, no other."""
     world = spawn_world(8)
-    assert world.run(groups_connected_on_rank, 2, 4, 1, 2) == [(6, 6)] * 8  # dp = 1: no dp group
-    assert world.run(groups_connected_on_rank, 1, 2, 4, 1) == [(4, 4)] * 8  # no tp axis: 1 rank
+    assert world.run(groups_connected_on_rank, 2, 4, 1, 2) == [(1, 1)] * 8  # hybrid: the ring subgroup
+    assert world.run(groups_connected_on_rank, 1, 2, 4, 1) == [(1, 1)] * 8
+    assert world.run(groups_connected_on_rank, 8, 1, 1, 1) == [(0, 0)] * 8  # cp = 1: no ring
