@@ -24,8 +24,9 @@ def capture_rng_state() -> dict[str, Any]:
     """Everything needed to continue this process's random streams exactly."""
     state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's device only: a resume may see
-        state["cuda"] = torch.cuda.get_rng_state()                  # fewer GPUs per process than the save did
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # this rank's device only: a resume may see fewer GPUs per process than the save did
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
