@@ -29,14 +29,13 @@ from model.hf import load_llama_weights
 from model.meta import allocate, materialize, meta_model
 from model.shards import full_shape, local_tensor
 from parallel.cp_plan import SamplePlanner
+from parallel.process_groups import run_device
 from parallel.state import ParallelState
 
 
 def select_device(state: ParallelState) -> torch.device:
-    """This rank's CUDA device under nccl, else the CPU."""
-    if state.backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """This rank's CUDA device under nccl, else the CPU (the device its groups were connected on)."""
+    return run_device(state.backend)
 
 
 def autocast_dtype(config: Config, device: torch.device) -> torch.dtype | None:

@@ -62,7 +62,9 @@ def _group_argument(name: str, fn: Callable[..., Any]) -> Callable[[tuple, dict]
                                            else None)
 
 
-def _tag(error: BaseException, operation: str, group: Any) -> None:
+def note_failure(error: BaseException, operation: str, group: Any) -> None:
+    """Record that ``operation`` on ``group`` raised ``error``: on the error itself, and as the latest failure
+    (for a future's callback, DDP's comm hook, whose error reaches the caller re-wrapped in a new exception)."""
     _last_failure[:] = [(str(error), operation, group)]
     if getattr(error, _TAG, None) is None:
         try:
@@ -79,7 +81,7 @@ def _traced(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             result = fn(*args, **kwargs)
         except Exception as error:
-            _tag(error, name, group_of(args, kwargs))
+            note_failure(error, name, group_of(args, kwargs))
             raise
         works = result if isinstance(result, list) else [result]
         for work in works:
@@ -108,7 +110,7 @@ def _install() -> None:
         except Exception as error:
             found = _in_flight.get(self)
             if found is not None:
-                _tag(error, *found)
+                note_failure(error, *found)
             raise
 
     dist.Work.wait = wait
@@ -127,12 +129,6 @@ def trace_collectives(state: ParallelState, timeout_minutes: float) -> None:
     _ranks[id(world)] = tuple(range(state.world_size))
     _settings["timeout_minutes"] = timeout_minutes
     _install()
-
-
-def note_failure(error: BaseException, operation: str, group: Any) -> None:
-    """Record that ``operation`` on ``group`` raised ``error`` where the trace cannot see it: in a future's
-    callback (DDP's comm hook), whose error reaches the caller re-wrapped in a new exception that quotes it."""
-    _tag(error, operation, group)
 
 
 def group_name(group: Any) -> str:

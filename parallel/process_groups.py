@@ -85,13 +85,20 @@ def _subgroup_override(backend: str, timeout: timedelta) -> tuple[str, Any] | No
     return backend, options
 
 
+def run_device(backend: str) -> torch.device:
+    """This process's compute device: ``cuda:LOCAL_RANK`` under nccl where CUDA is available, else the CPU."""
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def init_default_group(backend: str, timeout: timedelta) -> None:
     missing = [name for name in _LAUNCH_ENV if name not in os.environ]
     if missing:
         raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: "
                            f"launch with torchrun, or call torch.distributed.init_process_group first")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(run_device(backend))
     dist.init_process_group(backend, timeout=timeout)
 
 
@@ -144,13 +151,9 @@ def connect_groups(state: ParallelState) -> None:
     more than one rank. NCCL creates a group's communicator at its first operation, and where that is a batched P2P
     every member must take part; the ring skips hops with nothing to move, so a rank can miss the first one.
     Other groups start with collectives that every member joins, and stay lazy (no unused communicators)."""
-    device = torch.device("cpu")
-    if "nccl" in state.backend and torch.cuda.is_available():  # the device the run computes on (build.select_device)
-        local_rank = os.environ.get("LOCAL_RANK")
-        device = torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
     ring = state.cp_ring if state.cp_ring is not None else state.cp
     if ring.size > 1:
-        dist.all_reduce(torch.zeros(1, device=device), group=ring.group)
+        dist.all_reduce(torch.zeros(1, device=run_device(state.backend)), group=ring.group)
 
 
 def forget_meshes() -> None:

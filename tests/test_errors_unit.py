@@ -55,7 +55,7 @@ def test_collective_failures_name_operation_group_and_timeout(monkeypatch) -> No
     monkeypatch.setitem(collectives._ranks, id(group), (2, 3))
     timeout = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for recv "
                            "operation to complete")
-    collectives._tag(timeout, "all_reduce", group)
+    collectives.note_failure(timeout, "all_reduce", group)
     assert collectives.explain_collective_failure(timeout) == (
         "all_reduce on the cp group (ranks 2, 3; also dp_cp here) timed out after 0.5 min "
         "(parallel.timeout_minutes=0.5): another rank of the group stopped taking part (hung or stopped: look at "
