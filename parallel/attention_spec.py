@@ -84,8 +84,14 @@ class CPGroups:
 @dataclass(frozen=True)
 class AttentionSpec:
     """One call site's settings, decided once: ``algorithm``, CP ``layout``, ``causal``, softmax ``scale``,
-    the ``kernel``, the kv-head ``head_chunks`` (ring and all-gather), the ring backward's ``overlap``
-    policy and whether steps of many segments run as ``varlen`` calls (``parallel/ring_core.py``)."""
+    the ``kernel``, the kv-head ``head_chunks`` (the ring's backward and the all-gather), the ring backward's
+    ``overlap`` policy, whether steps of many segments run as ``varlen`` calls (``parallel/ring_core.py``)
+    and the ring forward's ``forward_head_chunks``.
+
+    The ring's forward runs in one head chunk unless asked otherwise: chunks bound the K/V it receives,
+    but a training step's backward holds dq, dk and dv whole, which is at least that, and an eval forward
+    keeps no activations, so chunking the forward lowers no peak and costs a copy and a kernel call per chunk
+    (3-5% of the forward on CPU at cp=2)."""
 
     algorithm: str
     layout: str
@@ -95,3 +101,4 @@ class AttentionSpec:
     head_chunks: int
     overlap: bool
     varlen: bool = False
+    forward_head_chunks: int = 1

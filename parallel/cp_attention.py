@@ -34,7 +34,8 @@ def _many_small_calls(plan: CPPlan | None) -> bool:
 
 def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None = None,
                         rows_per_kv_head: int = 1) -> int:
-    """Two on GPUs, so that the backward's last dK/dV hop of one chunk travels during the next chunk's
+    """The ring backward's (and the all-gather's) kv-head chunks; the ring forward runs in one
+    (``AttentionSpec``). Two on GPUs, so that the backward's last dK/dV hop of one chunk travels during the next chunk's
     compute. On CPU as many chunks as leave every thread work: PyTorch's CPU flash backward spreads its
     threads over (batch x query heads) only, and ``rows_per_kv_head`` is that product per kv head; at one
     thread per rank that is one kv head per chunk, which bounds the transient buffers at no speed cost.
@@ -106,6 +107,7 @@ def make_spec(q: torch.Tensor, k: torch.Tensor, algorithm: str = "ring", layout:
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     batch = 1 if plan is not None and plan.packed else q.shape[0]  # packed plans fold the batch into rows
+    forward_head_chunks = head_chunks or 1  # asked for: both ways; by default the forward runs in one
     if head_chunks is None:
         head_chunks = default_head_chunks(q.device, k.shape[2], plan, batch * q.shape[2] // k.shape[2])
     return AttentionSpec(
@@ -113,7 +115,8 @@ def make_spec(q: torch.Tensor, k: torch.Tensor, algorithm: str = "ring", layout:
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         kernel=select_kernel(q.device, q.dtype, q.shape[-1], backend, deterministic),
         head_chunks=head_chunks,
-        overlap=default_overlap(q.device, plan) if overlap is None else overlap, varlen=q.device.type == "cuda")
+        overlap=default_overlap(q.device, plan) if overlap is None else overlap, varlen=q.device.type == "cuda",
+        forward_head_chunks=forward_head_chunks)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -132,7 +135,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     allgather, ulysses or hybrid (``attention_spec.py``; hybrid needs ``CPGroups``). ``backend`` picks
     the kernel (``parallel/kernels.py``); ``deterministic`` (None: ``torch.are_deterministic_algorithms_
     enabled()``) asks for deterministic backwards; ``head_chunks`` and ``overlap`` tune the ring
-    (defaults: ``default_head_chunks``, ``default_overlap``). ``document_ids`` [B, n] (non-decreasing
+    (defaults: ``default_head_chunks`` for the backward and one chunk for the forward; ``head_chunks`` given
+    applies both ways; ``default_overlap``). ``document_ids`` [B, n] (non-decreasing
     along each sample) keep attention inside each document; ``position_ids`` order tokens within one
     (default: the layout's; needed by the ``balanced`` layout). ``plan`` (``attention_plan``) and
     ``spec`` (``make_spec``) skip rebuilding them.

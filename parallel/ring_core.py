@@ -4,7 +4,8 @@ Shapes: q, dout, out ``[B, n, H, D]``; k, v ``[B, n, Hk, D]``; lse ``[B, n, H]``
 layout); ``n`` is the local sequence length of one CP rank. What each step computes and sends comes
 from the rank's ``RankPlan`` (``attention_plan.py``); a packed plan views every tensor ``[1, B*n, ...]``.
 
-The work runs over *head chunks* (groups of kv heads with their query heads) and, inside each chunk,
+The work runs over *head chunks* (groups of kv heads with their query heads: ``spec.head_chunks`` in the
+backward, ``spec.forward_head_chunks``, by default one, in the forward) and, inside each chunk,
 over the ring steps. Exactly one K/V transfer is in flight at any time, always for the next step that
 needs remote data, so the transfer overlaps the current kernel calls. Splitting by head chunks bounds
 the transient buffers (received K/V, travelling dK/dV) to one chunk's size; every hop carries only the
@@ -117,7 +118,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
     acc = accumulator_dtype(q.dtype)
     out = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
     lse = torch.empty(batch, n, heads, dtype=acc, device=q.device)
-    for k0, k1 in head_chunk_bounds(k.shape[2], spec.head_chunks):
+    for k0, k1 in head_chunk_bounds(k.shape[2], spec.forward_head_chunks):
         qs = slice(k0 * group_size, k1 * group_size)
         q_c, out_c, lse_c = q[:, :, qs], out[:, :, qs], lse[:, :, qs]
         k_chunk = k[:, :, k0:k1]

@@ -67,6 +67,24 @@ def check_fp32(seqlen: int, heads: int, kv_heads: int, layout: str, causal: bool
     return {name: rel_err(got[name], ref[name]) for name in ref}
 
 
+def check_forward_chunks(seqlen: int, heads: int, kv_heads: int, layout: str, causal: bool,
+                         head_chunks: int | None) -> dict[str, float]:
+    """A forward with ``head_chunks`` (None: the default, one chunk): relative errors of out and lse, and
+    its kernel calls on this rank."""
+    q, k, v, dout = full_inputs(seqlen, heads, kv_heads, 16, seed=5)
+    ref = reference(q, k, v, dout, causal)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ql, kl, vl = (shard_sequence(x, rank, world, layout) for x in (q, k, v))
+    kernels.KERNEL_CALLS.clear()
+    with torch.no_grad():
+        out, lse = context_parallel_attention(ql, kl, vl, dist.group.WORLD, layout, causal, head_chunks=head_chunks,
+                                              return_lse=True)
+    calls = kernels.KERNEL_CALLS["forward"]
+    out = gather_sequence(out, None, layout)
+    lse = gather_sequence(lse.transpose(1, 2).contiguous(), None, layout).transpose(1, 2)
+    return {"out": rel_err(out, ref["out"]), "lse": rel_err(lse, ref["lse"]), "calls": calls}
+
+
 def check_bf16(seqlen: int, heads: int, kv_heads: int, layout: str, causal: bool) -> dict[str, tuple]:
     """(ring bf16 error, local single-process bf16 kernel error) per tensor, both vs float64."""
     q, k, v, dout = full_inputs(seqlen, heads, kv_heads, 32, seed=1)

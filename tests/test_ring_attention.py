@@ -43,6 +43,18 @@ def test_head_chunking_is_exact(spawn_world, head_chunks: int) -> None:
     assert max(max(e.values()) for e in errors) <= TOL
 
 
+@pytest.mark.parametrize("world,layout,head_chunks", [(2, "zigzag", None), (2, "zigzag", 3), (3, "contiguous", 2)])
+def test_forward_runs_in_one_head_chunk_unless_asked(spawn_world, world: int, layout: str,
+                                                     head_chunks: int | None) -> None:
+    """By default the ring's forward makes one call per slice of its plan; ``head_chunks`` given chunks it
+    too, exactly (and the backward: test_causal_blocks_are_skipped)."""
+    results = spawn_world(world).run(ring_cases.check_forward_chunks, 12 * world, 6, 3, layout, True, head_chunks)
+    for rank, got in enumerate(results):
+        assert max(got["out"], got["lse"]) <= TOL, got
+        per_pass = sum(len(step.calls) for step in plan_for_layout(layout, True, world, rank, 12).steps)
+        assert got["calls"] == (head_chunks or 1) * per_pass, (rank, got)
+
+
 @pytest.mark.parametrize("world,layout,head_chunks", [(2, "zigzag", 1), (2, "zigzag", 3), (4, "contiguous", 2),
                                                       (4, "stripe", 3), (3, "zigzag", 2)])
 def test_gpu_overlap_policy_is_exact(spawn_world, world: int, layout: str, head_chunks: int) -> None:
