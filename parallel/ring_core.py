@@ -4,25 +4,26 @@ Shapes: q, dout, out ``[B, n, H, D]``; k, v ``[B, n, Hk, D]``; lse ``[B, n, H]``
 layout); ``n`` is the local sequence length of one CP rank. What each step computes and sends comes
 from the rank's ``RankPlan`` (``attention_plan.py``); a packed plan views every tensor ``[1, B*n, ...]``.
 
-The work runs over *head chunks* (groups of kv heads with their query heads: ``spec.head_chunks`` in the
-backward, ``spec.forward_head_chunks``, by default one, in the forward) and, inside each chunk,
-over the ring steps. Exactly one K/V transfer is in flight at any time, always for the next step that
-needs remote data, so the transfer overlaps the current kernel calls. Splitting by head chunks bounds
-the transient buffers (received K/V, travelling dK/dV) to one chunk's size; every hop carries only the
+The forward runs over *head chunks* (``spec.forward_head_chunks``, by default one: all heads) and, inside
+each, over the ring steps. Exactly one K/V transfer is in flight at any time, always for the next step
+that needs remote data, so the transfer overlaps the current kernel calls. Every hop carries only the
 rows later ranks still use, and empty hops are skipped.
 
-Backward, per chunk: the local step first, written straight into dq/dk/dv; then the remote steps. The
+Backward: the local step first, over every head at once (its kernel outputs become dq, dk, dv) while
+the first head chunk's K/V hop travels; then the remote steps, one head chunk (``spec.head_chunks``) at
+a time, which bounds the transient buffers (received K/V, travelling dK/dV) to one chunk's size. The
 dK/dV accumulator of a block starts on the first rank that uses it, travels the ring with the K/V,
 grows by the rows each rank touches and arrives home at the block's owner, which adds it to its own
 share. dQ stays local. Nothing saved is recomputed. Buffers are dropped as soon as they are sent.
 
-Overlap policy (``AttentionSpec.overlap``, ``cp_attention.default_overlap``): two hops of each
-chunk's backward have no kernel call of their own chunk to hide behind, the first K/V hop and the
-dK/dV accumulator's last hop home. With ``overlap`` (GPUs; CPU with packed documents) the first K/V
-hop is posted before the chunk's local step and the last dK/dV hop lands after the *next* chunk's
-local step, so both travel during compute and ranks whose steps differ in length wait only for the
-totals, at the price of one more K/V and one more dK/dV buffer alive at a time. Without it (CPU with
-one document, where memory is the tighter budget and every rank's steps are equal) each waits in place.
+Overlap policy (``AttentionSpec.overlap``, ``cp_attention.default_overlap``): at a chunk boundary two
+hops have no kernel call of their own chunk to hide behind, the chunk's last dK/dV hop home and the
+next chunk's first K/V hop. Without ``overlap`` (CPU with one document, where memory is the tighter
+budget and every rank's steps are equal) both travel together and are waited for in place. With it
+(GPUs; CPU with packed documents) the next chunk's K/V hop is posted before the chunk's last remote step
+and the dK/dV hop lands after the next chunk's first remote step, so both travel during compute and
+ranks whose steps differ in length wait only for the totals, at the price of one more K/V and one more
+dK/dV buffer alive at a time.
 """
 
 from __future__ import annotations
@@ -202,43 +203,76 @@ def local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch
         add_grad(dv_c, dv_b, target)
 
 
+def local_step(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], spec: AttentionSpec
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The local step over every head: new dq, dk, dv accumulators (``rows`` and ``held`` as in ``step_grads``).
+    One call over every row hands over the kernel's own outputs (no copy in the accumulator dtype)."""
+    q, k = rows[1], held[0]
+    acc = accumulator_dtype(q.dtype)
+    step = plan.steps[0]
+    if not _varlen(spec, step) and len(step.calls) == 1:
+        call, target = step.calls[0]
+        if call.q == (0, q.shape[1]) and _covers(target, k.shape[1]):
+            dout, q, out, lse = rows
+            KERNEL_CALLS["backward"] += 1
+            keys = slice(*call.kv)
+            grads = spec.kernel.backward(dout, q, k[:, keys], held[1][:, keys], out, lse.transpose(1, 2),
+                                         call.causal, spec.scale)
+            return grads[0].to(acc), grads[1].to(acc), grads[2].to(acc)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
+    dk = torch.empty(k.shape, dtype=acc, device=q.device)
+    dv = torch.empty_like(dk)
+    local_grads(plan, rows, held, dq, dk, dv, spec)
+    return dq, dk, dv
+
+
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, comm: RingComm | None, spec: AttentionSpec, plan: RankPlan
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype."""
+    """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype.
+
+    The local step runs first over every head while the first head chunk's K/V hop travels (its kernel
+    outputs become dq, dk, dv); then each head chunk's remote steps add into them. At a chunk boundary the
+    next chunk's first K/V hop travels with this chunk's last dK/dV hop home; with ``spec.overlap`` it is
+    posted before the chunk's last remote step instead, and that dK/dV hop lands after the next chunk's
+    first remote step, so every hop overlaps a kernel call."""
     q_shape, kv_shape = q.shape, k.shape
     plan = plan.on_device(q.device)
     dout, q, k, v, out, lse = (plan_rows(x, plan) for x in (dout, q, k, v, out, lse))
     batch, n, heads, dim = q.shape
     kv_heads = k.shape[2]
     group_size = heads // kv_heads
-    acc = accumulator_dtype(q.dtype)
-    dq = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
-    dk = torch.empty(*k.shape[:2], kv_heads, dim, dtype=acc, device=q.device)  # k may hold other rows (all-gather)
-    dv = torch.empty_like(dk)
-    homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []  # dK/dV hops still travelling home
-    for k0, k1 in head_chunk_bounds(kv_heads, spec.head_chunks):
+    chunks = head_chunk_bounds(kv_heads, spec.head_chunks) if comm is not None else []
+
+    def chunk_rows(k0: int, k1: int) -> tuple[torch.Tensor, ...]:
         qs = slice(k0 * group_size, k1 * group_size)
         dout_c = dout[:, :, qs]
         if batch == 1 and not dout_c.is_contiguous():  # the CPU kernel copies a strided dout in every call
             dout_c = dout_c.contiguous()
-        rows = (dout_c, q[:, :, qs], out[:, :, qs], lse[:, :, qs])
-        k_c, v_c, dq_c, dk_c, dv_c = k[:, :, k0:k1], v[:, :, k0:k1], dq[:, :, qs], dk[:, :, k0:k1], dv[:, :, k0:k1]
-        first = plan.steps[0]
-        kv_transfer = _pass_kv(comm, [k_c, v_c], first, k_c) if comm is not None and spec.overlap else None
-        local_grads(plan, rows, [k_c, v_c], dq_c, dk_c, dv_c, spec)
-        _land(homecoming, plan.home)  # the previous chunk's last hop travelled during this local step
-        if comm is None:
-            continue
-        if kv_transfer is None:  # posted only now, so the local step and the hop never hold memory at once
-            kv_transfer = _pass_kv(comm, [k_c, v_c], first, k_c)
+        return dout_c, q[:, :, qs], out[:, :, qs], lse[:, :, qs]
+
+    def first_hop(k0: int, k1: int) -> Transfer:
+        return _pass_kv(comm, [k[:, :, k0:k1], v[:, :, k0:k1]], plan.steps[0], k[:, :, k0:k1])
+
+    kv_transfer = first_hop(*chunks[0]) if chunks else None
+    dq, dk, dv = local_step(plan, (dout, q, out, lse), [k, v], spec)
+    homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []  # dK/dV hops still travelling home
+    for number, (k0, k1) in enumerate(chunks):
+        rows = chunk_rows(k0, k1)
+        dq_c, dk_c, dv_c = dq[:, :, k0 * group_size:k1 * group_size], dk[:, :, k0:k1], dv[:, :, k0:k1]
+        following = chunks[number + 1] if number + 1 < len(chunks) else None
         grad_transfer = None
         for index in range(1, plan.world):
             step = plan.steps[index]
             held = kv_transfer.wait()
-            kv_transfer = _pass_kv(comm, held, step, k_c) if index + 1 < plan.world else None
+            if index + 1 < plan.world:
+                kv_transfer = _pass_kv(comm, held, step, k[:, :, k0:k1])
+            elif following is not None and spec.overlap:  # the next chunk's first hop travels during this step
+                kv_transfer = first_hop(*following)
             grads = step_grads(plan, index, rows, held, dq_c, spec)
             del held
+            if index == 1:
+                _land(homecoming, plan.home)  # the previous chunk's last dK/dV hop travelled during this step
             arriving = grad_transfer.wait() if grad_transfer is not None else []
             accumulator = _accumulate(arriving, step, grads, dk_c)
             del arriving, grads
@@ -248,10 +282,12 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             grad_transfer = comm.exchange(accumulator, shapes, tag=GRAD_TAG, like=dk_c)
             del accumulator
         homecoming.append((grad_transfer, dk_c, dv_c))
+        if following is not None and not spec.overlap:  # travels with the dK/dV hop: one wait for both
+            kv_transfer = first_hop(*following)
         if not spec.overlap:
             _land(homecoming, plan.home)
     _land(homecoming, plan.home)
-    return dq.view(q_shape[:3] + (dim,)), dk.view(kv_shape[:3] + (dim,)), dv.view(kv_shape[:3] + (dim,))
+    return dq.reshape(q_shape[:3] + (dim,)), dk.reshape(kv_shape[:3] + (dim,)), dv.reshape(kv_shape[:3] + (dim,))
 
 
 def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: Grads, like: torch.Tensor

@@ -178,7 +178,14 @@ def count_work(layout: str, causal: bool, seqlen: int, spec: str, algorithm: str
         run_documents(q, k, v, dout, docs, layout, causal, head_chunks=2, algorithm=algorithm)
     finally:
         kernels.TorchCpuFlash.forward = original
+    steps = []
+    if algorithm == "ring":  # the dense calls of this rank's local step and of its remote steps
+        positions = layout_positions(layout, docs, dist.get_rank(), dist.get_world_size())
+        steps = attention_plan(dist.group.WORLD, layout, causal, seqlen // dist.get_world_size(),
+                               _take(docs, positions), positions).ring.steps
     return {**kernels.KERNEL_CALLS, "kv_bytes": ring_comm.BYTES_SENT[0], "grad_bytes": ring_comm.BYTES_SENT[1],
+            "local_calls": len(steps[0].calls) if steps else 0,
+            "remote_calls": sum(len(step.calls) for step in steps[1:]),
             "all_to_all": ring_comm.BYTES_SENT["all_to_all"], "all_gather": ring_comm.BYTES_SENT["all_gather"],
             "rank": dist.get_rank()}
 

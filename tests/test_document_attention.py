@@ -89,7 +89,9 @@ def test_skipping_is_real(spawn_world, layout: str, causal: bool, spec: str) -> 
         assert mine["area"] == expected["area"], (rank, mine, expected)
         assert mine["kv_bytes"] == expected["kv_bytes"], (rank, mine, expected)
         assert mine["grad_bytes"] == expected["grad_bytes"], (rank, mine, expected)
-        assert mine["forward"] == mine["backward"] > 0
+        # two head chunks asked for: both ways, except the backward's local step (every head at once)
+        local, remote = mine["local_calls"], mine["remote_calls"]
+        assert mine["forward"] == 2 * (local + remote) and mine["backward"] == local + 2 * remote and local > 0
 
 
 @pytest.mark.parametrize("layout,spec", [("zigzag", "random"), ("contiguous", "short"), ("balanced", "random")])
