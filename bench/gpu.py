@@ -34,7 +34,8 @@ from parallel import kernels
 from parallel.attention_plan import plan_for_layout
 from parallel.attention_spec import AttentionSpec
 from parallel.cp_attention import context_parallel_attention, default_head_chunks, default_overlap
-from parallel.ring_core import ring_backward, ring_forward
+from parallel.ring_core import ring_forward
+from parallel.ring_grads import ring_backward
 
 MODELS = {"gpt-125m": "launch/configs/gpt-125m-cp8.yaml", "gpt-1b": "launch/configs/gpt-1b-128k-cp8.yaml"}
 

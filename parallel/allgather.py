@@ -23,15 +23,8 @@ from parallel.attention_spec import AttentionSpec
 from parallel.compat import all_gather_single, reduce_scatter_single
 from parallel.cp_plan import CPPlan
 from parallel.ring_comm import count_sent
-from parallel.ring_core import (
-    accumulator_dtype,
-    add_grad,
-    forward_step,
-    head_chunk_bounds,
-    local_grads,
-    plan_rows,
-    step_grads,
-)
+from parallel.ring_core import accumulator_dtype, forward_step, head_chunk_bounds, plan_rows
+from parallel.ring_grads import add_grad, local_grads, step_grads
 
 Gather = tuple[list, list[torch.Tensor]]  # (works, [k, v] as they arrive)
 

@@ -50,7 +50,7 @@ def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None
 
 
 def default_overlap(device: torch.device, plan: CPPlan | None = None) -> bool:
-    """The ring backward's overlap policy (see ``ring_core``): on for GPUs; on CPU only with packed documents.
+    """The ring backward's overlap policy (see ``ring_grads``): on for GPUs; on CPU only with packed documents.
     There a rank's split of work between the local and the remote steps differs from its neighbours' even
     when the totals match (the balanced layout), so hops that wait in place would make every step as slow
     as its slowest rank; posted early, only the totals count, and the hops carry few rows. With one

@@ -1,6 +1,6 @@
 """Ring attention with autograd: this rank's queries against every K/V block of the ring.
 
-``ring_attention(q, k, v, group, spec, plan)`` runs ``ring_core``'s forward and backward over
+``ring_attention(q, k, v, group, spec, plan)`` runs ``ring_core``'s forward and ``ring_grads``' backward over
 ``group`` with ``plan`` (a ``RankPlan``; None: no ring and one document, a single kernel call each
 way). The public entry point is ``parallel.cp_attention.context_parallel_attention``.
 """
@@ -14,7 +14,8 @@ from parallel.attention_plan import RankPlan
 from parallel.attention_spec import AttentionSpec
 from parallel.kernels import KERNEL_CALLS
 from parallel.ring_comm import RingComm
-from parallel.ring_core import ring_backward, ring_forward
+from parallel.ring_core import ring_forward
+from parallel.ring_grads import ring_backward
 
 
 class _RingAttention(torch.autograd.Function):

@@ -1,4 +1,5 @@
-"""Ring attention forward and backward pipelines (no autograd; see ring_attention.py).
+"""The ring attention forward pipeline and the pieces both directions share (no autograd; see
+ring_attention.py; the backward is ring_grads.py).
 
 Shapes: q, dout, out ``[B, n, H, D]``; k, v ``[B, n, Hk, D]``; lse ``[B, n, H]`` (float32 accumulator
 layout); ``n`` is the local sequence length of one CP rank. What each step computes and sends comes
@@ -8,22 +9,6 @@ The forward runs over *head chunks* (``spec.forward_head_chunks``, by default on
 each, over the ring steps. Exactly one K/V transfer is in flight at any time, always for the next step
 that needs remote data, so the transfer overlaps the current kernel calls. Every hop carries only the
 rows later ranks still use, and empty hops are skipped.
-
-Backward: the local step first, over every head at once (its kernel outputs become dq, dk, dv) while
-the first head chunk's K/V hop travels; then the remote steps, one head chunk (``spec.head_chunks``) at
-a time, which bounds the transient buffers (received K/V, travelling dK/dV) to one chunk's size. The
-dK/dV accumulator of a block starts on the first rank that uses it, travels the ring with the K/V,
-grows by the rows each rank touches and arrives home at the block's owner, which adds it to its own
-share. dQ stays local. Nothing saved is recomputed. Buffers are dropped as soon as they are sent.
-
-Overlap policy (``AttentionSpec.overlap``, ``cp_attention.default_overlap``): at a chunk boundary two
-hops have no kernel call of their own chunk to hide behind, the chunk's last dK/dV hop home and the
-next chunk's first K/V hop. Without ``overlap`` (CPU with one document, where memory is the tighter
-budget and every rank's steps are equal) both travel together and are waited for in place. With it
-(GPUs; CPU with packed documents) the next chunk's K/V hop is posted before the chunk's last remote step
-and the dK/dV hop lands after the next chunk's first remote step, so both travel during compute and
-ranks whose steps differ in length wait only for the totals, at the price of one more K/V and one more
-dK/dV buffer alive at a time.
 """
 
 from __future__ import annotations
@@ -69,7 +54,7 @@ def add_rows(total: torch.Tensor, rows: Selector, part: torch.Tensor) -> None:
         total.index_add_(1, rows.to(total.device), part)
 
 
-def _pass_kv(comm: RingComm, held: list[torch.Tensor], step: StepPlan, like: torch.Tensor) -> Transfer:
+def pass_kv(comm: RingComm, held: list[torch.Tensor], step: StepPlan, like: torch.Tensor) -> Transfer:
     """Send the held [k, v] rows later ranks use; receive the next block's (``like``: [B, n, hk, D])."""
     send_rows, recv_rows = step.kv_rows
     send = [pick(x, step.kv_send).contiguous() for x in held] if send_rows else []
@@ -88,7 +73,7 @@ def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.T
     chunk, in the plan's rows), ``held`` the step's [k, v] store. Step 0 (the local block, which every query
     row sees) writes every row once; later steps merge into it."""
     step = plan.steps[index]
-    if _varlen(spec, step):
+    if uses_varlen(spec, step):
         calls = varlen_calls(plan, index, q.shape[0], q.shape[1], q.device)
         ring_varlen.forward_step(spec.kernel, calls, q, held, out, lse, spec.scale, index == 0)
         return
@@ -108,6 +93,23 @@ def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.T
         del block_out, block_lse
 
 
+def one_call(spec: AttentionSpec, step: StepPlan, rows: int) -> bool:
+    """Whether ``step`` is one dense kernel call over all ``rows`` query rows."""
+    return not uses_varlen(spec, step) and len(step.calls) == 1 and step.calls[0][0].q == (0, rows)
+
+
+def _local_forward(plan: RankPlan, q: torch.Tensor, held: list[torch.Tensor], spec: AttentionSpec
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local step as one call over every row and head: its outputs become the running out [B, n, H, D]
+    and lse [B, n, H] (the accumulator dtype; no copy when the inputs are in it)."""
+    call = plan.steps[0].calls[0][0]
+    KERNEL_CALLS["forward"] += 1
+    keys = slice(*call.kv)
+    out, lse = spec.kernel.forward(q, held[0][:, keys], held[1][:, keys], call.causal, spec.scale)
+    acc = accumulator_dtype(q.dtype)
+    return out.to(acc), lse.transpose(1, 2).to(acc)
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: AttentionSpec,
                  plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the ring: returns out [B, n, H, D] (accumulator dtype) and lse [B, n, H]."""
@@ -117,198 +119,27 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
     batch, n, heads, dim = q.shape
     group_size = heads // k.shape[2]
     acc = accumulator_dtype(q.dtype)
-    out = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
-    lse = torch.empty(batch, n, heads, dtype=acc, device=q.device)
-    for k0, k1 in head_chunk_bounds(k.shape[2], spec.forward_head_chunks):
+    chunks = head_chunk_bounds(k.shape[2], spec.forward_head_chunks)
+    whole = len(chunks) == 1 and one_call(spec, plan.steps[0], n)  # the local step's outputs start out, lse
+    out = None if whole else torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
+    lse = None if whole else torch.empty(batch, n, heads, dtype=acc, device=q.device)
+    for k0, k1 in chunks:
         qs = slice(k0 * group_size, k1 * group_size)
-        q_c, out_c, lse_c = q[:, :, qs], out[:, :, qs], lse[:, :, qs]
+        q_c = q[:, :, qs]
         k_chunk = k[:, :, k0:k1]
         held = [k_chunk, v[:, :, k0:k1]]
         for index, step in enumerate(plan.steps):
             # the next block travels while this one computes
-            transfer = _pass_kv(comm, held, step, k_chunk) if index + 1 < plan.world else None
-            forward_step(plan, index, q_c, held, out_c, lse_c, spec)
+            transfer = pass_kv(comm, held, step, k_chunk) if index + 1 < plan.world else None
+            if index == 0 and whole:
+                out, lse = _local_forward(plan, q_c, held, spec)
+            else:
+                forward_step(plan, index, q_c, held, out[:, :, qs], lse[:, :, qs], spec)
             held = transfer.wait() if transfer is not None else []
-    return out.view(*shape[:3], dim), lse.view(*shape[:3])
+    return out.reshape(*shape[:3], dim), lse.reshape(*shape[:3])
 
 
-Grads = list[tuple[torch.Tensor, torch.Tensor, "tuple[int, int] | torch.Tensor"]]
-
-
-def add_grad(total: torch.Tensor, part: torch.Tensor, target: tuple[int, int] | torch.Tensor) -> None:
-    """Add one call's dK (or dV) to an accumulator: rows ``target`` (an interval of dim 1), or the rows of
-    the flattened ``[B*rows]`` accumulator a varlen call names (an index tensor)."""
-    if isinstance(target, tuple):
-        total[:, target[0]:target[1]] += part
-    else:
-        total.flatten(0, 1).index_add_(0, target, part.to(total.dtype))
-
-
-def _varlen(spec: AttentionSpec, step: StepPlan) -> bool:
+def uses_varlen(spec: AttentionSpec, step: StepPlan) -> bool:
     """Varlen calls for steps of many segments (packed documents); dense views where a step is one or two
     calls (the one-document layouts), which gathers nothing."""
     return spec.varlen and len(step.calls) > 2
-
-
-def _covers(target: tuple[int, int] | torch.Tensor, rows: int) -> bool:
-    """Whether one call's gradient rows are all ``rows`` of the accumulator, in order."""
-    return isinstance(target, tuple) and target == (0, rows)
-
-
-def step_grads(plan: RankPlan, index: int, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor],
-                dq: torch.Tensor, spec: AttentionSpec) -> Grads:
-    """One step's backward: adds its dq share into ``dq``; returns (dk, dv, accumulator rows) per call.
-
-    ``rows`` = (dout, q, out, lse) of the chunk's query heads; ``held`` the K/V store of the step.
-    """
-    step = plan.steps[index]
-    if _varlen(spec, step):
-        calls = varlen_calls(plan, index, rows[1].shape[0], rows[1].shape[1], dq.device)
-        return ring_varlen.backward_step(spec.kernel, calls, rows, held, dq, spec.scale)
-    grads = []
-    for call, grad_rows in step.calls:
-        q_rows, keys = slice(*call.q), slice(*call.kv)
-        dout, q, out, lse = (x[:, q_rows] for x in rows)
-        KERNEL_CALLS["backward"] += 1
-        dq_b, dk_b, dv_b = spec.kernel.backward(dout, q, held[0][:, keys], held[1][:, keys], out,
-                                                lse.transpose(1, 2), call.causal, spec.scale)
-        dq[:, q_rows] += dq_b
-        grads.append((dk_b, dv_b, grad_rows))
-    return grads
-
-
-def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]], home: Selector) -> None:
-    """Wait for each chunk's dK/dV accumulator arriving home and add it to the chunk's own (dk, dv)."""
-    for transfer, dk_c, dv_c in homecoming:
-        arrived = transfer.wait()
-        if arrived:
-            add_rows(dk_c, home, arrived[0])
-            add_rows(dv_c, home, arrived[1])
-    homecoming.clear()
-
-
-def local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], dq_c: torch.Tensor,
-                 dk_c: torch.Tensor, dv_c: torch.Tensor, spec: AttentionSpec) -> None:
-    """The local step: dq, dk, dv of the chunk's own block, written straight into the outputs."""
-    dq_c.zero_()
-    grads = step_grads(plan, 0, rows, held, dq_c, spec)
-    if len(grads) == 1 and _covers(grads[0][2], dk_c.shape[1]):  # one call over every row: copy, no zeroing
-        dk_c.copy_(grads[0][0])
-        dv_c.copy_(grads[0][1])
-        return
-    dk_c.zero_()
-    dv_c.zero_()
-    for dk_b, dv_b, target in grads:
-        add_grad(dk_c, dk_b, target)
-        add_grad(dv_c, dv_b, target)
-
-
-def local_step(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], spec: AttentionSpec
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The local step over every head: new dq, dk, dv accumulators (``rows`` and ``held`` as in ``step_grads``).
-    One call over every row hands over the kernel's own outputs (no copy in the accumulator dtype)."""
-    q, k = rows[1], held[0]
-    acc = accumulator_dtype(q.dtype)
-    step = plan.steps[0]
-    if not _varlen(spec, step) and len(step.calls) == 1:
-        call, target = step.calls[0]
-        if call.q == (0, q.shape[1]) and _covers(target, k.shape[1]):
-            dout, q, out, lse = rows
-            KERNEL_CALLS["backward"] += 1
-            keys = slice(*call.kv)
-            grads = spec.kernel.backward(dout, q, k[:, keys], held[1][:, keys], out, lse.transpose(1, 2),
-                                         call.causal, spec.scale)
-            return grads[0].to(acc), grads[1].to(acc), grads[2].to(acc)
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)
-    dk = torch.empty(k.shape, dtype=acc, device=q.device)
-    dv = torch.empty_like(dk)
-    local_grads(plan, rows, held, dq, dk, dv, spec)
-    return dq, dk, dv
-
-
-def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, comm: RingComm | None, spec: AttentionSpec, plan: RankPlan
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype.
-
-    The local step runs first over every head while the first head chunk's K/V hop travels (its kernel
-    outputs become dq, dk, dv); then each head chunk's remote steps add into them. At a chunk boundary the
-    next chunk's first K/V hop travels with this chunk's last dK/dV hop home; with ``spec.overlap`` it is
-    posted before the chunk's last remote step instead, and that dK/dV hop lands after the next chunk's
-    first remote step, so every hop overlaps a kernel call."""
-    q_shape, kv_shape = q.shape, k.shape
-    plan = plan.on_device(q.device)
-    dout, q, k, v, out, lse = (plan_rows(x, plan) for x in (dout, q, k, v, out, lse))
-    batch, n, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    group_size = heads // kv_heads
-    chunks = head_chunk_bounds(kv_heads, spec.head_chunks) if comm is not None else []
-
-    def chunk_rows(k0: int, k1: int) -> tuple[torch.Tensor, ...]:
-        qs = slice(k0 * group_size, k1 * group_size)
-        dout_c = dout[:, :, qs]
-        if batch == 1 and not dout_c.is_contiguous():  # the CPU kernel copies a strided dout in every call
-            dout_c = dout_c.contiguous()
-        return dout_c, q[:, :, qs], out[:, :, qs], lse[:, :, qs]
-
-    def first_hop(k0: int, k1: int) -> Transfer:
-        return _pass_kv(comm, [k[:, :, k0:k1], v[:, :, k0:k1]], plan.steps[0], k[:, :, k0:k1])
-
-    kv_transfer = first_hop(*chunks[0]) if chunks else None
-    dq, dk, dv = local_step(plan, (dout, q, out, lse), [k, v], spec)
-    homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []  # dK/dV hops still travelling home
-    for number, (k0, k1) in enumerate(chunks):
-        rows = chunk_rows(k0, k1)
-        dq_c, dk_c, dv_c = dq[:, :, k0 * group_size:k1 * group_size], dk[:, :, k0:k1], dv[:, :, k0:k1]
-        following = chunks[number + 1] if number + 1 < len(chunks) else None
-        grad_transfer = None
-        for index in range(1, plan.world):
-            step = plan.steps[index]
-            held = kv_transfer.wait()
-            if index + 1 < plan.world:
-                kv_transfer = _pass_kv(comm, held, step, k[:, :, k0:k1])
-            elif following is not None and spec.overlap:  # the next chunk's first hop travels during this step
-                kv_transfer = first_hop(*following)
-            grads = step_grads(plan, index, rows, held, dq_c, spec)
-            del held
-            if index == 1:
-                _land(homecoming, plan.home)  # the previous chunk's last dK/dV hop travelled during this step
-            arriving = grad_transfer.wait() if grad_transfer is not None else []
-            accumulator = _accumulate(arriving, step, grads, dk_c)
-            del arriving, grads
-            # pass the accumulator on; after the last hop every accumulator arrives at its owner
-            recv_rows = step.grad_rows[1]
-            shapes = [(batch, recv_rows, k1 - k0, dim)] * 2 if recv_rows else []
-            grad_transfer = comm.exchange(accumulator, shapes, tag=GRAD_TAG, like=dk_c)
-            del accumulator
-        homecoming.append((grad_transfer, dk_c, dv_c))
-        if following is not None and not spec.overlap:  # travels with the dK/dV hop: one wait for both
-            kv_transfer = first_hop(*following)
-        if not spec.overlap:
-            _land(homecoming, plan.home)
-    _land(homecoming, plan.home)
-    return dq.reshape(q_shape[:3] + (dim,)), dk.reshape(kv_shape[:3] + (dim,)), dv.reshape(kv_shape[:3] + (dim,))
-
-
-def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: Grads, like: torch.Tensor
-                ) -> list[torch.Tensor]:
-    """The travelling [dk, dv] accumulator after this step: the arriving one (rows of earlier ranks, placed by
-    ``step.grad_grow``) plus this rank's calls, in ``step.grad_rows[0]`` rows (empty: nothing to send).
-    ``like`` gives dtype and device."""
-    rows = step.grad_rows[0]
-    if rows == 0:
-        return []
-    if not arriving and len(grads) == 1 and _covers(grads[0][2], rows) and grads[0][0].dtype == like.dtype:
-        return [g.contiguous() for g in grads[0][:2]]  # the first contribution covers every row: send it as it is
-    if arriving and arriving[0].shape[1] == rows:
-        total = arriving
-    else:
-        shape = (like.shape[0], rows, *like.shape[2:])
-        total = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
-        if arriving:
-            add_rows(total[0], step.grad_grow, arriving[0])
-            add_rows(total[1], step.grad_grow, arriving[1])
-    for dk_b, dv_b, target in grads:
-        add_grad(total[0], dk_b, target)
-        add_grad(total[1], dv_b, target)
-    return total

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from parallel.attention_spec import AttentionSpec, CPGroups
 from parallel.cp_plan import CPPlan
 from parallel.ring_comm import RingComm, count_sent
-from parallel.ring_core import accumulator_dtype, ring_backward, ring_forward
+from parallel.ring_core import accumulator_dtype, ring_forward
+from parallel.ring_grads import ring_backward
 from parallel.ulysses_documents import Pending, UlyssesDocumentsAttention
 
 

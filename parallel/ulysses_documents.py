@@ -24,7 +24,8 @@ from parallel.attention_plan import Selector
 from parallel.attention_spec import AttentionSpec
 from parallel.cp_plan import CPPlan
 from parallel.ring_comm import BYTES_SENT
-from parallel.ring_core import accumulator_dtype, add_grad, forward_step, local_grads, plan_rows, step_grads
+from parallel.ring_core import accumulator_dtype, forward_step, plan_rows
+from parallel.ring_grads import add_grad, local_grads, step_grads
 from parallel.ulysses_plan import UlyssesDocuments
 
 Pending = tuple[object, Callable[[], torch.Tensor]]  # (work, the result once it completed)

@@ -16,7 +16,8 @@ import torch
 from parallel.attention_plan import plan_for_documents, plan_for_layout
 from parallel.attention_spec import AttentionSpec
 from parallel.layout import sequence_positions, shard_sequence, unshard_sequence
-from parallel.ring_core import ring_backward, ring_forward
+from parallel.ring_core import ring_forward
+from parallel.ring_grads import ring_backward
 
 
 @dataclass

@@ -19,7 +19,8 @@ from parallel import kernels
 from parallel.attention_plan import plan_for_layout
 from parallel.attention_spec import AttentionSpec
 from parallel.flash_attn_api import FlashAttn2, FlashAttn3, flash_attn_call_form, parameter_names
-from parallel.ring_core import ring_backward, ring_forward
+from parallel.ring_core import ring_forward
+from parallel.ring_grads import ring_backward
 from tests import fa3_standins
 from tests import flash_attn_standins as standins
 from tests.numerics import rel_err

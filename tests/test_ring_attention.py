@@ -11,7 +11,7 @@ from parallel.cp_attention import context_parallel_attention
 from parallel.kernels import MathKernel, select_kernel
 from parallel.layout import STATIC_LAYOUTS, sequence_positions
 from parallel.package_api import zigzag_ring_flash_attn_func
-from parallel.ring_core import _accumulate
+from parallel.ring_grads import _accumulate
 from tests import ring_cases
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
