@@ -19,6 +19,7 @@ from parallel import ring_varlen
 from parallel.attention_plan import RankPlan, Selector, StepPlan
 from parallel.attention_spec import AttentionSpec
 from parallel.kernels import KERNEL_CALLS
+from parallel.mask_segments import Segment
 from parallel.ring_comm import RingComm, Transfer
 from parallel.ring_varlen import varlen_calls
 from parallel.varlen import merge_block
@@ -79,11 +80,8 @@ def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.T
         return
     written = 0  # rows [0, written) of the local step hold a first value
     for call, _ in step.calls:
-        KERNEL_CALLS["forward"] += 1
-        rows, keys = slice(*call.q), slice(*call.kv)
-        block_out, block_lse = spec.kernel.forward(q[:, rows], held[0][:, keys], held[1][:, keys], call.causal,
-                                                   spec.scale)
-        block_lse = block_lse.transpose(1, 2)
+        rows = slice(*call.q)
+        block_out, block_lse = call_forward(spec, call, q, held)
         if index == 0 and call.q[0] >= written:  # the local step covers every row: first write copies
             out[:, rows].copy_(block_out)
             lse[:, rows].copy_(block_lse)
@@ -91,6 +89,16 @@ def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.T
         else:
             merge_block(out[:, rows], lse[:, rows], block_out, block_lse)
         del block_out, block_lse
+
+
+def call_forward(spec: AttentionSpec, call: Segment, q: torch.Tensor, held: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One dense kernel call of a step: out ``[B, m, h, D]`` and lse ``[B, m, h]`` of its ``m`` query rows."""
+    KERNEL_CALLS["forward"] += 1
+    keys = slice(*call.kv)
+    out, lse = spec.kernel.forward(q[:, slice(*call.q)], held[0][:, keys], held[1][:, keys], call.causal,
+                                   spec.scale)
+    return out, lse.transpose(1, 2)
 
 
 def one_call(spec: AttentionSpec, step: StepPlan, rows: int) -> bool:
@@ -102,12 +110,9 @@ def _local_forward(plan: RankPlan, q: torch.Tensor, held: list[torch.Tensor], sp
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The local step as one call over every row and head: its outputs become the running out [B, n, H, D]
     and lse [B, n, H] (the accumulator dtype; no copy when the inputs are in it)."""
-    call = plan.steps[0].calls[0][0]
-    KERNEL_CALLS["forward"] += 1
-    keys = slice(*call.kv)
-    out, lse = spec.kernel.forward(q, held[0][:, keys], held[1][:, keys], call.causal, spec.scale)
+    out, lse = call_forward(spec, plan.steps[0].calls[0][0], q, held)
     acc = accumulator_dtype(q.dtype)
-    return out.to(acc), lse.transpose(1, 2).to(acc)
+    return out.to(acc), lse.to(acc)
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: AttentionSpec,

@@ -26,6 +26,7 @@ from parallel import ring_varlen
 from parallel.attention_plan import RankPlan, Selector, StepPlan
 from parallel.attention_spec import AttentionSpec
 from parallel.kernels import KERNEL_CALLS
+from parallel.mask_segments import Segment
 from parallel.ring_comm import RingComm, Transfer
 from parallel.ring_core import (
     GRAD_TAG,
@@ -68,14 +69,20 @@ def step_grads(plan: RankPlan, index: int, rows: tuple[torch.Tensor, ...], held:
         return ring_varlen.backward_step(spec.kernel, calls, rows, held, dq, spec.scale)
     grads = []
     for call, grad_rows in step.calls:
-        q_rows, keys = slice(*call.q), slice(*call.kv)
-        dout, q, out, lse = (x[:, q_rows] for x in rows)
-        KERNEL_CALLS["backward"] += 1
-        dq_b, dk_b, dv_b = spec.kernel.backward(dout, q, held[0][:, keys], held[1][:, keys], out,
-                                                lse.transpose(1, 2), call.causal, spec.scale)
-        dq[:, q_rows] += dq_b
+        dq_b, dk_b, dv_b = call_backward(spec, call, rows, held)
+        dq[:, slice(*call.q)] += dq_b
         grads.append((dk_b, dv_b, grad_rows))
     return grads
+
+
+def call_backward(spec: AttentionSpec, call: Segment, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One dense kernel call's dq (its query rows) and dk, dv (its key rows); ``rows`` = (dout, q, out, lse)."""
+    keys = slice(*call.kv)
+    dout, q, out, lse = (x[:, slice(*call.q)] for x in rows)
+    KERNEL_CALLS["backward"] += 1
+    return spec.kernel.backward(dout, q, held[0][:, keys], held[1][:, keys], out, lse.transpose(1, 2), call.causal,
+                                spec.scale)
 
 
 def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]], home: Selector) -> None:
@@ -112,13 +119,8 @@ def local_step(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.
     acc = accumulator_dtype(q.dtype)
     step = plan.steps[0]
     if one_call(spec, step, q.shape[1]) and _covers(step.calls[0][1], k.shape[1]):
-        call = step.calls[0][0]
-        dout, q, out, lse = rows
-        KERNEL_CALLS["backward"] += 1
-        keys = slice(*call.kv)
-        grads = spec.kernel.backward(dout, q, k[:, keys], held[1][:, keys], out, lse.transpose(1, 2), call.causal,
-                                     spec.scale)
-        return grads[0].to(acc), grads[1].to(acc), grads[2].to(acc)
+        dq, dk, dv = call_backward(spec, step.calls[0][0], rows, held)
+        return dq.to(acc), dk.to(acc), dv.to(acc)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
@@ -171,7 +173,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                 kv_transfer = first_hop(*following)
             grads = step_grads(plan, index, rows, held, dq_c, spec)
             del held
-            if index == 1:
+            if index == 1 and spec.overlap:
                 _land(homecoming, plan.home)  # the previous chunk's last dK/dV hop travelled during this step
             arriving = grad_transfer.wait() if grad_transfer is not None else []
             accumulator = _accumulate(arriving, step, grads, dk_c)
