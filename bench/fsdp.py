@@ -8,13 +8,16 @@ Every variant is a full ``Trainer`` on the same world, config and data (the cpu-
 ``fsdp-zero2`` (parallel.fsdp_reshard_after_forward false). The variants take turns step by step,
 so drift on a shared machine hits them alike; a step's time is the slowest rank's, the figure the
 median over the timed steps after the warm-up. Prints JSON lines, then a table with each variant's
-time over ``ddp``'s and its measured state bytes per rank.
+time over ``ddp``'s, its CPU time per rank and step (every thread of the process, user and system: on
+2 shared cores the step is CPU-bound, so extra CPU shows as time) and its measured state bytes per rank.
+``--layout 1 1 1`` measures FSDP2's own cost with nothing to communicate (one rank: no DDP either).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -71,19 +74,27 @@ def time_variants(state: ParallelState, prefix: str, root: str, steps: int, warm
         trainers[name] = Trainer(build_config([("bench", values)]), state)
         batches[name] = iter(trainers[name].loader)
     seconds: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     held: dict[str, dict[str, int]] = {}
     for step in range(steps + warmup):
         for name, trainer in trainers.items():
             micro_batches = next(batches[name])
             dist.barrier()
-            start = time.perf_counter()
+            used, start = _cpu_seconds(), time.perf_counter()
             trainer.train_step(micro_batches)
             elapsed = time.perf_counter() - start
             if step >= warmup:
                 seconds[name].append(elapsed)
+                cpu[name].append(_cpu_seconds() - used)
             if step == 0:
                 held[name] = state_bytes(trainer.model, trainer.optimizer)
-    return {"seconds": seconds, "held": held}
+    return {"seconds": seconds, "cpu": cpu, "held": held}
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process so far, every thread (gloo's included), user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -112,14 +123,17 @@ def main() -> None:
     for name in args.variants:
         steps = [max(rank["seconds"][name][i] for rank in per_rank) for i in range(args.steps)]
         held = max(rank["held"][name]["state_bytes"] for rank in per_rank)
+        cpu = statistics.mean(statistics.median(rank["cpu"][name]) for rank in per_rank)
         records.append({"variant": name, "tp": tp, "cp": cp, "dp": dp, "seq_len": args.seq_len,
                         "micro_batch": args.micro_batch_size, "global_batch": args.global_batch_size,
                         "steps": args.steps,
                         "step_ms": 1000 * statistics.median(steps), "step_ms_min": 1000 * min(steps),
-                        "step_ms_max": 1000 * max(steps), "state_mb_per_rank": held / 2**20})
+                        "step_ms_max": 1000 * max(steps), "cpu_ms_per_rank": 1000 * cpu,
+                        "state_mb_per_rank": held / 2**20})
     base = records[0]
     for record in records:
         record["vs_ddp"] = record["step_ms"] / base["step_ms"]
+        record["cpu_vs_ddp"] = record["cpu_ms_per_rank"] / base["cpu_ms_per_rank"]
         record["state_vs_ddp"] = record["state_mb_per_rank"] / base["state_mb_per_rank"]
     num = lambda digits: (lambda x: "" if x is None else f"{x:.{digits}f}")  # noqa: E731
     text = lambda x: "" if x is None else str(x)  # noqa: E731
@@ -127,6 +141,7 @@ def main() -> None:
                    ("seq_len", "seq", text), ("micro_batch", "micro", text), ("global_batch", "global", text),
                    ("step_ms", "step ms (median)", num(1)), ("step_ms_min", "min", num(1)),
                    ("step_ms_max", "max", num(1)), ("vs_ddp", "time vs ddp", num(3)),
+                   ("cpu_ms_per_rank", "cpu ms/rank", num(1)), ("cpu_vs_ddp", "cpu vs ddp", num(3)),
                    ("state_mb_per_rank", "state MB/rank", num(2)), ("state_vs_ddp", "state vs ddp", num(3))])
 
 
