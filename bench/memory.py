@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.common import emit, median, peak_memory_mb, reset_peak_memory  # noqa: E402  (sets the env the ranks start with)
-from model.block import Block  # noqa: E402
+from model.block import Block, BlockInputs  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.rope import rope_tables  # noqa: E402
 from parallel.layout import sequence_positions  # noqa: E402
@@ -46,7 +46,7 @@ def measure_block(config: ModelConfig, layout: str, seq: int, batch: int, repeat
         dist.barrier()
         base = reset_peak_memory()
         start = time.perf_counter()
-        block(x, cos, sin).backward(dout)
+        block(x, BlockInputs(cos, sin, None)).backward(dout)
         if index > 0:  # the first step is the warm-up
             seconds.append(time.perf_counter() - start)
             added.append(peak_memory_mb() - base)

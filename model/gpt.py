@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.block import Block
+from model.block import Block, BlockInputs
 from model.config import ModelConfig, param_seed
 from model.rope import rope_tables
 from parallel.attention_spec import CPGroups, canonical_algorithm, check_heads
@@ -142,8 +142,9 @@ class GPTModel(nn.Module):
         cos, sin = rope_tables(position_ids, config.head_dim, config.rope_theta, scaling=config.rope_scaling,
                                max_position_embeddings=config.max_position_embeddings)
         x = self.embedding(tokens)
+        inputs = BlockInputs(cos, sin, plan)
         for layer in self.layers:
-            x = layer(x, cos, sin, plan)
+            x = layer(x, inputs)
         x = copy_to_tensor_parallel_region(self.norm(x), self.tp_group)
         weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, weight)

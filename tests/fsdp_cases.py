@@ -81,7 +81,7 @@ def bf16_step(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]
     given, plans = [], []  # the plan the model is given, and what each block receives (casting would copy it)
     handles += [trainer.model.register_forward_pre_hook(lambda module, args, kwargs: given.append(kwargs["plan"]),
                                                         with_kwargs=True)]
-    handles += [layer.register_forward_pre_hook(lambda module, args: plans.append(args[3]))
+    handles += [layer.register_forward_pre_hook(lambda module, args: plans.append(args[1].plan))
                 for layer in trainer.model.layers]
     result = trainer.train_step(next(iter(trainer.loader)))
     for handle in handles:

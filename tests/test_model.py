@@ -180,3 +180,31 @@ def test_flops_count_matmul_weights_and_causal_attention() -> None:
     assert model_flops_per_token(tied, 64) == model_flops_per_token(config, 64)
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         model_flops_per_token(config, 0)
+
+
+def test_fsdp_does_not_search_the_attention_plan() -> None:
+    """FSDP2 searches each sharded block's arguments for tensors that need gradients, through dataclasses;
+    the blocks get the RoPE tables and the plan (a dataclass of index tensors) in one object it leaves alone."""
+    fsdp_utils = pytest.importorskip("torch.distributed.fsdp._common_utils")
+    from model.block import BlockInputs
+    from parallel.cp_plan import _static_plan
+
+    plan = _static_plan("ring", "zigzag", True, 8, 1, 0, 64)
+    x = torch.randn(2, 8, requires_grad=True)
+    cos, sin = torch.randn(2, 8, 1, 4), torch.randn(2, 8, 1, 4)
+    visited: list[object] = []
+    walk = fsdp_utils._collect_grad_tensors
+
+    def counted(output, out, _depth=0):  # noqa: ANN001, ANN202
+        visited.append(output)
+        return walk(output, out, _depth)
+
+    fsdp_utils._collect_grad_tensors = counted
+    try:
+        assert fsdp_utils.collect_grad_tensors(((x, BlockInputs(cos, sin, plan)), {})) == (x,)
+        searched = len(visited)
+        visited.clear()
+        fsdp_utils.collect_grad_tensors(((x, cos, sin, plan), {}))  # the plan as an argument of its own
+    finally:
+        fsdp_utils._collect_grad_tensors = walk
+    assert searched <= 5 < len(visited), (searched, len(visited))
