@@ -8,7 +8,9 @@ Every variant is a full ``Trainer`` on the same world, config and data (the cpu-
 ``fsdp-zero2`` (parallel.fsdp_reshard_after_forward false). The variants take turns step by step,
 so drift on a shared machine hits them alike; a step's time is the slowest rank's, the figure the
 median over the timed steps after the warm-up. Prints JSON lines, then a table with each variant's
-time over ``ddp``'s, its CPU time per rank and step (every thread of the process, user and system: on
+time over ``ddp``'s (the ratio of the medians, and ``paired``: the median of the per-round ratios, each
+step against the ``ddp`` step just before it, which a slow spell on the machine moves less), its CPU
+time per rank and step (every thread of the process, user and system: on
 2 shared cores the step is CPU-bound, so extra CPU shows as time) and its measured state bytes per rank.
 ``--layout 1 1 1`` measures FSDP2's own cost with nothing to communicate (one rank: no DDP either).
 """
@@ -119,9 +121,9 @@ def main() -> None:
             per_rank = ranks.run(run_with_parallel, (tp, cp, dp), time_variants, prefix, root, args.steps,
                                  args.warmup, args.seq_len, args.micro_batch_size, args.global_batch_size,
                                  args.variants)
-    records = []
+    records, step_times = [], {}
     for name in args.variants:
-        steps = [max(rank["seconds"][name][i] for rank in per_rank) for i in range(args.steps)]
+        steps = step_times[name] = [max(rank["seconds"][name][i] for rank in per_rank) for i in range(args.steps)]
         held = max(rank["held"][name]["state_bytes"] for rank in per_rank)
         cpu = statistics.mean(statistics.median(rank["cpu"][name]) for rank in per_rank)
         records.append({"variant": name, "tp": tp, "cp": cp, "dp": dp, "seq_len": args.seq_len,
@@ -133,6 +135,8 @@ def main() -> None:
     base = records[0]
     for record in records:
         record["vs_ddp"] = record["step_ms"] / base["step_ms"]
+        pairs = zip(step_times[record["variant"]], step_times[base["variant"]], strict=True)
+        record["paired_vs_ddp"] = statistics.median(mine / theirs for mine, theirs in pairs)
         record["cpu_vs_ddp"] = record["cpu_ms_per_rank"] / base["cpu_ms_per_rank"]
         record["state_vs_ddp"] = record["state_mb_per_rank"] / base["state_mb_per_rank"]
     num = lambda digits: (lambda x: "" if x is None else f"{x:.{digits}f}")  # noqa: E731
@@ -141,6 +145,7 @@ def main() -> None:
                    ("seq_len", "seq", text), ("micro_batch", "micro", text), ("global_batch", "global", text),
                    ("step_ms", "step ms (median)", num(1)), ("step_ms_min", "min", num(1)),
                    ("step_ms_max", "max", num(1)), ("vs_ddp", "time vs ddp", num(3)),
+                   ("paired_vs_ddp", "paired", num(3)),
                    ("cpu_ms_per_rank", "cpu ms/rank", num(1)), ("cpu_vs_ddp", "cpu vs ddp", num(3)),
                    ("state_mb_per_rank", "state MB/rank", num(2)), ("state_vs_ddp", "state vs ddp", num(3))])
 

@@ -87,6 +87,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size (DDP, without parallel.fsdp)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)
+    cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (cpu_memory.py)
 
 
 @dataclass

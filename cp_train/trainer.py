@@ -23,6 +23,7 @@ from cp_train import build
 from cp_train.checkpoint import ShardedState, save_checkpoint
 from cp_train.checkpoint_files import resume_hint, resume_source
 from cp_train.config import Config, dump_yaml
+from cp_train.cpu_memory import keep_freed_memory
 from cp_train.data_parallel import gradient_sync
 from cp_train.errors import agree
 from cp_train.hf_init import hf_init_message
@@ -58,6 +59,8 @@ class Trainer:
         self.device = build.select_device(state)
         if config.train.deterministic:
             build.use_deterministic_algorithms()
+        if self.device.type == "cpu" and config.train.cpu_keep_freed_memory:
+            keep_freed_memory()
         self.autocast_dtype = build.autocast_dtype(config, self.device)
         seed_everything(derived_seed(config.train.seed, state.rank))
         self.sources = build.resolve_data(config, state)
