@@ -27,6 +27,11 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its dynamic threshold
 # still mapped and unmapped each time (their faults are small beside the work on them)
 
 
+def on_glibc() -> bool:
+    """Whether this process runs on Linux with glibc (where ``mallopt`` and its parameters apply)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def user_chose_allocator(environ: Mapping[str, str]) -> str | None:
     """The environment variable through which the user configured the allocator, or None."""
     for key, value in environ.items():
@@ -56,7 +61,7 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
 
     Process-wide and lasting: call it once, on CPU runs, before the first step."""
     environ = startup_environment() if environ is None else environ
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or user_chose_allocator(environ):
+    if not on_glibc() or user_chose_allocator(environ):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
