@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from cp_train.main import dry_run, main, train
+from cp_train.cli.train import dry_run, main, train
 
 __all__ = ["dry_run", "main", "train"]
 

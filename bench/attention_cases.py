@@ -17,14 +17,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from cp_train.parallel.cp.attention import attention_plan, context_parallel_attention, make_spec
+from cp_train.parallel.cp.balanced_layout import balanced_positions
+from cp_train.parallel.cp.layout import sequence_positions
+from cp_train.parallel.cp.ring.comm import BYTES_SENT
+from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.mesh.rank_groups import compute_rank_groups
 
 from bench.common import median, peak_memory_mb, reset_peak_memory
-from parallel.attention_spec import CPGroups
-from parallel.balanced_layout import balanced_positions
-from parallel.cp_attention import attention_plan, context_parallel_attention, make_spec
-from parallel.layout import sequence_positions
-from parallel.rank_groups import compute_rank_groups
-from parallel.ring_comm import BYTES_SENT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,9 +35,9 @@ def document_ids(spec: str, batch: int, seqlen: int) -> torch.Tensor:
     if spec == "1":
         return torch.zeros(batch, seqlen, dtype=torch.int64)
     if spec == "corpus":
-        from data.gpt_dataset import GPTDataset
-        from data.indexed import IndexedDataset
-        from data.prepare_default import prepare_default_corpus
+        from cp_train.data.default_corpus import prepare_default_corpus
+        from cp_train.data.gpt_dataset import GPTDataset
+        from cp_train.data.indexed import IndexedDataset
 
         dataset = GPTDataset(IndexedDataset(prepare_default_corpus().data_prefix), seqlen, batch, seed=1234)
         return torch.stack([dataset[i]["document_ids"] for i in range(batch)])

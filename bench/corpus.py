@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from data.prepare_default import corpus_dir, prepare_default_corpus
+from cp_train.data.default_corpus import corpus_dir, prepare_default_corpus
 
 
 def build_once(workers: int | None) -> dict:

@@ -25,17 +25,17 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from cp_train.model import GPTModel, model_flops_per_token
+from cp_train.parallel.cp.attention import context_parallel_attention, default_head_chunks, default_overlap
+from cp_train.parallel.cp.plan.rank_plan import plan_for_layout
+from cp_train.parallel.cp.ring.backward import ring_backward
+from cp_train.parallel.cp.ring.forward import ring_forward
+from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels import select as kernels
 
 from bench.common import emit, median
-from cp_train.config_sources import load_config
-from cp_train.metrics import gpu_peak_tflops
-from model import GPTModel, model_flops_per_token
-from parallel import kernels
-from parallel.attention_plan import plan_for_layout
-from parallel.attention_spec import AttentionSpec
-from parallel.cp_attention import context_parallel_attention, default_head_chunks, default_overlap
-from parallel.ring_core import ring_forward
-from parallel.ring_grads import ring_backward
+from cp_train.config.sources import load_config
+from cp_train.metrics.throughput import gpu_peak_tflops
 
 MODELS = {"gpt-125m": "launch/configs/gpt-125m-cp8.yaml", "gpt-1b": "launch/configs/gpt-1b-128k-cp8.yaml"}
 

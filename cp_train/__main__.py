@@ -2,6 +2,6 @@
 
 import sys
 
-from cp_train.main import main
+from cp_train.cli.train import main
 
 sys.exit(main(prog="cp_train"))

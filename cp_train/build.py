@@ -16,21 +16,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from cp_train.config import Config, ConfigError
-from cp_train.data_parallel import replicate_with_ddp, shard_with_fsdp
+from cp_train.config.schema import Config, ConfigError
+from cp_train.data.default_corpus import prepare_default_corpus
+from cp_train.data.gpt_dataset import GPTDataset, train_valid_split
+from cp_train.data.indexed import IndexedDataset
+from cp_train.data.loader import StepLoader, build_data_loader
+from cp_train.data.tokenizers.spm import load_tokenizer, padded_vocab_size
 from cp_train.errors import InputError, agree
-from data.gpt_dataset import GPTDataset, train_valid_split
-from data.indexed import IndexedDataset
-from data.loader import StepLoader, build_data_loader
-from data.prepare_default import prepare_default_corpus
-from data.tokenizer import load_tokenizer, padded_vocab_size
-from model import GPTModel
-from model.hf import load_llama_weights
-from model.meta import allocate, materialize, meta_model
-from model.shards import full_shape, local_tensor
-from parallel.cp_plan import SamplePlanner
-from parallel.process_groups import run_device
-from parallel.state import ParallelState
+from cp_train.model import GPTModel
+from cp_train.model.hf.llama import load_llama_weights
+from cp_train.model.meta import allocate, materialize, meta_model
+from cp_train.model.parallelize import replicate_with_ddp, shard_with_fsdp
+from cp_train.model.shards import full_shape, local_tensor
+from cp_train.parallel.cp.plan.batch_plan import SamplePlanner
+from cp_train.parallel.mesh.groups import run_device
+from cp_train.parallel.mesh.state import ParallelState
 
 
 def select_device(state: ParallelState) -> torch.device:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cp_train.config import OptimizerConfig, ScheduleConfig
-from model.shards import data_shards, local_tensor, tensor_parallel_dim
+from cp_train.config.schema import OptimizerConfig, ScheduleConfig
+from cp_train.model.shards import data_shards, local_tensor, tensor_parallel_dim
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:

@@ -20,31 +20,31 @@ from typing import Any
 import torch
 
 from cp_train import build
-from cp_train.checkpoint import ShardedState, save_checkpoint
-from cp_train.checkpoint_files import resume_hint, resume_source
-from cp_train.config import Config, dump_yaml
-from cp_train.cpu_memory import keep_freed_memory
-from cp_train.data_parallel import gradient_sync
+from cp_train.checkpoint.dcp import ShardedState, save_checkpoint
+from cp_train.checkpoint.files import resume_hint, resume_source
+from cp_train.checkpoint.resume import restore_run
+from cp_train.checkpoint.rng import derived_seed, seed_everything
+from cp_train.config.hf_init import hf_init_message
+from cp_train.config.schema import Config, dump_yaml
+from cp_train.config.validate import check_parallel_state, validate
+from cp_train.data.loader import ATTENTION_PLAN
 from cp_train.errors import agree
-from cp_train.hf_init import hf_init_message
 from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
-from cp_train.metrics import (
+from cp_train.memory.cpu_memory import keep_freed_memory
+from cp_train.memory.state_bytes import setup_record
+from cp_train.metrics.sinks import MetricsSinks
+from cp_train.metrics.throughput import (
     IntervalMeter,
     peak_memory_gib,
     peak_memory_reserved_gib,
     peak_tflops,
     reset_peak_memory,
 )
+from cp_train.model.parallelize import gradient_sync
 from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
+from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.mesh.state import ParallelState
 from cp_train.results import BatchLoss, NonFiniteLossError, StepResult, TrainResult
-from cp_train.resume import restore_run
-from cp_train.rng import derived_seed, seed_everything
-from cp_train.sinks import MetricsSinks
-from cp_train.state_bytes import setup_record
-from cp_train.validate import check_parallel_state, validate
-from data.loader import ATTENTION_PLAN
-from parallel.cp_plan import CPPlan
-from parallel.state import ParallelState
 
 MicroBatch = dict[str, Any]  # per-token tensors [B, local_seqlen], and the loader's ATTENTION_PLAN
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from data.indexed import IndexedDataset, index_path
-from data.sample_index import SampleIndices, build_indices, cache_key, load_cached, save_cached
+from cp_train.data.indexed import IndexedDataset, index_path
+from cp_train.data.sample_index import SampleIndices, build_indices, cache_key, load_cached, save_cached
 
 PER_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
 

@@ -13,14 +13,13 @@ import math
 
 import torch
 import torch.distributed as dist
+from cp_train.model.config import ModelConfig, param_seed
+from cp_train.model.rope import apply_rope
+from cp_train.parallel.cp.attention import as_groups, context_parallel_attention
+from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, group_size_and_rank
 from torch import nn
-
-from model.config import ModelConfig, param_seed
-from model.rope import apply_rope
-from parallel.attention_spec import CPGroups
-from parallel.cp_attention import as_groups, context_parallel_attention
-from parallel.cp_plan import CPPlan
-from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_and_rank
 
 
 class Attention(nn.Module):

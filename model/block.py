@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from cp_train.model.attention import Attention
+from cp_train.model.config import ModelConfig
+from cp_train.model.mlp import MLP
+from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.cp.spec import CPGroups
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from model.attention import Attention
-from model.config import ModelConfig
-from model.mlp import MLP
-from parallel.attention_spec import CPGroups
-from parallel.cp_plan import CPPlan
 
 
 class BlockInputs:

@@ -6,9 +6,9 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from model.rope import resolve_rope_scaling
-from parallel.kernels import BACKENDS
-from parallel.layout import LAYOUTS, check_layout
+from cp_train.model.rope import resolve_rope_scaling
+from cp_train.parallel.cp.layout import LAYOUTS, check_layout
+from cp_train.parallel.kernels.select import BACKENDS
 
 
 @dataclass

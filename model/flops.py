@@ -20,7 +20,7 @@ Megatron / PaLM convention, per token at global sequence length ``s``:
 
 from __future__ import annotations
 
-from model.config import ModelConfig
+from cp_train.model.config import ModelConfig
 
 
 def matmul_params(config: ModelConfig) -> int:

@@ -17,22 +17,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
-from model.block import Block, BlockInputs
-from model.config import ModelConfig, param_seed
-from model.rope import rope_tables
-from parallel.attention_spec import CPGroups, canonical_algorithm, check_heads
-from parallel.cp_attention import as_groups, attention_plan
-from parallel.cp_plan import CPPlan, SamplePlanner
-from parallel.layout import sequence_positions
-from parallel.tensor_parallel import (
+from cp_train.model.block import Block, BlockInputs
+from cp_train.model.config import ModelConfig, param_seed
+from cp_train.model.rope import rope_tables
+from cp_train.parallel.cp.attention import as_groups, attention_plan
+from cp_train.parallel.cp.layout import sequence_positions
+from cp_train.parallel.cp.plan.batch_plan import CPPlan, SamplePlanner
+from cp_train.parallel.cp.spec import CPGroups, canonical_algorithm, check_heads
+from cp_train.parallel.tp.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel_region,
     group_size_and_rank,
     vocab_parallel_cross_entropy,
 )
+from torch import nn
 
 
 def _embedding(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory: Any) -> VocabParallelEmbedding:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from model.config import ModelConfig
-from model.gpt import GPTModel
-from model.shards import local_region, local_tensor, mark_tensor_parallel, tensor_parallel_dims
-from parallel.attention_spec import CPGroups
-from parallel.tensor_parallel import group_size_and_rank
+from cp_train.model.config import ModelConfig
+from cp_train.model.gpt import GPTModel
+from cp_train.model.shards import local_region, local_tensor, mark_tensor_parallel, tensor_parallel_dims
+from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.tp.layers import group_size_and_rank
 
 
 def meta_model(config: ModelConfig, tp_group: dist.ProcessGroup | None = None,

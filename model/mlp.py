@@ -14,16 +14,15 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from model.config import ModelConfig, param_seed
-from parallel.tensor_parallel import (
+from cp_train.model.config import ModelConfig, param_seed
+from cp_train.parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
 )
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class MLP(nn.Module):

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cp_train.model import parallelize as data_parallel
+from cp_train.parallel.mesh.state import ParallelState
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from cp_train import data_parallel
 from cp_train.trainer import Trainer
-from parallel.state import ParallelState
 from tests.trainer_cases import GLOBAL_BATCH, tiny_config
 
 COUNTED = ("reduce_scatter_single", "all_gather_single")  # FSDP2's collectives (torch.distributed names)

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cp_train.model.gpt import GPTModel
+from cp_train.model.hf.llama import load_llama, save_llama
+from cp_train.model.shards import local_tensor
+from cp_train.parallel.cp.layout import gather_sequence, shard_sequence
+from cp_train.parallel.mesh.state import ParallelState
 
-from model.gpt import GPTModel
-from model.hf import load_llama, save_llama
-from model.shards import local_tensor
-from parallel.layout import gather_sequence, shard_sequence
-from parallel.state import ParallelState
 from tests import trainer_cases
 
 ORIGINAL_CONTEXT = 32  # the context the scaled models were "trained" at; the tests run 4x that
@@ -101,7 +101,7 @@ def full_logits_and_loss(model: GPTModel, tokens: torch.Tensor) -> dict[str, tor
 @contextmanager
 def counting_reads() -> Iterator[list[int]]:
     """Count the weight elements ``WeightFiles.read_block`` copies (``[count]``, updated in place)."""
-    from model import hf_weights
+    from cp_train.model.hf import weights as hf_weights
 
     read = [0]
     original = hf_weights.WeightFiles.read_block

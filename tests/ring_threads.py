@@ -12,12 +12,11 @@ import threading
 from dataclasses import dataclass
 
 import torch
-
-from parallel.attention_plan import plan_for_documents, plan_for_layout
-from parallel.attention_spec import AttentionSpec
-from parallel.layout import sequence_positions, shard_sequence, unshard_sequence
-from parallel.ring_core import ring_forward
-from parallel.ring_grads import ring_backward
+from cp_train.parallel.cp.layout import sequence_positions, shard_sequence, unshard_sequence
+from cp_train.parallel.cp.plan.rank_plan import plan_for_documents, plan_for_layout
+from cp_train.parallel.cp.ring.backward import ring_backward
+from cp_train.parallel.cp.ring.forward import ring_forward
+from cp_train.parallel.cp.spec import AttentionSpec
 
 
 @dataclass

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from parallel.balanced_layout import balanced_positions, token_work
-from parallel.layout import sequence_positions
+from cp_train.parallel.cp.balanced_layout import balanced_positions, token_work
+from cp_train.parallel.cp.layout import sequence_positions
 
 SEQ = 4096
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import train as train_script
-from cp_train.cli import parse_config
-from cp_train.config import Config, ConfigError, build_config, dump_yaml
-from cp_train.config_sources import load_config
-from cp_train.validate import validate
+from cp_train.config.flags import parse_config
+from cp_train.config.schema import Config, ConfigError, build_config, dump_yaml
+from cp_train.config.sources import load_config
+from cp_train.config.validate import validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
 SMALL_MODEL = {"model.vocab_size": 256, "model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,

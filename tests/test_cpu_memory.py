@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from cp_train.cpu_memory import keep_freed_memory, on_glibc, startup_environment, user_chose_allocator
+from cp_train.memory.cpu_memory import keep_freed_memory, on_glibc, startup_environment, user_chose_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
-from cp_train.cpu_memory import keep_freed_memory
+from cp_train.memory.cpu_memory import keep_freed_memory
 applied = keep_freed_memory({{}}) if {apply} else False
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 weight = torch.randn(1024, 1024)

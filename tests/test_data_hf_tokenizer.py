@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cp_train.data.indexed import IndexedDataset
+from cp_train.data.preprocess import main as preprocess_main
+from cp_train.data.tokenizers.hf import BOS_TOKEN, EOS_TOKEN, HFTokenizer, train_hf_tokenizer
+from cp_train.data.tokenizers.spm import Tokenizer, load_tokenizer
 from tokenizers import Tokenizer as LibraryTokenizer
 
 from cp_train import build
-from cp_train.config import build_config
-from data.hf_tokenizer import BOS_TOKEN, EOS_TOKEN, HFTokenizer, train_hf_tokenizer
-from data.indexed import IndexedDataset
-from data.preprocess import main as preprocess_main
-from data.tokenizer import Tokenizer, load_tokenizer
+from cp_train.config.schema import build_config
 
 DOCUMENTS = ["def f(x):\n    return x * 2\n", "déjà vu — naïve café\n", "class A:\n    pass\n\n\n# end"]
 
@@ -69,7 +69,7 @@ def test_trainer_resolves_a_tokenizer_directory(tokenizer_dir, tmp_path) -> None
 
 
 def test_sentencepiece_models_still_load_and_bad_files_are_named(tokenizer_dir, tmp_path) -> None:
-    from data.tokenizer import train_tokenizer
+    from cp_train.data.tokenizers.spm import train_tokenizer
 
     model = train_tokenizer([Path(textwrap.__file__)], 400, tmp_path / "sp")
     assert type(load_tokenizer(model)) is Tokenizer

@@ -7,8 +7,7 @@ import struct
 
 import numpy as np
 import pytest
-
-from data.indexed import (
+from cp_train.data.indexed import (
     DTYPE_CODES,
     IndexedDataset,
     IndexedDatasetWriter,

@@ -10,10 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from data.gpt_dataset import GPTDataset
-from data.indexed import IndexedDataset, data_path, index_path
-from data.prepare_default import (
+from cp_train.data.default_corpus import (
     DEFAULT_VOCAB_SIZE,
     corpus_dir,
     default_cache_dir,
@@ -21,7 +18,9 @@ from data.prepare_default import (
     prepare_default_corpus,
     stdlib_sources,
 )
-from data.tokenizer import Tokenizer
+from cp_train.data.gpt_dataset import GPTDataset
+from cp_train.data.indexed import IndexedDataset, data_path, index_path
+from cp_train.data.tokenizers.spm import Tokenizer
 
 BUILD_LIMIT_S = 120.0
 

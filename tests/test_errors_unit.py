@@ -11,16 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cp_train.model import parallelize as data_parallel
+from cp_train.parallel.mesh import collectives
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from cp_train import collectives, data_parallel
-from cp_train.checkpoint_files import DCP_METADATA, LATEST, META, prune, resume_source, step_dir_name
-from cp_train.config import ConfigError, build_config
+from cp_train.checkpoint.files import DCP_METADATA, LATEST, META, prune, resume_source, step_dir_name
+from cp_train.checkpoint.resume import check_resume, config_changes
+from cp_train.cli.launch import summarize
+from cp_train.config.schema import ConfigError, build_config
 from cp_train.errors import InputError, RunFailure, describe
-from cp_train.launch import summarize
-from cp_train.resume import check_resume, config_changes
-from cp_train.sinks import drop_records_after
+from cp_train.metrics.sinks import drop_records_after
 
 
 @pytest.fixture()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cp_train.checkpoint import LATEST, step_dir_name
+from cp_train.checkpoint.dcp import LATEST, step_dir_name
 from tests import trainer_cases
 from tests.entry_points import (
     PROJECT_FRAME,

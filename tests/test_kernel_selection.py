@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from parallel import kernels
-from parallel.kernels import KernelUnavailable, select_kernel
-from parallel.torch_kernels import TorchCudaFlash, TorchEfficient, padded_lse
+from cp_train.parallel.kernels import select as kernels
+from cp_train.parallel.kernels.select import KernelUnavailable, select_kernel
+from cp_train.parallel.kernels.torch_ops import TorchCudaFlash, TorchEfficient, padded_lse
 
 CUDA = torch.device("cuda", 0)
 

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cp_train.parallel.cp.attention import default_head_chunks, default_overlap
+from cp_train.parallel.cp.layout import (
+    STATIC_LAYOUTS,
+    check_layout,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.kernels.select import flash_backward, flash_forward
 
-from parallel.cp_attention import default_head_chunks, default_overlap
-from parallel.cp_plan import CPPlan
-from parallel.kernels import flash_backward, flash_forward
-from parallel.layout import STATIC_LAYOUTS, check_layout, sequence_positions, shard_sequence, unshard_sequence
 from tests.numerics import rel_err
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cp_train.model import GPTModel, ModelConfig, matmul_params, model_flops_per_token
+from cp_train.model.mlp import MLP
+from cp_train.model.rope import apply_rope, rope_tables
+from cp_train.parallel.cp.attention import context_parallel_attention
 
-from model import GPTModel, ModelConfig, matmul_params, model_flops_per_token
-from model.mlp import MLP
-from model.rope import apply_rope, rope_tables
-from parallel.cp_attention import context_parallel_attention
 from tests.model_cases import global_batch, step, tiny_config
 from tests.numerics import rel_err
 
@@ -188,8 +188,8 @@ def test_fsdp_does_not_search_the_attention_plan(monkeypatch) -> None:
     fsdp_utils = pytest.importorskip("torch.distributed.fsdp._common_utils")
     if not hasattr(fsdp_utils, "_collect_grad_tensors"):
         pytest.skip("this torch's FSDP2 searches arguments another way")
-    from model.block import BlockInputs
-    from parallel.cp_plan import _static_plan
+    from cp_train.model.block import BlockInputs
+    from cp_train.parallel.cp.plan.batch_plan import _static_plan
 
     plan = _static_plan("ring", "zigzag", True, 8, 1, 0, 64)
     x = torch.randn(2, 8, requires_grad=True)

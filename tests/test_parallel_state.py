@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from cp_train.parallel.mesh import groups as process_groups
+from cp_train.parallel.mesh import state as ps
+from cp_train.parallel.mesh.state import compute_rank_groups, initialize_parallel, rank_coordinates
+from cp_train.parallel.spawn import free_port
 from torch.distributed.tensor import Shard, distribute_tensor
-
-from parallel import process_groups
-from parallel import state as ps
-from parallel.spawn import free_port
-from parallel.state import compute_rank_groups, initialize_parallel, rank_coordinates
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cp_train.parallel.cp.attention import context_parallel_attention
+from cp_train.parallel.cp.dropins import zigzag_ring_flash_attn_func
+from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
+from cp_train.parallel.cp.plan.rank_plan import plan_for_documents, plan_for_layout
+from cp_train.parallel.cp.ring.backward import _accumulate
+from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.select import MathKernel, select_kernel
 
-from parallel.attention_plan import plan_for_documents, plan_for_layout
-from parallel.attention_spec import AttentionSpec
-from parallel.cp_attention import context_parallel_attention
-from parallel.kernels import MathKernel, select_kernel
-from parallel.layout import STATIC_LAYOUTS, sequence_positions
-from parallel.package_api import zigzag_ring_flash_attn_func
-from parallel.ring_grads import _accumulate
 from tests import ring_cases
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring

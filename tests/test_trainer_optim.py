@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from cp_train.config import OptimizerConfig, ScheduleConfig
+from cp_train.config.schema import OptimizerConfig, ScheduleConfig
 from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
 
 

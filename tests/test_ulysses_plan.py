@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from parallel.mask_segments import pack_keys
-from parallel.ulysses_plan import TOLERANCE, document_work, home_documents, ulysses_documents_plan
+from cp_train.parallel.cp.plan.segments import pack_keys
+from cp_train.parallel.cp.plan.ulysses_plan import TOLERANCE, document_work, home_documents, ulysses_documents_plan
 
 
 def _random_docs(world: int, rows: int, mean: int, seed: int) -> torch.Tensor:

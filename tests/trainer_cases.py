@@ -17,16 +17,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from cp_train.data.indexed import IndexedDatasetWriter
+from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 from torch.distributed.tensor import DTensor
 
 from cp_train import build
 from cp_train import trainer as trainer_module
-from cp_train.config import Config, build_config
+from cp_train.config.schema import Config, build_config
+from cp_train.metrics.sinks import METRICS_FILE
 from cp_train.results import NonFiniteLossError
-from cp_train.sinks import METRICS_FILE
 from cp_train.trainer import Trainer
-from data.indexed import IndexedDatasetWriter
-from parallel.state import ParallelDims, ParallelState
 
 EOD, VOCAB = 2, 128
 TINY_MODEL = {"vocab_size": VOCAB, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,

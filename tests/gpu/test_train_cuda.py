@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel.spawn import free_port
+from cp_train.parallel.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, SAVE_AT = 12, 6

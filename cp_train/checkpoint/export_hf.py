@@ -1,0 +1,127 @@
+"""Export a training checkpoint (DCP, any tp/cp/dp layout) as a Hugging Face Llama directory.
+
+    python -m cp_train.export_hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--tokenizer-from HF_DIR]
+
+``CHECKPOINT_DIR`` is a run's checkpoint directory (its ``latest``) or one ``step_*`` directory. The
+model shape comes from the checkpoint's ``meta.json``; each tensor is read at full shape straight
+from the DCP files (one at a time, in one process, no torch.distributed), so the saving layout does
+not matter. OUT_DIR gets ``config.json`` and safetensors that ``transformers`` loads, plus the
+tokenizer files and token ids of ``--tokenizer-from`` (default: the run's ``checkpoint.init_from_hf``
+directory when it still exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from cp_train.build import ensure_writable_dir
+from cp_train.checkpoint.dcp import META, find_checkpoint
+from cp_train.checkpoint.files import newest_complete
+from cp_train.errors import InputError, run_entry_point
+from cp_train.model.config import ModelConfig
+from cp_train.model.hf.llama import DEFAULT_SHARD_BYTES, write_hf_model
+from cp_train.model.hf.weights import hf_tensors
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.dtype's names too
+
+
+def checkpoint_model_config(meta: dict[str, Any]) -> ModelConfig:
+    """The ``ModelConfig`` a checkpoint's ``meta.json`` recorded (fields unknown to this version ignored)."""
+    saved = meta["config"]["model"]
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.items() if k in names})
+
+
+def _tokenizer_source(meta: dict[str, Any], given: str | None) -> Path | None:
+    if given is not None:
+        return Path(given)
+    origin = meta["config"].get("checkpoint", {}).get("init_from_hf")
+    return Path(origin) if origin and Path(origin).is_dir() else None
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                      tokenizer_from: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write the model of ``checkpoint`` as an HF Llama directory ``out``; ``dtype`` None keeps the stored one."""
+    if not Path(checkpoint).is_dir():
+        raise InputError(f"{checkpoint} is not a directory: pass a run's checkpoint directory (checkpoint.save) or "
+                         f"one of its step_* directories")
+    path = find_checkpoint(checkpoint, use="export the newest complete checkpoint instead: {}")
+    if path is None:
+        newest = newest_complete(Path(checkpoint))
+        hint = f": export its newest complete checkpoint, {newest}" if newest else ""
+        raise InputError(f"{checkpoint} holds no complete checkpoint (no {META}, no `latest`){hint}")
+    meta = json.loads((path / META).read_text())
+    config = checkpoint_model_config(meta)
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    shapes = {}
+    for entry in hf_tensors(config):
+        key = f"model.{entry.param}"
+        if key not in stored:
+            raise ValueError(f"{path} has no tensor {key}: not a checkpoint of the model its {META} describes")
+        shapes[entry.param] = stored[key]
+
+    def full(name: str) -> torch.Tensor:
+        info = shapes[name]
+        tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        with warnings.catch_warnings():  # one process on purpose: DCP's "assuming a single process" note
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": {name: tensor}}, storage_reader=FileSystemReader(path), no_dist=True)
+        return tensor
+
+    source = _tokenizer_source(meta, tokenizer_from)
+    if source is not None and Path(out).resolve() == source.resolve():
+        raise InputError(f"{out} is the tokenizer source (--tokenizer-from, or the run's checkpoint.init_from_hf): "
+                         f"exporting there would overwrite the model the run started from; pass another directory")
+    ensure_writable_dir(Path(out), "the output directory")
+    extra = {}
+    if source is not None:
+        hf = json.loads((source / "config.json").read_text()) if (source / "config.json").is_file() else {}
+        extra = {key: hf[key] for key in TOKEN_IDS if key in hf}
+    dtype = dtype or next(iter(shapes.values())).properties.dtype
+    out = write_hf_model(config, out, full, dtype, max_shard_bytes=max_shard_bytes, extra_config=extra)
+    for name in TOKENIZER_FILES if source is not None else ():
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    """The command line (``python -m cp_train.export_hf --help``); returns the output directory."""
+    parser = argparse.ArgumentParser(prog="python -m cp_train.export_hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="checkpoint directory (its `latest`) or one step_* directory")
+    parser.add_argument("out", help="output directory (config.json, safetensors, tokenizer files)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="stored dtype (default: as saved)")
+    parser.add_argument("--tokenizer-from", default=None,
+                        help="HF directory whose tokenizer files and token ids to copy (default: the run's "
+                             "checkpoint.init_from_hf)")
+    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 2**30,
+                        help="largest safetensors file before sharding (default 5)")
+    args = parser.parse_args(argv)
+    out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype), args.tokenizer_from,
+                            int(args.max_shard_gb * 2**30))
+    print(f"exported {args.checkpoint} to {out}")
+    if not any((out / name).is_file() for name in TOKENIZER_FILES):
+        print(f"no tokenizer files in {out}: the run's tokenizer is not a Hugging Face one; copy them with "
+              f"--tokenizer-from HF_DIR (tokenizer.json and its config) for transformers' AutoTokenizer")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(run_entry_point("python -m cp_train.export_hf", lambda args: main(args) and None))

@@ -1,0 +1,1 @@
+"""cp_train/cli."""

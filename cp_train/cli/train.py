@@ -1,0 +1,65 @@
+"""The training command: parse the config, start torch.distributed from torchrun's environment, train.
+
+``train.py`` at the repository root and ``python -m cp_train`` (an installed package: ``torchrun
+--nproc-per-node N -m cp_train --config FILE``) both run ``main``. Parses the config (YAML < flags <
+``--set``), initialises torch.distributed (nccl on CUDA, gloo on CPU; every collective bounded by
+``parallel.timeout_minutes``), builds the run and trains; ``--dry-run`` plans the memory instead.
+
+A failure ends the process with one line on stderr (rank 0 alone for config and input errors) and exit
+code 2 for a config or input error, 1 for a failed run; ``--debug`` or ``CP_TRAIN_DEBUG=1`` adds the
+traceback (``cp_train/errors.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from argparse import Namespace
+from collections.abc import Sequence
+
+import torch
+
+from cp_train.cli.launch import stop_with_launcher
+from cp_train.config.flags import parse_args
+from cp_train.config.schema import Config
+from cp_train.config.validate import validate
+from cp_train.errors import run_entry_point, this_rank
+from cp_train.parallel.mesh.collectives import explain_collective_failure, trace_collectives
+from cp_train.parallel.mesh.state import parallel_context
+from cp_train.parallel.spawn import free_port
+from cp_train.trainer import run_training
+
+
+def dry_run(config: Config, args: Namespace) -> int:
+    """Print every rank's planned memory (``cp_train/dry_run.py``); rank 0 alone under torchrun. Exit status 1
+    when the largest rank does not fit the device."""
+    from cp_train.memory.dry_run import dry_run_world, report
+
+    device_gib = args.device_memory_gib
+    if device_gib is None:
+        device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    planned = report(config, dry_run_world(config), device_gib, args.config or "the command line")
+    if this_rank() == 0:
+        print(planned.text)
+    return 0 if planned.fits else 1
+
+
+def train(argv: list[str]) -> int:
+    stop_with_launcher()
+    config, args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(config, args)
+    dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one (on a free port: several may run)
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
+    parallel = config.parallel
+    with parallel_context(parallel.tp, parallel.cp, dp, parallel.backend, parallel.timeout_minutes,
+                          parallel.ulysses_size) as state:
+        trace_collectives(state, parallel.timeout_minutes)
+        run_training(config, state)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "train.py") -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    return run_entry_point(prog, train, argv, explain=explain_collective_failure)

@@ -1,0 +1,59 @@
+"""``checkpoint.init_from_hf``: a run whose model shape comes from a Hugging Face Llama's ``config.json``.
+
+``apply_hf_model(config)`` (called when the config is built) copies the architecture fields
+(vocab, layers, hidden, heads, kv heads, ffn, ``rms_norm_eps``, tied embeddings) into
+``config.model``; a ``model.*`` key the user set to another value is an error listing every such
+key. The RoPE fields (``max_position_embeddings``, ``rope_theta``, ``rope_scaling``) are taken from
+the HF config unless the user set them: that is how a context extension is configured. A user
+``rope_scaling`` of type llama3 or yarn without ``original_max_position_embeddings`` gets the HF
+model's ``max_position_embeddings`` (the context it was trained at). The weights are loaded by
+``build.build_model`` when the run does not resume from a DCP checkpoint.
+"""
+
+from __future__ import annotations
+
+from cp_train.config.schema import Config, ConfigError
+from cp_train.model.hf.config import ARCHITECTURE_FIELDS, ROPE_FIELDS, HFConfigError, model_fields, read_hf_config
+
+
+def user_model_keys(config: Config) -> set[str]:
+    """``model.*`` field names a config layer (YAML, flag, ``--set``) set to a value other than null."""
+    keys = {key.split(".", 1)[1] for key in config.explicit_keys if key.startswith("model.")}
+    return {name for name in keys if getattr(config.model, name, None) is not None}
+
+
+def apply_hf_model(config: Config) -> None:
+    """Set ``config.model`` from ``checkpoint.init_from_hf``'s config.json (the RoPE fields the user set stay).
+
+    Raises ``ConfigError`` for an unreadable or unsupported HF config, or for conflicting ``model.*`` keys.
+    """
+    path = config.checkpoint.init_from_hf
+    try:
+        fields = model_fields(read_hf_config(path))
+    except (FileNotFoundError, HFConfigError) as error:
+        raise ConfigError(f"checkpoint.init_from_hf: {error}") from None
+    model, user = config.model, user_model_keys(config)
+    conflicts = [f"model.{name}={getattr(model, name)!r} (config.json {hf_name}: {fields[name]!r})"
+                 for name, hf_name in ARCHITECTURE_FIELDS.items()
+                 if name in user and getattr(model, name) != fields[name]]
+    if conflicts:
+        raise ConfigError(f"checkpoint.init_from_hf={path} takes the model's shape from {path}/config.json, but "
+                          f"these keys were set to other values: {', '.join(conflicts)}; remove them from the "
+                          f"config and the command line")
+    for name in ARCHITECTURE_FIELDS:
+        setattr(model, name, fields[name])
+    for name in ROPE_FIELDS:
+        if name not in user:
+            setattr(model, name, fields[name])
+    scaling = model.rope_scaling
+    if "rope_scaling" in user and scaling and (scaling.get("rope_type") or scaling.get("type")) in ("llama3", "yarn"):
+        scaling.setdefault("original_max_position_embeddings", fields["max_position_embeddings"])
+
+
+def hf_init_message(config: Config) -> str:
+    """The log line of a run initialised from ``checkpoint.init_from_hf``, naming the RoPE fields set here."""
+    model, kept = config.model, sorted(user_model_keys(config) & set(ROPE_FIELDS))
+    text = f"initialised from the Hugging Face model {config.checkpoint.init_from_hf}"
+    if kept:
+        text += "; set here instead of its config.json: " + ", ".join(f"model.{k}={getattr(model, k)}" for k in kept)
+    return text

@@ -1,0 +1,274 @@
+"""The run configuration: dataclasses per concern, loaded from YAML and overridden by dotted keys
+(``config_sources.py``).
+
+Precedence (lowest first): dataclass defaults < the YAML file < command-line flags (``cli.py``)
+< ``--set section.key=value`` overrides. Unknown sections or keys are errors naming the key;
+values are coerced to the field's type (``"3e-4"`` -> float, ``"true"`` -> bool, ``"null"`` -> None
+where the field allows it). ``validate`` checks a config against a world size and raises
+``ConfigError`` naming the keys and the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import yaml
+
+from cp_train.errors import InputError
+from cp_train.model.config import ModelConfig
+
+
+class ConfigError(InputError):
+    """A config that cannot be loaded or cannot run; the message names the key or the numbers (exit code 2)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    cp: int = 1
+    dp: int | None = None  # None: world // (tp * cp)
+    backend: str | None = None  # None: nccl on CUDA, else gloo
+    timeout_minutes: float = 10.0  # bounds every collective; fractions work (0.05 = 3 s)
+    cp_layout: str = "zigzag"  # contiguous | zigzag | stripe | balanced (how the sequence is split over CP)
+    cp_algorithm: str = "ring"  # ring | allgather | ulysses | hybrid (Megatron's p2p, all_gather, a2a, a2a+p2p)
+    ulysses_size: int = 1  # hybrid: adjacent CP ranks per Ulysses group (cp = ulysses_size x ring size)
+    fsdp: bool = False  # shard parameters, gradients and optimizer state over DP x CP (FSDP2); false: DDP
+    fsdp_reshard_after_forward: bool = True  # free the gathered parameters after forward (ZeRO-3); false: ZeRO-2
+
+
+@dataclass
+class DataConfig:
+    prefix: str | None = None  # Megatron .bin/.idx prefix; None: the embedded default corpus
+    tokenizer: str | None = None  # SentencePiece .model, HF tokenizer.json or its directory; None: the default's
+    seq_len: int = 256
+    valid_fraction: float = 0.02  # last fraction of the documents, held out for evaluation
+    eod_id: int | None = None  # None: the tokenizer's
+    mask_eod_loss: bool = True
+    reset_position_ids: bool = False
+    document_mask: bool = True  # attention stays inside each packed document (the loader's document_ids)
+    cache_dir: str | None = None  # sample-index cache; None: next to the data
+    num_workers: int | None = None  # loader worker processes; None: 2 on CUDA (prefetching), 0 on CPU
+    seed: int = 1234  # document and sample shuffling
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1  # not applied to 1-D parameters (norms, biases)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # global gradient norm; 0 turns clipping off
+    implementation: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 0
+    decay: str = "cosine"  # cosine | linear | constant
+    decay_steps: int | None = None  # None: train.steps - warmup_steps
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    eval_interval: int = 0  # steps between evaluations; 0: off
+    eval_iters: int = 1  # global batches of the validation split per evaluation
+    seed: int = 1234  # runtime RNG (torch, numpy, random), offset per rank
+    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size (DDP, without parallel.fsdp)
+    deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)
+    cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (cpu_memory.py)
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None  # checkpoint directory (step_XXXXXXXX/ and a `latest` pointer)
+    load: str | None = None  # checkpoint directory (its `latest`) or one step_XXXXXXXX/ directory
+    interval: int = 0  # steps between saves; 0: off (a final save still happens when save is set)
+    auto_resume: bool = True  # with no load, resume from save's `latest` when there is one
+    init_from_hf: str | None = None  # HF Llama directory: model shape from its config.json, weights unless resuming
+    keep: int = 2  # complete checkpoints kept in `save` (older ones are deleted); 0: keep all
+    # keys whose change since the checkpoint a resume may accept (resume.py; e.g. [train.global_batch_size])
+    allow_changes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    dir: str | None = None  # the run directory; None: runs/<run name>
+    interval: int = 10  # steps between records
+    run_name: str | None = None  # prefix of the run name; tp/cp/dp and seq_len are appended
+    wandb: bool = True
+    wandb_project: str = "cp-train"
+    wandb_mode: str | None = None  # None: online if WANDB_API_KEY is set, else offline; or disabled
+    peak_tflops: float | None = None  # per device; None: the GPU table, or cpu_peak_tflops
+    cpu_peak_tflops: float = 0.2  # assumed per-rank peak on CPU (MFU on CPU is indicative only)
+    console: bool = True
+
+
+def _default_model() -> ModelConfig:
+    """ModelConfig defaults with vocab_size (the tokenizer's), num_kv_heads and ffn_hidden_size
+    (derived from the final num_heads / hidden_size in ``build_config``) left to resolve."""
+    model = ModelConfig()
+    model.vocab_size, model.num_kv_heads, model.ffn_hidden_size = None, None, None  # type: ignore[assignment]
+    return model
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=_default_model)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    explicit_keys: ClassVar[frozenset[str]] = frozenset()  # dotted keys a layer set (per instance, build_config)
+    deprecations: ClassVar[tuple[str, ...]] = ()  # notes on deprecated keys read (per instance, build_config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def run_name(self, dp: int) -> str:
+        """``<name>-tp{tp}-cp{cp}-dp{dp}-seq{seq_len}``: dashboards group runs by layout."""
+        prefix = self.logging.run_name or "gpt"
+        return f"{prefix}-tp{self.parallel.tp}-cp{self.parallel.cp}-dp{dp}-seq{self.data.seq_len}"
+
+
+NULLABLE = {"model.vocab_size"}  # fields typed int that also accept None (resolved at build time)
+
+
+def _sections() -> dict[str, type]:
+    """The config's sections (its dataclass fields; not the per-instance notes ``explicit_keys``/``deprecations``)."""
+    return {name: kind for name, kind in _hints(Config).items() if dataclasses.is_dataclass(kind)}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def field_type(key: str) -> Any:
+    """The type of dotted ``key`` (``section.name``); ConfigError for an unknown key."""
+    section, _, name = key.partition(".")
+    sections = _sections()
+    if section in sections and not name:
+        raise ConfigError(f"{section} is a config section, not a key: set one of its keys, {section}.KEY=VALUE "
+                          f"(keys of {section}: {', '.join(_hints(sections[section]))})")
+    if section not in sections:
+        raise ConfigError(f"unknown config key {key!r}: sections are {', '.join(sections)}"
+                          f"{_suggest(section, sections)}")
+    hints = _hints(sections[section])
+    if name not in hints:
+        raise ConfigError(f"unknown config key {key!r}{_suggest(name, hints, section + '.')}; "
+                          f"keys of {section}: {', '.join(hints)}")
+    kind = hints[name]
+    return kind | None if key in NULLABLE else kind
+
+
+def _suggest(name: str, choices: typing.Iterable[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
+
+
+_TRUE, _FALSE, _NULL = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}, {"null", "none", "~"}
+
+
+def coerce(key: str, value: Any, kind: Any) -> Any:
+    """``value`` as ``kind`` (int, float, bool, str, list[str] or an Optional of them); ConfigError naming
+    ``key``. Floats must be finite; a list may be given as a comma-separated string."""
+    args = typing.get_args(kind)
+    is_null = value is None or (isinstance(value, str) and value.strip().lower() in _NULL)
+    if typing.get_origin(kind) is list:
+        if is_null:
+            return []
+        items = value if isinstance(value, list | tuple) else str(value).split(",")
+        return [coerce(key, item, args[0]) for item in items if str(item).strip()]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if is_null:
+            return None
+        kind = next(a for a in args if a is not type(None))
+    if is_null:
+        raise ConfigError(f"{key} must not be null (expects {kind.__name__})")
+    if typing.get_origin(kind) is dict:
+        return _mapping(key, value)
+    text = str(value).strip()
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if text.lower() in _TRUE | _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value) if isinstance(value, int | float) else int(text)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value) if isinstance(value, int | float) else float(text)
+        elif kind is str:
+            return text
+        else:
+            raise ConfigError(f"{key} has an unsupported type {kind}")
+    except ConfigError:
+        raise
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{key} expects {kind.__name__}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    return number
+
+
+def _mapping(key: str, value: Any) -> dict[str, Any]:
+    """A mapping value: a dict (YAML) or its YAML/JSON text (flags, ``--set``)."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} expects a mapping such as {{rope_type: llama3, factor: 8.0}}, got {value!r}")
+    return dict(value)
+
+
+DEPRECATED_KEYS = {"model.attention_layout": "parallel.cp_layout"}  # old key -> new key (still read)
+
+
+def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
+    """Defaults updated by each ``(source, {dotted key: value})`` layer in order (later wins). Deprecated keys
+    set the new key and leave a one-line note in ``config.deprecations``."""
+    config = Config()
+    notes = []
+    for source, values in layers:
+        for key, value in values.items():
+            if key in DEPRECATED_KEYS:
+                notes.append(f"{source}: {key} is deprecated, use {DEPRECATED_KEYS[key]} (read as that)")
+                key = DEPRECATED_KEYS[key]
+            try:
+                kind = field_type(key)
+            except ConfigError as error:
+                raise ConfigError(f"{source}: {error}") from None
+            section, name = key.split(".", 1)
+            setattr(getattr(config, section), name, coerce(key, value, kind))
+    config.model.resolve()
+    config.explicit_keys = frozenset(DEPRECATED_KEYS.get(key, key) for _, values in layers for key in values)
+    config.deprecations = tuple(notes)
+    if config.checkpoint.init_from_hf:
+        from cp_train.config.hf_init import apply_hf_model  # the model's shape comes from the HF config.json
+        apply_hf_model(config)
+    return config
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,81 @@
+"""Where a config comes from: a YAML file, command-line flags and ``--set key=value`` overrides, layered
+onto the defaults by ``config.build_config`` (later wins)."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cp_train.config.schema import Config, ConfigError, build_config
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} appears twice in one mapping: "
+                                                        f"merge the two", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The mapping in YAML file ``path``; ConfigError naming the file (and the line of a syntax error)."""
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a directory: pass a YAML file (e.g. launch/configs/cpu-tiny.yaml)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path} does not exist: pass an existing YAML file "
+                          f"(e.g. launch/configs/cpu-tiny.yaml)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {path} cannot be read: {error}") from None
+    try:
+        tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(f"{where}: not valid YAML: {' '.join(str(problem).split())}; fix the file") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...)")
+    return tree
+
+
+def load_config(path: str | Path | None = None, flags: dict[str, Any] | None = None,
+                overrides: typing.Sequence[str] = ()) -> Config:
+    """The config of YAML ``path`` < ``flags`` (dotted key -> value) < ``overrides`` ("key=value")."""
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if path is not None:
+        tree = read_yaml(Path(path))
+        layers.append((str(path), flatten(tree, str(path))))
+    layers.append(("command-line flags", dict(flags or {})))
+    layers.append(("--set", dict(parse_override(o) for o in overrides)))
+    return build_config(layers)
+
+
+def flatten(tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """``{"model": {"hidden_size": 8}}`` -> ``{"model.hidden_size": 8}``; ConfigError on bad nesting."""
+    flat: dict[str, Any] = {}
+    for section, values in (tree or {}).items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: {section!r} must be a mapping of keys (e.g. {section}: "
+                              f"{{key: value}}), got {values!r}")
+        for name, value in values.items():
+            flat[f"{section}.{name}"] = value
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """``"model.hidden_size=512"`` -> ``("model.hidden_size", "512")``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. model.hidden_size=512)")
+    return key.strip(), value.strip()

@@ -1,0 +1,172 @@
+"""Checks that a ``Config`` can run on a world of a given size (and on a given parallel state); errors name
+the keys and the numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cp_train.config.schema import Config, ConfigError, field_type
+from cp_train.parallel.cp.layout import LAYOUTS, check_layout
+from cp_train.parallel.cp.spec import canonical_algorithm, check_algorithm, check_heads
+from cp_train.parallel.mesh.rank_groups import check_ulysses
+from cp_train.parallel.mesh.rank_groups import resolve_dp as resolve_layout_dp
+from cp_train.parallel.mesh.state import ParallelDims, ParallelState
+
+DTYPES = ("auto", "bf16", "fp32")
+DECAYS = ("cosine", "linear", "constant")
+OPTIMIZERS = ("auto", "fused", "foreach")
+WANDB_MODES = (None, "online", "offline", "disabled")
+CUDA_ATTENTION = ("fa3", "flash_attn", "torch_efficient")  # attention backends that run on CUDA only
+FP32_MAX = 3.4028234663852886e38
+
+
+def resolve_dp(config: Config, world_size: int) -> int:
+    """DP size: ``parallel.dp``, or ``world_size // (tp * cp)``; ConfigError when the layout cannot fill the world."""
+    tp, cp, dp = config.parallel.tp, config.parallel.cp, config.parallel.dp
+    for key, value in (("parallel.tp", tp), ("parallel.cp", cp), ("parallel.dp", dp)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    try:
+        return resolve_layout_dp(world_size, tp, cp, dp)
+    except ValueError as error:
+        raise ConfigError(f"{error} (parallel.tp/cp/dp)") from None
+
+
+def _positive(config: Config, keys: tuple[str, ...], minimum: float) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _check_optimizer_range(config: Config) -> None:
+    """The optimizer updates fp32 weights with these numbers: each (and lr * weight_decay) must fit fp32."""
+    optimizer = config.optimizer
+    values = {f"optimizer.{f.name}": getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)
+              if isinstance(getattr(optimizer, f.name), float)}
+    values["optimizer.lr * optimizer.weight_decay"] = optimizer.lr * optimizer.weight_decay
+    for key, value in values.items():
+        if abs(value) > FP32_MAX:
+            raise ConfigError(f"{key} = {value:g} overflows the fp32 optimizer (largest fp32 number "
+                              f"{FP32_MAX:.3g}); use a value like 3e-4")
+
+
+def _choice(key: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def _check_cp_algorithm(config: Config) -> None:
+    """parallel.cp_algorithm and parallel.ulysses_size against cp and the heads per TP rank."""
+    parallel, model = config.parallel, config.model
+    try:
+        algorithm = canonical_algorithm(parallel.cp_algorithm)
+        check_ulysses(parallel.cp, parallel.ulysses_size)
+        check_algorithm(algorithm, parallel.cp, parallel.ulysses_size)
+        if parallel.cp > 1 and model.num_heads % parallel.tp == 0 and model.num_kv_heads % parallel.tp == 0:
+            degree = parallel.ulysses_size if algorithm == "hybrid" else parallel.cp
+            check_heads(algorithm, model.num_heads // parallel.tp, model.num_kv_heads // parallel.tp, degree)
+    except ValueError as error:
+        raise ConfigError(f"parallel.cp_algorithm={parallel.cp_algorithm}: {error}") from None
+
+
+def _check_device_settings(config: Config) -> None:
+    """The backends that need CUDA, on a machine or a run without it (the run is on CUDA when the process
+    group is nccl: ``build.select_device``)."""
+    backend, attention = config.parallel.backend, config.model.attention_backend
+    cuda = torch.cuda.is_available()
+    if backend == "nccl" and not cuda:
+        raise ConfigError("parallel.backend nccl needs CUDA GPUs and this machine has none: use gloo, or leave it "
+                          "unset")
+    if attention in CUDA_ATTENTION and not (cuda and backend in (None, "nccl")):
+        raise ConfigError(f"model.attention_backend {attention} needs CUDA and this run is on the CPU "
+                          f"(parallel.backend {backend or 'gloo'}): use torch or math, or leave it unset")
+
+
+def validate(config: Config, world_size: int) -> int:
+    """Raise ConfigError unless ``config`` runs on ``world_size`` ranks; return the DP size."""
+    dp = resolve_dp(config, world_size)
+    tp, cp = config.parallel.tp, config.parallel.cp
+    train, data, model = config.train, config.data, config.model
+    _positive(config, ("train.steps", "train.micro_batch_size", "train.global_batch_size", "train.eval_iters",
+                       "logging.interval", "data.seq_len"), 1)
+    _positive(config, ("train.eval_interval", "checkpoint.interval", "checkpoint.keep", "schedule.warmup_steps",
+                       "data.num_workers", "optimizer.weight_decay", "optimizer.clip_grad",
+                       "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops"), 0)
+    if not config.parallel.timeout_minutes > 0:
+        raise ConfigError(f"parallel.timeout_minutes must be > 0 (fractions work: 0.5 = 30 s), got "
+                          f"{config.parallel.timeout_minutes}")
+    if not config.optimizer.lr > 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
+    _check_optimizer_range(config)
+    for key in config.checkpoint.allow_changes:
+        try:
+            field_type(key)
+        except ConfigError as error:
+            raise ConfigError(f"checkpoint.allow_changes: {error}") from None
+    if config.optimizer.min_lr > config.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr {config.optimizer.min_lr} is larger than optimizer.lr "
+                          f"{config.optimizer.lr}")
+    for key, beta in (("optimizer.beta1", config.optimizer.beta1), ("optimizer.beta2", config.optimizer.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {beta}")
+    _choice("train.dtype", train.dtype, DTYPES)
+    _check_device_settings(config)
+    _choice("schedule.decay", config.schedule.decay, DECAYS)
+    _choice("optimizer.implementation", config.optimizer.implementation, OPTIMIZERS)
+    _choice("logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
+    per_micro_step = train.micro_batch_size * dp
+    if train.global_batch_size % per_micro_step:
+        raise ConfigError(f"train.global_batch_size {train.global_batch_size} is not divisible by "
+                          f"micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_micro_step}; "
+                          f"the global batch is micro batch * dp * gradient-accumulation steps")
+    if config.parallel.fsdp and tp > 1 and model.hidden_size % (dp * cp):
+        raise ConfigError(f"parallel.fsdp at tp={tp} shards the column-parallel weights (and the embedding) along "
+                          f"model.hidden_size {model.hidden_size}, which must be divisible by dp*cp = {dp}*{cp} = "
+                          f"{dp * cp}; change the layout or set parallel.fsdp=false")
+    _choice("parallel.cp_layout", config.parallel.cp_layout, LAYOUTS)
+    _check_cp_algorithm(config)
+    if cp > 1:
+        try:
+            check_layout(data.seq_len, cp, config.parallel.cp_layout, what="data.seq_len")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if config.parallel.cp_layout == "balanced" and not data.document_mask:
+            raise ConfigError("the balanced CP layout balances the per-document mask: set data.document_mask=true "
+                              "or choose another layout (zigzag, stripe, contiguous)")
+    if data.seq_len > model.max_position_embeddings:
+        raise ConfigError(f"data.seq_len {data.seq_len} exceeds model.max_position_embeddings "
+                          f"{model.max_position_embeddings}")
+    if not 0 <= data.valid_fraction < 1:
+        raise ConfigError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
+    if train.eval_interval > 0 and data.valid_fraction == 0:
+        raise ConfigError(f"train.eval_interval {train.eval_interval} needs a validation split: set "
+                          f"data.valid_fraction > 0 or train.eval_interval=0")
+    if config.checkpoint.interval > 0 and not config.checkpoint.save:
+        raise ConfigError(f"checkpoint.interval {config.checkpoint.interval} needs checkpoint.save (a directory)")
+    if data.prefix is not None and data.tokenizer is None and data.eod_id is None:
+        raise ConfigError("data.prefix without data.tokenizer needs data.eod_id (the end-of-document id)")
+    if data.prefix is not None and data.tokenizer is None and model.vocab_size is None:
+        raise ConfigError("data.prefix without data.tokenizer needs model.vocab_size")
+    try:  # an unset vocab_size comes from the tokenizer and is checked again then
+        dataclasses.replace(model, vocab_size=model.vocab_size or tp).validate(tp, cp, data.seq_len,
+                                                                               config.parallel.cp_layout)
+    except ValueError as error:
+        raise ConfigError(f"model: {error}") from None
+    return dp
+
+
+def check_parallel_state(config: Config, state: ParallelState, dp: int) -> None:
+    """ValueError unless ``state`` (already initialised) has ``config``'s layout and Ulysses groups."""
+    dims = ParallelDims(tp=config.parallel.tp, cp=config.parallel.cp, dp=dp)
+    if dims != state.dims:
+        raise ValueError(f"config layout {dims} differs from the parallel state's {state.dims}")
+    ulysses = state.cp_ulysses.size if state.cp_ulysses else 1
+    if config.parallel.cp > 1 and canonical_algorithm(config.parallel.cp_algorithm) == "hybrid" \
+            and ulysses != config.parallel.ulysses_size:
+        raise ValueError(f"parallel.ulysses_size {config.parallel.ulysses_size} differs from the parallel state's "
+                         f"Ulysses groups of {ulysses}: initialise it with ulysses_size="
+                         f"{config.parallel.ulysses_size}")

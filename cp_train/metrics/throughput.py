@@ -1,0 +1,160 @@
+"""Throughput, FLOP/s, MFU and memory per logging interval (computed on every rank, emitted by one).
+
+- tokens/s: tokens of the global batches (``global_batch_size * seq_len`` per step, masked ones
+  included) over the interval's wall time; per device: divided by the world size.
+- TFLOP/s per device: ``model_flops_per_token(model, seq_len)`` (model FLOPs, no recomputation; with
+  per-document masks the attention counts the pairs the mask leaves, ``model.flops.attention_flops``) times
+  the global tokens/s, divided by the world size.
+- MFU: TFLOP/s per device over the device's peak: ``logging.peak_tflops`` if set, else the dense
+  bf16 tensor-core peak of the GPU found in ``PEAK_TFLOPS`` by name, else ``logging.cpu_peak_tflops`` on CPU.
+  A GPU missing from the table has no known peak: MFU is NaN (one warning names ``logging.peak_tflops``).
+- attention imbalance: the busiest CP rank's attention work (query-key pairs under the mask) over the
+  mean, per global batch, averaged over the interval (1.0: balanced; see the ``balanced`` CP layout).
+- peak memory: CUDA's max allocated bytes (and max reserved, the allocator's cache included), or on
+  CPU the process's peak RSS (``VmHWM``; it counts the freed memory glibc keeps for the next step,
+  ``cpu_memory.py``, like CUDA's reserved bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cp_train.model.config import ModelConfig
+from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
+
+# Dense bf16 tensor-core peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
+PEAK_TFLOPS: dict[str, float] = {
+    "H200": 989.0,
+    "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
+    "GH200": 989.0, "B200": 2250.0, "B100": 1750.0,
+    "A100": 312.0, "A800": 312.0, "A30": 165.0, "A10G": 70.0, "A10": 125.0,
+    "L40S": 362.0, "L40": 181.0, "L4": 121.0,
+    "RTX 4090": 165.2, "RTX A6000": 154.8, "RTX 3090": 71.0,
+    "V100": 125.0,  # fp16
+    "MI300X": 1307.0, "MI250X": 383.0,
+}
+
+
+def gpu_peak_tflops(device_name: str) -> float | None:
+    """The table's entry whose name occurs in ``device_name`` (longest match first), or None."""
+    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if name.lower() in device_name.lower():
+            return PEAK_TFLOPS[name]
+    return None
+
+
+def peak_tflops(device: torch.device, override: float | None, cpu_peak: float) -> tuple[float, str]:
+    """Per-device peak TFLOP/s and where it came from; NaN (with a warning) for a GPU not in the table."""
+    if override:
+        return override, "logging.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        found = gpu_peak_tflops(name)
+        if found is not None:
+            return found, f"table ({name})"
+        source = f"unknown GPU {name!r}: MFU is not reported; set logging.peak_tflops to its dense bf16 TFLOP/s"
+        warnings.warn(source, RuntimeWarning, stacklevel=2)
+        return math.nan, source
+    return cpu_peak, "logging.cpu_peak_tflops"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a fresh peak: CUDA's counters, or the kernel's RSS high-water mark of this process."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux, or not allowed: the peak then counts from the process start
+
+
+def peak_memory_reserved_gib(device: torch.device) -> float | None:
+    """Peak since ``reset_peak_memory`` of the CUDA caching allocator's reserved bytes; None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak since ``reset_peak_memory``: CUDA max allocated, or ``VmHWM`` (peak RSS) on CPU; 0 if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 2**30
+    except OSError:
+        pass
+    return 0.0
+
+
+@dataclass
+class IntervalMeter:
+    """Accumulates the steps of one logging interval; ``record()`` turns them into a metrics dict."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    world_size: int
+    peak_tflops: float
+    started: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    loss_sum: float = 0.0
+    step_time: float = 0.0
+    data_time: float = 0.0
+    imbalance_sum: float = 0.0
+    dense_flops_per_token: float = 0.0  # the matmuls' share of ``flops_per_token``
+    flops_per_pair: float = 0.0  # attention FLOPs per visible query-key pair
+    flops_sum: float = 0.0  # model FLOPs of the steps that counted their attention pairs
+    flops_steps: int = 0
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, seq_len: int, global_batch: int, world_size: int,
+                  peak: float) -> IntervalMeter:
+        return cls(global_batch * seq_len, model_flops_per_token(model, seq_len), world_size, peak,
+                   dense_flops_per_token=6.0 * matmul_params(model), flops_per_pair=attention_flops(model, 1))
+
+    def add(self, loss: float, step_time: float, data_time: float, imbalance: float = 1.0,
+            attention_pairs: float | None = None) -> None:
+        """One step; ``attention_pairs``: the visible query-key pairs of its global batch under per-document
+        masks (None: causal over each whole sample, as ``flops_per_token`` counts)."""
+        self.steps += 1
+        self.loss_sum += loss
+        self.step_time += step_time
+        self.data_time += data_time
+        self.imbalance_sum += imbalance
+        if attention_pairs is not None:
+            self.flops_sum += self.dense_flops_per_token * self.tokens_per_step + self.flops_per_pair * attention_pairs
+            self.flops_steps += 1
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (evaluation, checkpointing) out of the interval's wall time."""
+        self.started += seconds
+
+    def record(self, step: int, lr: float, grad_norm: float, consumed_samples: int, seq_len: int,
+               memory_gib: float, memory_reserved_gib: float | None = None) -> dict[str, Any]:
+        """Metrics of the interval ending at ``step``; restarts the interval."""
+        now = time.perf_counter()
+        elapsed = max(now - self.started, 1e-9)
+        steps = max(self.steps, 1)
+        tokens_per_s = self.tokens_per_step * self.steps / elapsed
+        flops = self.flops_sum + (self.steps - self.flops_steps) * self.tokens_per_step * self.flops_per_token
+        tflops = flops / elapsed / self.world_size / 1e12
+        record = {
+            "kind": "train", "step": step, "loss": self.loss_sum / steps, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "tflops_per_device": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else 0.0,
+            "step_time_s": self.step_time / steps, "data_time_s": self.data_time / steps,
+            "peak_memory_gib": memory_gib, "consumed_samples": consumed_samples,
+            "consumed_tokens": consumed_samples * seq_len, "attention_imbalance": self.imbalance_sum / steps,
+        }
+        if memory_reserved_gib is not None:
+            record["peak_memory_reserved_gib"] = memory_reserved_gib
+        self.started, self.steps, self.loss_sum, self.step_time, self.data_time = now, 0, 0.0, 0.0, 0.0
+        self.imbalance_sum, self.flops_sum, self.flops_steps = 0.0, 0.0, 0
+        return record

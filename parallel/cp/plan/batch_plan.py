@@ -1,0 +1,195 @@
+"""Per-batch plans of every CP algorithm: the mask as kernel segments and the token orders they need.
+
+``build_cp_plan`` gathers every CP rank's documents and positions once per batch (nothing for one
+document per sample in a static layout: that plan is cached) and returns a ``CPPlan``:
+
+- ``ring``: the ring plan over the CP group (``attention_plan.py``).
+- ``allgather``: this rank's queries attend every rank's gathered K/V block where it lands, one step
+  per block in ring order (``gathered_plan``; no ``order``).
+- ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; for one
+  document ``order`` puts the tokens in sequence order for one plain causal call. With documents,
+  ``documents`` says which stay home (attended locally with all heads) and plans the cross rows that
+  travel, block by block where they land (``ulysses_plan.py``).
+- ``hybrid``: the same inside each Ulysses group, and ``ring`` is the ring plan across the groups.
+
+``order`` indexes rows gathered rank after rank, per sample ``[1 or B, rows]``, or the folded
+``[1, B*rows]`` when the plan is packed (samples differ). ``areas`` are every CP rank's query-key pairs
+(per head: Ulysses ranks count their share of the heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
+from cp_train.parallel.cp.plan.documents import gather_mask_inputs
+from cp_train.parallel.cp.plan.rank_plan import RankPlan, build_plan, gathered_plan
+from cp_train.parallel.cp.plan.segments import pack_keys, runs, visible_intervals
+from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
+from cp_train.parallel.cp.spec import CPGroups
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """One batch's plan for ``algorithm`` (see the module docstring)."""
+
+    algorithm: str
+    ring: RankPlan | None
+    order: torch.Tensor | None
+    packed: bool
+    areas: tuple[int, ...]
+    max_calls: int = 1  # the most dense kernel calls any rank makes in one step (the same on every rank)
+    documents: UlyssesDocuments | None = None  # ulysses with documents: home rows and the cross blocks
+    pairs: int = 0  # visible query-key pairs (per head) of the whole micro-batch, every sample and CP rank
+    cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # device copies of ``order``
+
+    @property
+    def imbalance(self) -> float:
+        mean = sum(self.areas) / len(self.areas)
+        return max(self.areas) / mean if mean else 1.0
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """Every rank's tokens ``[world, rows]`` as sortable keys (folded over the batch when ``packed``)."""
+
+    keys: torch.Tensor
+    docs: torch.Tensor
+    span: int
+    packed: bool
+    batch: int
+
+
+def _tokens(docs: torch.Tensor, positions: torch.Tensor) -> _Tokens:
+    """Keys of ``docs``/``positions`` ``[world, B, n]``: documents numbered densely per sample; the batch kept
+    as one sample when every sample has the same documents and positions, else folded into one row."""
+    world, batch, n = docs.shape
+    ranked = torch.empty_like(docs)
+    for b in range(batch):
+        ranked[:, b] = torch.unique(docs[:, b], return_inverse=True)[1]
+    uniform = all(torch.equal(ranked[:, b], ranked[:, 0]) and torch.equal(positions[:, b], positions[:, 0])
+                  for b in range(1, batch))
+    if uniform:
+        ranked, positions = ranked[:, 0], positions[:, 0]
+    else:
+        offsets = (torch.arange(batch) * (int(ranked.max()) + 1)).view(1, batch, 1)
+        ranked, positions = (ranked + offsets).reshape(world, -1), positions.reshape(world, -1)
+    keys, span = pack_keys(ranked, positions)
+    return _Tokens(keys, ranked, span, not uniform, batch)
+
+
+def _check_sorted(keys: torch.Tensor) -> None:
+    if (keys[:, 1:] <= keys[:, :-1]).any():
+        raise ValueError("document_ids must be non-decreasing along each sample, and positions increasing within a "
+                         "document, in every CP rank's token order; check the document ids and the CP layout")
+
+
+def _gathered(x: torch.Tensor, tokens: _Tokens, ranks: range) -> torch.Tensor:
+    """``x`` ``[world, rows]`` of ``ranks`` in the order an all-gather / all-to-all delivers them: per sample,
+    rank after rank (``[1, len(ranks) * rows]``, sample-major when packed)."""
+    part = x[ranks.start:ranks.stop]
+    if not tokens.packed:
+        return part.reshape(1, -1)
+    return part.view(len(ranks), tokens.batch, -1).transpose(0, 1).reshape(1, -1)
+
+
+def _work(tokens: _Tokens, everyone: torch.Tensor, causal: bool) -> tuple[tuple[int, ...], int]:
+    """Each rank's query-key pairs against the sorted keys of ``everyone``, and the most dense kernel calls
+    any rank makes for them."""
+    areas, calls = [], 0
+    for rank in range(tokens.keys.shape[0]):
+        start, stop = visible_intervals(tokens.keys[rank], tokens.docs[rank], everyone, tokens.span, causal)
+        areas.append(int((stop - start).clamp_min(0).sum()))
+        calls = max(calls, sum(len(segment.dense_calls()) for segment in runs(start, stop)))
+    return tuple(areas), calls
+
+
+def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool) -> CPPlan:
+    world = tokens.keys.shape[0]
+    every = range(world)
+    if algorithm == "ring":
+        _check_sorted(tokens.keys)
+        ring = build_plan(tokens.keys, tokens.docs, tokens.span, rank, causal, tokens.packed)
+        return CPPlan(algorithm, ring, None, tokens.packed, ring.areas, ring.max_calls)
+    if algorithm == "allgather":  # every rank's block as it arrives, in rank order: nothing to reorder
+        _check_sorted(tokens.keys)
+        areas, max_calls = _work(tokens, torch.sort(tokens.keys.flatten()).values, causal)
+        ring = gathered_plan(tokens.keys, tokens.docs, tokens.span, rank, causal, tokens.packed, areas, max_calls)
+        return CPPlan(algorithm, ring, None, tokens.packed, areas, max_calls)
+    group = range(rank - rank % ulysses, rank - rank % ulysses + ulysses) if algorithm == "hybrid" else every
+    order = torch.argsort(_gathered(tokens.keys, tokens, group), dim=1)
+    identity = torch.equal(order, torch.arange(order.shape[1]).expand_as(order))
+    if algorithm == "ulysses":  # home documents stay; the cross rows: 1/world of the heads, block by block
+        _check_sorted(tokens.keys)
+        documents, areas, calls = ulysses_documents_plan(tokens.keys, tokens.docs, tokens.span, rank, causal,
+                                                         tokens.packed)
+        return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, documents)
+    else:  # hybrid: the ring across the Ulysses groups on their tokens in sequence order
+        groups = [range(g * ulysses, (g + 1) * ulysses) for g in range(world // ulysses)]
+        keys = torch.stack([torch.sort(_gathered(tokens.keys, tokens, g).flatten()).values for g in groups])
+        ring = build_plan(keys, keys // tokens.span, tokens.span, rank // ulysses, causal, tokens.packed)
+        areas = tuple(area // ulysses for area in ring.areas for _ in range(ulysses))  # 1/ulysses of the heads
+    return CPPlan(algorithm, ring, None if identity else order, tokens.packed, areas, ring.max_calls)
+
+
+@functools.cache
+def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses: int, rank: int, n: int) -> CPPlan:
+    positions = torch.stack([sequence_positions(n * world, r, world, layout) for r in range(world)])[:, None]
+    plan = _plan(algorithm, _tokens(torch.zeros_like(positions), positions), rank, ulysses, causal)
+    if algorithm == "ulysses":  # one document: the plain causal kernel on the sequence in order
+        plan = CPPlan(algorithm, None, plan.order, plan.packed, plan.areas, 1)
+    return plan
+
+
+def build_cp_plan(algorithm: str, groups: CPGroups, layout: str, causal: bool, local_len: int,
+                  document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+                  ) -> CPPlan | None:
+    """This rank's plan for ``algorithm`` (None: cp = 1 and one document, the plain local kernel).
+
+    ``document_ids`` [B, n] restrict attention to each token's document (``position_ids`` [B, n] or [n]
+    order tokens within one; default: the layout's); they are gathered over ``groups.cp`` once.
+    """
+    world, rank = groups.size, groups.rank
+    if document_ids is None and layout not in STATIC_LAYOUTS and world > 1:
+        raise ValueError(f"the {layout!r} layout places tokens by their documents: pass document_ids and "
+                         f"position_ids")
+    if document_ids is None:
+        if world == 1:
+            return None
+        return _static_plan(algorithm, layout, causal, world, groups.ulysses_size, rank, local_len)
+    docs, positions = gather_mask_inputs(document_ids, position_ids, groups.cp, layout)
+    return plan_from_gathered(algorithm, world, rank, groups.ulysses_size, causal, docs, positions)
+
+
+def plan_from_gathered(algorithm: str, world: int, rank: int, ulysses: int, causal: bool, docs: torch.Tensor,
+                       positions: torch.Tensor) -> CPPlan:
+    """``build_cp_plan`` from every CP rank's ``docs`` and ``positions`` ``[world, B, n]`` (int64, CPU, rank
+    order): what the all-gather would return. No communication."""
+    tokens = _tokens(docs, positions)
+    plan = _plan(algorithm if world > 1 else "ring", tokens, rank, ulysses, causal)
+    return dataclasses.replace(plan, pairs=_pairs(tokens, causal))
+
+
+def _pairs(tokens: _Tokens, causal: bool) -> int:
+    """Visible query-key pairs of every sample: per document of ``c`` tokens ``c (c + 1) / 2``, or ``c * c``."""
+    counts = torch.bincount(tokens.docs.flatten())
+    pairs = int((counts * (counts + 1) // 2 if causal else counts * counts).sum())
+    return pairs if tokens.packed else pairs * tokens.batch
+
+
+@dataclass(frozen=True)
+class SamplePlanner:
+    """Builds CP rank ``rank``'s plan where the whole sample is at hand (the data loader's collate, in a worker
+    process ahead of the step): no all-gather, no device-to-host copy, no planning inside the step."""
+
+    algorithm: str
+    world: int
+    rank: int
+    ulysses: int = 1
+    causal: bool = True
+
+    def __call__(self, docs: torch.Tensor, positions: torch.Tensor) -> CPPlan:
+        return plan_from_gathered(self.algorithm, self.world, self.rank, self.ulysses, self.causal, docs, positions)

@@ -1,0 +1,53 @@
+"""Ring attention with autograd: this rank's queries against every K/V block of the ring.
+
+``ring_attention(q, k, v, group, spec, plan)`` runs ``ring_core``'s forward and ``ring_grads``' backward over
+``group`` with ``plan`` (a ``RankPlan``; None: no ring and one document, a single kernel call each
+way). The public entry point is ``parallel.cp_attention.context_parallel_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from cp_train.parallel.cp.plan.rank_plan import RankPlan
+from cp_train.parallel.cp.ring.backward import ring_backward
+from cp_train.parallel.cp.ring.comm import RingComm
+from cp_train.parallel.cp.ring.forward import ring_forward
+from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.select import KERNEL_CALLS
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: RankPlan | None):
+        comm = RingComm(group) if group is not None and dist.get_world_size(group) > 1 else None
+        if plan is None:
+            KERNEL_CALLS["forward"] += 1
+            out, lse = spec.kernel.forward(q, k, v, spec.causal, spec.scale)  # lse [B, H, n]
+        else:
+            out, lse = ring_forward(q, k, v, comm, spec, plan)
+            lse = lse.transpose(1, 2)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.spec, ctx.plan = comm, spec, plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec = ctx.spec
+        if ctx.plan is None:
+            KERNEL_CALLS["backward"] += 1
+            dq, dk, dv = spec.kernel.backward(dout, q, k, v, out, lse, spec.causal, spec.scale)
+        else:
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse.transpose(1, 2), ctx.comm, spec, ctx.plan)
+        if dq.dtype != q.dtype:
+            dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+                   spec: AttentionSpec, plan: RankPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, n, H, D] (q's dtype) and lse [B, H, n] (not differentiable) over the ring of ``group``."""
+    return _RingAttention.apply(q, k, v, group, spec, plan)

@@ -1,0 +1,149 @@
+"""The ring attention forward pipeline and the pieces both directions share (no autograd; see
+ring_attention.py; the backward is ring_grads.py).
+
+Shapes: q, dout, out ``[B, n, H, D]``; k, v ``[B, n, Hk, D]``; lse ``[B, n, H]`` (float32 accumulator
+layout); ``n`` is the local sequence length of one CP rank. What each step computes and sends comes
+from the rank's ``RankPlan`` (``attention_plan.py``); a packed plan views every tensor ``[1, B*n, ...]``.
+
+The forward runs over *head chunks* (``spec.forward_head_chunks``, by default one: all heads) and, inside
+each, over the ring steps. Exactly one K/V transfer is in flight at any time, always for the next step
+that needs remote data, so the transfer overlaps the current kernel calls. Every hop carries only the
+rows later ranks still use, and empty hops are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+from cp_train.parallel.cp.plan.rank_plan import RankPlan, Selector, StepPlan
+from cp_train.parallel.cp.plan.segments import Segment
+from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
+from cp_train.parallel.cp.ring.comm import RingComm, Transfer
+from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
+from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.select import KERNEL_CALLS
+from cp_train.parallel.kernels.varlen import merge_block
+
+KV_TAG, GRAD_TAG = 0, 1
+
+
+def head_chunk_bounds(kv_heads: int, chunks: int) -> list[tuple[int, int]]:
+    """Split ``range(kv_heads)`` into ``chunks`` contiguous, near-equal ranges."""
+    chunks = max(1, min(chunks, kv_heads))
+    edges = [round(i * kv_heads / chunks) for i in range(chunks + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(chunks)]
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pick(x: torch.Tensor, rows: Selector) -> torch.Tensor:
+    """Rows ``rows`` (dim 1) of a compacted store: a view for a slice, a gathered copy for an index (on
+    ``x``'s device: ``RankPlan.on_device``; the ``to`` is then free)."""
+    if isinstance(rows, slice):
+        return x[:, rows]
+    return x.index_select(1, rows.to(x.device))
+
+
+def add_rows(total: torch.Tensor, rows: Selector, part: torch.Tensor) -> None:
+    """``total[:, rows] += part`` for a slice or an index tensor."""
+    if isinstance(rows, slice):
+        total[:, rows] += part
+    else:
+        total.index_add_(1, rows.to(total.device), part)
+
+
+def pass_kv(comm: RingComm, held: list[torch.Tensor], step: StepPlan, like: torch.Tensor) -> Transfer:
+    """Send the held [k, v] rows later ranks use; receive the next block's (``like``: [B, n, hk, D])."""
+    send_rows, recv_rows = step.kv_rows
+    send = [pick(x, step.kv_send).contiguous() for x in held] if send_rows else []
+    shapes = [(like.shape[0], recv_rows, *like.shape[2:])] * 2 if recv_rows else []
+    return comm.exchange(send, shapes, tag=KV_TAG, like=like)
+
+
+def plan_rows(x: torch.Tensor, plan: RankPlan) -> torch.Tensor:
+    """``x`` [B, n, ...] as the plan's rows: itself, or ``[1, B*n, ...]`` when the plan is packed."""
+    return x.reshape(1, -1, *x.shape[2:]) if plan.packed else x
+
+
+def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.Tensor], out: torch.Tensor,
+                 lse: torch.Tensor, spec: AttentionSpec) -> None:
+    """Step ``index`` of ``plan`` forward: q, out ``[B, n, h, D]`` and lse ``[B, n, h]`` (views of one head
+    chunk, in the plan's rows), ``held`` the step's [k, v] store. Step 0 (the local block, which every query
+    row sees) writes every row once; later steps merge into it."""
+    step = plan.steps[index]
+    if uses_varlen(spec, step):
+        calls = varlen_calls(plan, index, q.shape[0], q.shape[1], q.device)
+        ring_varlen.forward_step(spec.kernel, calls, q, held, out, lse, spec.scale, index == 0)
+        return
+    written = 0  # rows [0, written) of the local step hold a first value
+    for call, _ in step.calls:
+        rows = slice(*call.q)
+        block_out, block_lse = call_forward(spec, call, q, held)
+        if index == 0 and call.q[0] >= written:  # the local step covers every row: first write copies
+            out[:, rows].copy_(block_out)
+            lse[:, rows].copy_(block_lse)
+            written = call.q[1]
+        else:
+            merge_block(out[:, rows], lse[:, rows], block_out, block_lse)
+        del block_out, block_lse
+
+
+def call_forward(spec: AttentionSpec, call: Segment, q: torch.Tensor, held: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One dense kernel call of a step: out ``[B, m, h, D]`` and lse ``[B, m, h]`` of its ``m`` query rows."""
+    KERNEL_CALLS["forward"] += 1
+    keys = slice(*call.kv)
+    out, lse = spec.kernel.forward(q[:, slice(*call.q)], held[0][:, keys], held[1][:, keys], call.causal,
+                                   spec.scale)
+    return out, lse.transpose(1, 2)
+
+
+def one_call(spec: AttentionSpec, step: StepPlan, rows: int) -> bool:
+    """Whether ``step`` is one dense kernel call over all ``rows`` query rows."""
+    return not uses_varlen(spec, step) and len(step.calls) == 1 and step.calls[0][0].q == (0, rows)
+
+
+def _local_forward(plan: RankPlan, q: torch.Tensor, held: list[torch.Tensor], spec: AttentionSpec
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local step as one call over every row and head: its outputs become the running out [B, n, H, D]
+    and lse [B, n, H] (the accumulator dtype; no copy when the inputs are in it)."""
+    out, lse = call_forward(spec, plan.steps[0].calls[0][0], q, held)
+    acc = accumulator_dtype(q.dtype)
+    return out.to(acc), lse.to(acc)
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: AttentionSpec,
+                 plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward over the ring: returns out [B, n, H, D] (accumulator dtype) and lse [B, n, H]."""
+    shape = q.shape
+    plan = plan.on_device(q.device)
+    q, k, v = plan_rows(q, plan), plan_rows(k, plan), plan_rows(v, plan)
+    batch, n, heads, dim = q.shape
+    group_size = heads // k.shape[2]
+    acc = accumulator_dtype(q.dtype)
+    chunks = head_chunk_bounds(k.shape[2], spec.forward_head_chunks)
+    whole = len(chunks) == 1 and one_call(spec, plan.steps[0], n)  # the local step's outputs start out, lse
+    out = None if whole else torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
+    lse = None if whole else torch.empty(batch, n, heads, dtype=acc, device=q.device)
+    for k0, k1 in chunks:
+        qs = slice(k0 * group_size, k1 * group_size)
+        q_c = q[:, :, qs]
+        k_chunk = k[:, :, k0:k1]
+        held = [k_chunk, v[:, :, k0:k1]]
+        for index, step in enumerate(plan.steps):
+            # the next block travels while this one computes
+            transfer = pass_kv(comm, held, step, k_chunk) if index + 1 < plan.world else None
+            if index == 0 and whole:
+                out, lse = _local_forward(plan, q_c, held, spec)
+            else:
+                forward_step(plan, index, q_c, held, out[:, :, qs], lse[:, :, qs], spec)
+            held = transfer.wait() if transfer is not None else []
+    return out.reshape(*shape[:3], dim), lse.reshape(*shape[:3])
+
+
+def uses_varlen(spec: AttentionSpec, step: StepPlan) -> bool:
+    """Varlen calls for steps of many segments (packed documents); dense views where a step is one or two
+    calls (the one-document layouts), which gathers nothing."""
+    return spec.varlen and len(step.calls) > 2

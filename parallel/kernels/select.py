@@ -1,0 +1,247 @@
+"""Attention kernels that return the log-sum-exp, chosen once per (device, dtype, head_dim, backend).
+
+Contract (every kernel object ``select_kernel`` returns):
+
+- ``kernel.forward(q, k, v, causal, scale) -> (out, lse)``
+- ``kernel.backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``
+
+Layout ``[batch, seqlen, heads, head_dim]`` (flash-attn's; row-sliced views are fine). k and v may
+have fewer heads than q (GQA: ``heads % kv_heads == 0``). ``lse`` is ``[batch, heads, seqlen_q]``
+float32 (float64 for float64 inputs), natural log, scale included. ``causal`` is only used on square
+blocks, where every backend agrees. The backward, given the *final* merged ``out``/``lse`` of the
+query rows, returns this K/V block's exact share of dq and its exact dk/dv.
+
+Backends (``backend=None`` picks the first that fits, in this order):
+
+============== ======================================================= ===================
+name           kernel                                                  device / dtypes
+============== ======================================================= ===================
+fa3            FA3 (``flash_attn_interface``, Hopper build)            sm90, fp16/bf16
+flash_attn     flash-attn 2.5-2.8 (``parallel/flash_attn_api.py``)      CUDA, fp16/bf16
+torch          PyTorch's flash kernels (CPU: any float; CUDA: fp16/bf16) CPU, CUDA
+torch_efficient PyTorch's memory-efficient kernels (the CUDA fp32 path)  CUDA, fp16/bf16/fp32
+math           float64 reference, materialises the scores (tests)       any
+============== ======================================================= ===================
+
+CUDA float64 has no fused kernel: it runs on ``math``. The flash-attn packages are imported when a
+backend is first chosen; an install that fails to import (a wheel built against another torch
+raises "undefined symbol") is skipped with one warning naming the error. ``deterministic=True``
+reaches flash-attn's and FA3's backward, turns the efficient kernel's key splitting off, and runs
+PyTorch's CUDA flash backward under ``torch.use_deterministic_algorithms``; the CPU and math
+kernels are deterministic anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import warnings
+from collections import Counter
+from typing import Protocol
+
+import torch
+from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
+from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv
+from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments
+
+BACKENDS: tuple[str, ...] = ("fa3", "flash_attn", "torch", "torch_efficient", "math")
+HALF = (torch.float16, torch.bfloat16)
+KERNEL_CALLS: Counter[str] = Counter()  # "forward"/"backward" block calls of the ring in this process (tests)
+
+
+class AttentionKernel(Protocol):
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                       cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...  # see parallel/varlen.py
+
+    def varlen_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+                        max_k: int, causal: bool, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class MathKernel:
+    """float64 attention that materialises the scores (the tests' reference; any device)."""
+
+    name = "math"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = _math_scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, expand_kv(v, q.shape[2]).double())
+        return out, lse.masked_fill(torch.isinf(lse), 0.0)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            out64, _ = self.forward(q64, k64, v64, causal, scale)
+            return torch.autograd.grad(out64, (q64, k64, v64), dout.double())
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+        return forward_by_segments(self, q, k, v, cu_q, cu_k, causal, scale)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+        return backward_by_segments(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+
+
+def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """float64 scores [B, H, Sq, Sk] with the causal mask aligned top-left (query i sees keys j <= i)."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), expand_kv(k, q.shape[2]).double()) * scale
+    if causal:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
+class KernelUnavailable(ValueError):
+    """A backend cannot run this (device, dtype, head_dim); the message says what to change."""
+
+
+def _import(module: str) -> object | str:
+    """The imported ``module``, or why it cannot be used ("not installed" / "failed to import: ...")."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return f"{module} is not installed"
+    try:
+        return importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - a broken build fails in many ways (ImportError, OSError, ...)
+        return f"{module} failed to import ({type(error).__name__}: {error})"
+
+
+@functools.cache
+def _import_flash_attn() -> tuple[object, str] | str:
+    """(``flash_attn.flash_attn_interface``, ``flash_attn.__version__``), or why it cannot be used."""
+    interface = _import("flash_attn.flash_attn_interface")
+    if isinstance(interface, str):
+        return interface
+    return interface, str(importlib.import_module("flash_attn").__version__)
+
+
+@functools.cache
+def _import_fa3() -> object | str:
+    """FA3's ``flash_attn_interface`` module, or why it cannot be used."""
+    return _import("flash_attn_interface")
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _check_flash_head_dim(name: str, head_dim: int) -> None:
+    if head_dim % 8 or head_dim > 256:
+        raise KernelUnavailable(f"{name} needs head_dim a multiple of 8 and at most 256, got {head_dim}: "
+                                f"change hidden_size / num_heads, or use backend 'torch_efficient' or 'math'")
+
+
+def _build(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+           deterministic: bool) -> AttentionKernel:
+    """The kernel ``backend`` gives for (device, dtype, head_dim); KernelUnavailable saying why not."""
+    cuda = device.type == "cuda"
+    if backend == "math":
+        return MathKernel()
+    if backend in ("fa3", "flash_attn", "torch_efficient") and not cuda:
+        raise KernelUnavailable(f"backend {backend!r} needs CUDA tensors, got {device.type}; use backend 'torch'")
+    if backend in ("fa3", "flash_attn") or (backend == "torch" and cuda):
+        if dtype not in HALF:
+            raise KernelUnavailable(f"backend {backend!r} takes float16/bfloat16 on CUDA, got {dtype}: use "
+                                    f"backend 'torch_efficient' (float32) or 'math' (float64), or bf16 autocast")
+        _check_flash_head_dim(f"backend {backend!r}", head_dim)
+    if backend == "torch":
+        return TorchCudaFlash(deterministic) if cuda else TorchCpuFlash()
+    if backend == "torch_efficient":
+        if dtype not in (*HALF, torch.float32):
+            raise KernelUnavailable(f"backend 'torch_efficient' takes float16/bfloat16/float32, got {dtype}; "
+                                    f"use backend 'math' for float64")
+        if head_dim % 4:
+            raise KernelUnavailable(f"backend 'torch_efficient' needs head_dim a multiple of 4, got {head_dim}")
+        return TorchEfficient(deterministic)
+    if backend == "flash_attn":
+        found = _import_flash_attn()
+        if isinstance(found, str):
+            raise KernelUnavailable(f"backend 'flash_attn': {found}; install cp-train[gpu] or use backend 'torch'")
+        interface, version = found
+        try:
+            return FlashAttn2.load(interface, version, deterministic)
+        except ValueError as error:
+            raise KernelUnavailable(str(error)) from None
+    if backend == "fa3":
+        found = _import_fa3()
+        if isinstance(found, str):
+            raise KernelUnavailable(f"backend 'fa3': {found}")
+        major, minor = cuda_capability(device)
+        if major != 9:
+            raise KernelUnavailable(f"backend 'fa3' runs on Hopper (sm90) GPUs only, this one is sm{major}{minor}; "
+                                    f"use backend 'flash_attn'")
+        try:
+            return FlashAttn3.load(found, deterministic)
+        except ValueError as error:
+            raise KernelUnavailable(str(error)) from None
+    raise KernelUnavailable(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _automatic_order(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    if device.type != "cuda":
+        return ("torch",)
+    if dtype in HALF:
+        return ("fa3", "flash_attn", "torch", "torch_efficient")
+    return ("torch_efficient",) if dtype == torch.float32 else ("math",)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@functools.cache
+def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None,
+                  deterministic: bool = False) -> AttentionKernel:
+    """The kernel for q/k/v of ``dtype`` on ``device`` with ``head_dim`` (cached: decided once).
+
+    ``backend`` None picks the first backend of the table above that can run it; a package that is
+    installed but cannot be used is skipped with one warning. A named ``backend`` that cannot run
+    raises ``KernelUnavailable`` saying what to change.
+    """
+    device = torch.device(device)
+    if backend is not None:
+        return _build(backend, device, dtype, head_dim, deterministic)
+    reasons = []
+    for candidate in _automatic_order(device, dtype):
+        try:
+            return _build(candidate, device, dtype, head_dim, deterministic)
+        except KernelUnavailable as error:
+            reasons.append(str(error))
+            if "failed to import" in str(error):
+                _warn_once(f"{error}; using the next attention backend")
+    raise KernelUnavailable(f"no attention kernel runs {dtype} with head_dim {head_dim} on {device}: "
+                            + "; ".join(reasons))
+
+
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                  softmax_scale: float | None = None, backend: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of the selected kernel: out [B, Sq, H, D] (q's dtype; float64 for math), lse [B, H, Sq]."""
+    kernel = select_kernel(q.device, q.dtype, q.shape[-1], backend)
+    return kernel.forward(q, k, v, causal, _scale(q, softmax_scale))
+
+
+def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool = False, softmax_scale: float | None = None,
+                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq [B, Sq, H, D], dk, dv [B, Sk, Hk, D]) of one K/V block, given the rows' final out/lse."""
+    kernel = select_kernel(q.device, q.dtype, q.shape[-1], backend)
+    return kernel.backward(dout, q, k, v, out, lse, causal, _scale(q, softmax_scale))

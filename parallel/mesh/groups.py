@@ -1,0 +1,166 @@
+"""The process groups and meshes of one TP x CP x DP layout, and the state that holds them.
+
+``build_state`` creates the named DeviceMesh ``("dp", "cp", "tp")``, its flattenings and (for hybrid CP)
+the Ulysses and ring subgroups of CP; every rank creates every group, in the same order. ``state.py``
+keeps the current state and its Megatron-named getters.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.mesh.rank_groups import DATA_AXES, DATA_AXIS, Groups, ParallelDims, compute_rank_groups
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """One process group seen from this rank: its size, this rank's index, the members' global ranks."""
+
+    size: int
+    rank: int
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """The groups of this process. ``dims`` holds the axis sizes by name; ``mesh`` has dims
+    ``("dp", "cp", "tp")`` over ``arange(world).reshape(dp, cp, tp)``; ``dp_cp_mesh`` / ``tp_cp_mesh`` are
+    its flattenings of ``("dp", "cp")`` / ``("cp", "tp")``; ``shard_mesh`` is the 2-D ``("dp_cp", "tp")``
+    mesh on the same groups (where FSDP-sharded, TP-sharded tensors live for DCP). ``cp_prev_rank`` /
+    ``cp_next_rank`` are the global ranks of this rank's CP ring neighbours (itself when cp == 1)."""
+
+    dims: ParallelDims
+    world_size: int
+    rank: int
+    backend: str
+    tp: AxisGroup
+    cp: AxisGroup
+    dp: AxisGroup
+    dp_cp: AxisGroup
+    tp_cp: AxisGroup
+    cp_prev_rank: int
+    cp_next_rank: int
+    mesh: DeviceMesh
+    dp_cp_mesh: DeviceMesh
+    tp_cp_mesh: DeviceMesh
+    shard_mesh: DeviceMesh
+    owns_default_group: bool
+    cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
+    cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
+
+    @property
+    def cp_groups(self) -> CPGroups:
+        """The CP group and, for hybrid CP, its Ulysses and ring subgroups (what the attention takes)."""
+        return CPGroups(self.cp.group, self.cp_ulysses.group if self.cp_ulysses else None,
+                        self.cp_ring.group if self.cp_ring else None)
+
+
+def _axis(mesh: DeviceMesh) -> AxisGroup:
+    group = mesh.get_group()
+    return AxisGroup(size=dist.get_world_size(group), rank=dist.get_rank(group), group=group,
+                     ranks=tuple(dist.get_process_group_ranks(group)))
+
+
+def _subgroup_override(backend: str, timeout: timedelta) -> tuple[str, Any] | None:
+    """(backend, a NEW options object carrying ``timeout``) for one mesh dimension's groups; None where
+    the backend has no options. Call it once per dimension: c10d writes each group's ranks and name
+    into its options object, so an object shared by several groups would be overwritten."""
+    names = {"gloo": ("ProcessGroupGloo", "_Options"), "nccl": ("ProcessGroupNCCL", "Options")}
+    try:
+        options = getattr(getattr(dist, names[backend][0]), names[backend][1])()
+        options._timeout = timeout
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+    return backend, options
+
+
+def run_device(backend: str) -> torch.device:
+    """This process's compute device: ``cuda:LOCAL_RANK`` under nccl where CUDA is available, else the CPU."""
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_default_group(backend: str, timeout: timedelta) -> None:
+    missing = [name for name in _LAUNCH_ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: "
+                           f"launch with torchrun, or call torch.distributed.init_process_group first")
+    if backend == "nccl":
+        torch.cuda.set_device(run_device(backend))
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def _subgroups(groups: Groups, backend: str, timeout: timedelta) -> AxisGroup:
+    """Create every group of ``groups`` (every rank creates all of them, in order) and return this rank's."""
+    mine = None
+    for ranks in groups:
+        override = _subgroup_override(backend, timeout)
+        group = dist.new_group(list(ranks), timeout=timeout, backend=backend,
+                               pg_options=override[1] if override else None)
+        if dist.get_rank() in ranks:
+            mine = AxisGroup(size=len(ranks), rank=ranks.index(dist.get_rank()), group=group, ranks=ranks)
+    assert mine is not None
+    return mine
+
+
+def build_state(dims: ParallelDims, backend: str, timeout: timedelta, created: bool,
+                 ulysses: int = 1) -> ParallelState:
+    device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    per_dim = {name: _subgroup_override(backend, timeout) for name in dims.mesh_names}
+    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_names,
+                            backend_override=per_dim if per_dim["dp"] else None)
+    dp_cp_mesh = mesh[DATA_AXES]._flatten(DATA_AXIS, backend_override=_subgroup_override(backend, timeout))
+    tp_cp_mesh = mesh["cp", "tp"]._flatten("tp_cp", backend_override=_subgroup_override(backend, timeout))
+    shard_mesh = DeviceMesh.from_group([dp_cp_mesh.get_group(), mesh["tp"].get_group()], device_type,
+                                       mesh=torch.arange(dims.world).reshape(dims.data, dims.tp),
+                                       mesh_dim_names=(DATA_AXIS, "tp"))
+    cp_axis = _axis(mesh["cp"])
+    state = ParallelState(
+        dims=dims, world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,
+        tp=_axis(mesh["tp"]), cp=cp_axis, dp=_axis(mesh["dp"]), dp_cp=_axis(dp_cp_mesh),
+        tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % dims.cp],
+        cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % dims.cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
+        tp_cp_mesh=tp_cp_mesh, shard_mesh=shard_mesh, owns_default_group=created,
+        **_hybrid_axes(dims, ulysses, backend, timeout))
+    connect_groups(state)
+    return state
+
+
+def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:
+    if ulysses == 1:
+        return {}
+    groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, ulysses)
+    return {"cp_ulysses": _subgroups(groups.cp_ulysses, backend, timeout),
+            "cp_ring": _subgroups(groups.cp_ring, backend, timeout)}
+
+
+def connect_groups(state: ParallelState) -> None:
+    """One one-element all-reduce over the group the ring sends on (CP; hybrid CP: its ring subgroup) when it has
+    more than one rank. NCCL creates a group's communicator at its first operation, and where that is a batched P2P
+    every member must take part; the ring skips hops with nothing to move, so a rank can miss the first one.
+    Other groups start with collectives that every member joins, and stay lazy (no unused communicators)."""
+    ring = state.cp_ring if state.cp_ring is not None else state.cp
+    if ring.size > 1:
+        dist.all_reduce(torch.zeros(1, device=run_device(state.backend)), group=ring.group)
+
+
+def forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches: they compare meshes by shape and names, not by their groups,
+    so after a re-initialisation a DTensor op (``nn.Parameter(dtensor)``, say) could return a DTensor on the
+    old, destroyed groups. Private torch API: skipped where this torch lacks it."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()

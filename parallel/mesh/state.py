@@ -1,0 +1,210 @@
+"""Process groups for TP x CP x DP, built once per process on a named DeviceMesh.
+
+Rank order is Megatron's ``tp-cp-dp`` (see ``parallel/rank_groups.py`` for the pure
+rank-group function, re-exported here). ``initialize_parallel`` creates
+the groups (``process_groups.py``: every rank creates every group, in the same order) and returns a
+``ParallelState``; the Megatron-named getters below read that current state. Library
+modules receive groups explicitly and never call the getters.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from cp_train.parallel.mesh.groups import AxisGroup, ParallelState, build_state, forget_meshes, init_default_group
+from cp_train.parallel.mesh.rank_groups import (  # noqa: F401  (re-exported)
+    AXIS_ORDER,
+    DATA_AXES,
+    DATA_AXIS,
+    Groups,
+    ParallelDims,
+    RankGroups,
+    check_sizes,
+    check_ulysses,
+    check_world,
+    compute_rank_groups,
+    rank_coordinates,
+    resolve_dp,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+_STATE: ParallelState | None = None
+
+
+def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
+                        timeout_minutes: float = 10.0, ulysses_size: int = 1) -> ParallelState:
+    """Build every group once and make it the current state (returned).
+
+    Uses the default process group when one exists (it is then left alone by
+    ``destroy_parallel``); otherwise creates it from torchrun's environment. ``dp`` defaults
+    to ``world // (tp*cp)``. ``backend`` defaults to nccl when CUDA is available, else gloo.
+    ``timeout_minutes`` bounds collectives on the groups created here (fractions of a minute work).
+    ``ulysses_size`` > 1 also builds the CP subgroups of hybrid CP (``cp_ulysses``, ``cp_ring``).
+    """
+    global _STATE
+    check_sizes(tp, cp, 1 if dp is None else dp)
+    check_ulysses(cp, ulysses_size)
+    if not timeout_minutes > 0:
+        raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
+    if _STATE is not None:
+        ulysses = _STATE.cp_ulysses.size if _STATE.cp_ulysses else 1
+        if (_STATE.dims == ParallelDims(tp=tp, cp=cp, dp=dp or _STATE.dp.size) and backend in (None, _STATE.backend)
+                and ulysses == ulysses_size):
+            return _STATE
+        raise RuntimeError(f"parallel state already initialised with {_STATE.dims}; "
+                           f"call destroy_parallel() before initialising (tp={tp}, cp={cp}, dp={dp})")
+    created = not dist.is_initialized()
+    if created:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        world = int(os.environ.get("WORLD_SIZE", "0"))  # 0: unknown, init_default_group explains
+    else:
+        existing, world = dist.get_backend(), dist.get_world_size()
+        if backend is not None and backend != existing:
+            raise ValueError(f"the default process group uses backend {existing!r} but backend={backend!r} "
+                             f"was requested; pass backend=None or {existing!r}")
+        backend = existing
+    if world > 0:
+        dp = resolve_dp(world, tp, cp, dp)
+    timeout = timedelta(minutes=timeout_minutes)
+    if created:
+        init_default_group(backend, timeout)
+    try:
+        dp = resolve_dp(dist.get_world_size(), tp, cp, dp)
+        _STATE = build_state(ParallelDims(tp=tp, cp=cp, dp=dp), backend, timeout, created, ulysses_size)
+    except BaseException:
+        if created:
+            dist.destroy_process_group()
+        raise
+    return _STATE
+
+
+def destroy_parallel() -> None:
+    """Destroy the groups ``initialize_parallel`` created (and the default group only if it created
+    that too); a no-op when not initialised."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None:
+        return
+    forget_meshes()
+    if state.owns_default_group:
+        dist.destroy_process_group()
+        return
+    default = dist.group.WORLD
+    seen: set[int] = set()
+    for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring):
+        if axis is not None and axis.group is not default and id(axis.group) not in seen:
+            seen.add(id(axis.group))
+            dist.destroy_process_group(axis.group)
+
+
+@contextmanager
+def parallel_context(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
+                     timeout_minutes: float = 10.0, ulysses_size: int = 1) -> Iterator[ParallelState]:
+    """``initialize_parallel`` for the ``with`` block, ``destroy_parallel`` after it."""
+    state = initialize_parallel(tp=tp, cp=cp, dp=dp, backend=backend, timeout_minutes=timeout_minutes,
+                                ulysses_size=ulysses_size)
+    try:
+        yield state
+    finally:
+        destroy_parallel()
+
+
+def run_with_parallel(sizes: ParallelDims | tuple[int, ...], fn: Callable[..., Any], *args: Any,
+                      **kwargs: Any) -> Any:
+    """``fn(state, *args, **kwargs)`` inside ``parallel_context`` of ``sizes``: a ``ParallelDims``, or the
+    test shorthand (tp, cp, dp) / (tp, cp, dp, ulysses_size); for ``SpawnedWorld.run``."""
+    tp, cp, dp, *ulysses = (sizes.tp, sizes.cp, sizes.dp) if isinstance(sizes, ParallelDims) else sizes
+    with parallel_context(tp, cp, dp, ulysses_size=ulysses[0] if ulysses else 1) as state:
+        return fn(state, *args, **kwargs)
+
+
+def parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def get_parallel_state() -> ParallelState:
+    """The current state; RuntimeError before ``initialize_parallel``."""
+    if _STATE is None:
+        raise RuntimeError("parallel state is not initialised: call "
+                           "parallel.state.initialize_parallel(tp=..., cp=..., dp=...) first")
+    return _STATE
+
+
+def get_device_mesh() -> DeviceMesh:
+    return get_parallel_state().mesh
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().tp.group
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel_state().tp.rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_parallel_state().tp.size
+
+
+def get_context_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().cp.group
+
+
+def get_context_parallel_rank() -> int:
+    return get_parallel_state().cp.rank
+
+
+def get_context_parallel_world_size() -> int:
+    return get_parallel_state().cp.size
+
+
+def get_context_parallel_global_ranks() -> tuple[int, ...]:
+    return get_parallel_state().cp.ranks
+
+
+def get_hierarchical_context_parallel_groups() -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Hybrid CP's (Ulysses group of adjacent CP ranks, ring group across them); (None, None) without."""
+    groups = get_parallel_state().cp_groups
+    return groups.ulysses, groups.ring
+
+
+def get_context_parallel_ring_neighbours() -> tuple[int, int]:
+    """Global ranks ``(prev, next)`` of this rank in its CP ring."""
+    state = get_parallel_state()
+    return state.cp_prev_rank, state.cp_next_rank
+
+
+def _data_axis(with_context_parallel: bool) -> AxisGroup:
+    state = get_parallel_state()
+    return state.dp_cp if with_context_parallel else state.dp
+
+
+def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """The DP group, or the DP x CP group (gradient reduction) when ``with_context_parallel``."""
+    return _data_axis(with_context_parallel).group
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _data_axis(with_context_parallel).rank
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return _data_axis(with_context_parallel).size
+
+
+def get_tensor_and_context_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().tp_cp.group
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    return get_parallel_state().tp_cp.rank
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    return get_parallel_state().tp_cp.size
