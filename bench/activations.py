@@ -15,12 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/activations.py` from anywhere
 
-from cp_train.model.config import ModelConfig  # noqa: E402
-from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
-
 from bench.common import emit, median  # noqa: E402  (sets the env the ranks start with)
 from bench.memory import measure_block  # noqa: E402
 from cp_train.memory.activations import block_peak, shapes_of  # noqa: E402
+from cp_train.model.config import ModelConfig  # noqa: E402
+from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
 
 BLOCK = {"vocab_size": 256, "num_layers": 1, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2,
          "ffn_hidden_size": 1024}  # bench/memory.py's block

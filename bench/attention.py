@@ -33,12 +33,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from cp_train.parallel.cp.layout import LAYOUTS
-from cp_train.parallel.cp.spec import ALGORITHMS
-from cp_train.parallel.spawn import SpawnedWorld
-
 from bench.attention_cases import DTYPES, time_case
 from bench.common import emit, glibc_malloc, median
+from cp_train.parallel.cp.algorithms import ALGORITHMS
+from cp_train.parallel.cp.layout import LAYOUTS
+from cp_train.parallel.spawn import SpawnedWorld
 
 
 def spawn(args: argparse.Namespace, world_size: int, live_memory: bool) -> SpawnedWorld:

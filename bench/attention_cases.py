@@ -17,14 +17,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from bench.common import median, peak_memory_mb, reset_peak_memory
 from cp_train.parallel.cp.attention import attention_plan, context_parallel_attention, make_spec
 from cp_train.parallel.cp.balanced_layout import balanced_positions
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.ring.comm import BYTES_SENT
-from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.mesh.groups import CPGroups
 from cp_train.parallel.mesh.rank_groups import compute_rank_groups
-
-from bench.common import median, peak_memory_mb, reset_peak_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

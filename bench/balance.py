@@ -15,13 +15,13 @@ import argparse
 
 import numpy as np
 import torch
+
+from bench.common import emit
 from cp_train.data.default_corpus import prepare_default_corpus
 from cp_train.data.gpt_dataset import GPTDataset
 from cp_train.data.indexed import IndexedDataset
 from cp_train.parallel.cp.balanced_layout import balanced_positions, token_work
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
-
-from bench.common import emit
 
 
 def rank_work(document_ids: torch.Tensor, world: int, layout: str) -> torch.Tensor:

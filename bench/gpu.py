@@ -25,6 +25,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from bench.common import emit, median
+from cp_train.config.sources import load_config
+from cp_train.metrics.throughput import gpu_peak_tflops
 from cp_train.model import GPTModel, model_flops_per_token
 from cp_train.parallel.cp.attention import context_parallel_attention, default_head_chunks, default_overlap
 from cp_train.parallel.cp.plan.rank_plan import plan_for_layout
@@ -32,10 +36,6 @@ from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels import select as kernels
-
-from bench.common import emit, median
-from cp_train.config.sources import load_config
-from cp_train.metrics.throughput import gpu_peak_tflops
 
 MODELS = {"gpt-125m": "launch/configs/gpt-125m-cp8.yaml", "gpt-1b": "launch/configs/gpt-1b-128k-cp8.yaml"}
 

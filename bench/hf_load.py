@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from bench.common import emit, median, peak_memory_mb, reset_peak_memory  # sets the env the ranks start with
 from cp_train.model.config import ModelConfig
 from cp_train.model.hf.config import hf_config
 from cp_train.model.hf.llama import load_llama
 from cp_train.model.hf.weights import hf_tensors, write_weights
 from cp_train.parallel.spawn import SpawnedWorld
-
-from bench.common import emit, median, peak_memory_mb, reset_peak_memory  # sets the env the ranks start with
 
 LLAMA_1B = {"vocab_size": 128256, "num_layers": 16, "hidden_size": 2048, "num_heads": 32, "num_kv_heads": 8,
             "ffn_hidden_size": 8192, "max_position_embeddings": 131072, "rope_theta": 500000.0, "norm_eps": 1e-5,

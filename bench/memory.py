@@ -22,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/me
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from bench.common import emit, median, peak_memory_mb, reset_peak_memory  # noqa: E402  (sets the env the ranks start with)
 from cp_train.model.block import Block, BlockInputs  # noqa: E402
 from cp_train.model.config import ModelConfig  # noqa: E402
 from cp_train.model.rope import rope_tables  # noqa: E402
 from cp_train.parallel.cp.layout import sequence_positions  # noqa: E402
 from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
-
-from bench.common import emit, median, peak_memory_mb, reset_peak_memory  # noqa: E402  (sets the env the ranks start with)
 
 
 def measure_block(config: ModelConfig, layout: str, seq: int, batch: int, repeats: int) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from cp_train.data.indexed import IndexedDataset, index_path
 from cp_train.data.sample_index import SampleIndices, build_indices, cache_key, load_cached, save_cached
 

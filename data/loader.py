@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
 from cp_train.data.gpt_dataset import PER_TOKEN_KEYS
 from cp_train.parallel.cp.balanced_layout import balanced_positions
 from cp_train.parallel.cp.layout import LAYOUTS, check_layout, sequence_positions, shard_sequence
-from torch.utils.data import DataLoader, Dataset, default_collate
 
 ATTENTION_PLAN = "attention_plan"  # a micro-batch's key for its attention plan (built by the collate's planner)
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from cp_train.data.indexed import IndexedDatasetWriter, data_path, index_path, token_dtype_for_vocab
-from cp_train.data.tokenizers.spm import Tokenizer, load_tokenizer
 from tqdm import tqdm
 
+from cp_train.data.indexed import IndexedDatasetWriter, data_path, index_path, token_dtype_for_vocab
+from cp_train.data.tokenizers.spm import Tokenizer, load_tokenizer
 from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, InputError, run_entry_point
 
 PathLike = str | os.PathLike

@@ -13,13 +13,14 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.model.rope import apply_rope
 from cp_train.parallel.cp.attention import as_groups, context_parallel_attention
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
-from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.mesh.groups import CPGroups
 from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, group_size_and_rank
-from torch import nn
 
 
 class Attention(nn.Module):

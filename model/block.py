@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
 from cp_train.model.attention import Attention
 from cp_train.model.config import ModelConfig
 from cp_train.model.mlp import MLP
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
-from cp_train.parallel.cp.spec import CPGroups
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+from cp_train.parallel.mesh.groups import CPGroups
 
 
 class BlockInputs:

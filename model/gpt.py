@@ -17,13 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
 from cp_train.model.block import Block, BlockInputs
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.model.rope import rope_tables
+from cp_train.parallel.cp.algorithms import canonical_algorithm, check_heads
 from cp_train.parallel.cp.attention import as_groups, attention_plan
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, SamplePlanner
-from cp_train.parallel.cp.spec import CPGroups, canonical_algorithm, check_heads
+from cp_train.parallel.mesh.groups import CPGroups
 from cp_train.parallel.tp.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -31,7 +34,6 @@ from cp_train.parallel.tp.layers import (
     group_size_and_rank,
     vocab_parallel_cross_entropy,
 )
-from torch import nn
 
 
 def _embedding(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory: Any) -> VocabParallelEmbedding:

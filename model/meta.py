@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from cp_train.model.config import ModelConfig
 from cp_train.model.gpt import GPTModel
 from cp_train.model.shards import local_region, local_tensor, mark_tensor_parallel, tensor_parallel_dims
-from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.mesh.groups import CPGroups
 from cp_train.parallel.tp.layers import group_size_and_rank
 
 

@@ -14,6 +14,9 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.parallel.tp.layers import (
     ColumnParallelLinear,
@@ -21,8 +24,6 @@ from cp_train.parallel.tp.layers import (
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
 )
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 class MLP(nn.Module):

@@ -29,15 +29,16 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from cp_train.model.gpt import GPTModel
-from cp_train.model.shards import mark_tensor_parallel, tensor_parallel_dim, tensor_parallel_dims
-from cp_train.parallel.compat import ReduceScatterBase, reduce_scatter_single
-from cp_train.parallel.mesh.collectives import note_failure
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
+
+from cp_train.model.gpt import GPTModel
+from cp_train.model.shards import mark_tensor_parallel, tensor_parallel_dim, tensor_parallel_dims
+from cp_train.parallel.compat import ReduceScatterBase, reduce_scatter_single
+from cp_train.parallel.mesh.collectives import note_failure
 
 
 def fsdp_shard_dim(param: torch.Tensor, tp_size: int) -> int:

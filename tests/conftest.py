@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from cp_train.parallel.spawn import SpawnedWorld
 
 _MAX_ALIVE = 4  # worlds kept alive at once (each rank is a full Python + torch process)

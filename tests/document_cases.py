@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from cp_train.parallel.cp.attention import attention_plan, context_parallel_attention
 from cp_train.parallel.cp.balanced_layout import balanced_positions
 from cp_train.parallel.cp.dropins_varlen import ring_flash_attn_varlen_func, zigzag_ring_flash_attn_varlen_func
@@ -17,7 +18,6 @@ from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.ring import comm as ring_comm
 from cp_train.parallel.kernels import select as kernels
 from cp_train.parallel.kernels.torch_ops import expand_kv
-
 from tests.numerics import rel_err
 
 SPECS = ("one", "random", "single_tokens", "chunk_bounds", "spanning", "short")

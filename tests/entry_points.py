@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cp_train.config.schema import dump_yaml
 from cp_train.parallel.mesh.rank_groups import ParallelDims
 from cp_train.parallel.spawn import free_port
-
-from cp_train.config.schema import dump_yaml
 from tests import trainer_cases
 
 REPO = Path(__file__).resolve().parents[1]

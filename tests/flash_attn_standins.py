@@ -12,6 +12,7 @@ import types
 from typing import Optional  # noqa: UP035 - torch.library.custom_op reads these annotations
 
 import torch
+
 from cp_train.parallel.kernels.select import MathKernel, _math_scores
 from cp_train.parallel.kernels.torch_ops import expand_kv, reduce_kv_grad
 from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments

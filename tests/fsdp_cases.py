@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from cp_train.model import parallelize as data_parallel
-from cp_train.parallel.mesh.state import ParallelState
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+from cp_train.model import parallelize as data_parallel
+from cp_train.parallel.mesh.state import ParallelState
 from cp_train.trainer import Trainer
 from tests.trainer_cases import GLOBAL_BATCH, tiny_config
 

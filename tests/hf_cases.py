@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.llama import load_llama, save_llama
 from cp_train.model.shards import local_tensor
 from cp_train.parallel.cp.layout import gather_sequence, shard_sequence
 from cp_train.parallel.mesh.state import ParallelState
-
 from tests import trainer_cases
 
 ORIGINAL_CONTEXT = 32  # the context the scaled models were "trained" at; the tests run 4x that

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from cp_train.model import GPTModel, ModelConfig
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, gather_sequence, shard_sequence
 from cp_train.parallel.mesh.state import ParallelState
-
 from tests.numerics import rel_err
 
 TINY = {"vocab_size": 128, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,

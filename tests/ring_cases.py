@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.dropins import ring_flash_attn_func, stripe_flash_attn_func, zigzag_ring_flash_attn_func
 from cp_train.parallel.cp.layout import gather_sequence, shard_sequence
 from cp_train.parallel.kernels import select as kernels
-
 from tests.numerics import rel_err
 
 API = {"contiguous": ring_flash_attn_func, "zigzag": zigzag_ring_flash_attn_func,

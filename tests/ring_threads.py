@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+
 from cp_train.parallel.cp.layout import sequence_positions, shard_sequence, unshard_sequence
 from cp_train.parallel.cp.plan.rank_plan import plan_for_documents, plan_for_layout
 from cp_train.parallel.cp.ring.backward import ring_backward

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cp_train.parallel.cp.balanced_layout import balanced_positions, token_work
 from cp_train.parallel.cp.layout import sequence_positions
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
-from cp_train.parallel.spawn import RankError, SpawnedWorld
 
 from cp_train.checkpoint.dcp import LATEST, META, find_checkpoint, step_dir_name
 from cp_train.checkpoint.rng import capture_rng_state, restore_rng_state
+from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
+from cp_train.parallel.spawn import RankError, SpawnedWorld
 from tests import trainer_cases
 
 STEPS, SAVE_AT, LAYOUT = 8, 4, (1, 2, 1)

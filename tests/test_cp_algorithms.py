@@ -9,9 +9,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from cp_train.parallel.cp.layout import LAYOUTS
 from cp_train.parallel.mesh.state import run_with_parallel
-
 from tests import document_cases
 
 TOL = 1e-5

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts
 from cp_train.data.gpt_dataset import GPTDataset
-
 from tests.test_data_gpt_dataset import make_indexed
 
 

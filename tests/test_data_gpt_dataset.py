@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import cp_train.data.gpt_dataset as gpt_dataset_module
 import numpy as np
 import pytest
 import torch
+
+import cp_train.data.gpt_dataset as gpt_dataset_module
 from cp_train.data.gpt_dataset import GPTDataset, cu_seqlens, split_documents, train_valid_split
 from cp_train.data.indexed import IndexedDataset, IndexedDatasetWriter
 from cp_train.data.sample_index import samples_per_block

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cp_train.data.indexed import IndexedDataset
-from cp_train.data.preprocess import main as preprocess_main
-from cp_train.data.tokenizers.hf import BOS_TOKEN, EOS_TOKEN, HFTokenizer, train_hf_tokenizer
-from cp_train.data.tokenizers.spm import Tokenizer, load_tokenizer
 from tokenizers import Tokenizer as LibraryTokenizer
 
 from cp_train import build
 from cp_train.config.schema import build_config
+from cp_train.data.indexed import IndexedDataset
+from cp_train.data.preprocess import main as preprocess_main
+from cp_train.data.tokenizers.hf import BOS_TOKEN, EOS_TOKEN, HFTokenizer, train_hf_tokenizer
+from cp_train.data.tokenizers.spm import Tokenizer, load_tokenizer
 
 DOCUMENTS = ["def f(x):\n    return x * 2\n", "déjà vu — naïve café\n", "class A:\n    pass\n\n\n# end"]
 

@@ -7,6 +7,7 @@ import struct
 
 import numpy as np
 import pytest
+
 from cp_train.data.indexed import (
     DTYPE_CODES,
     IndexedDataset,

@@ -8,6 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from cp_train import build
+from cp_train.config.schema import build_config
 from cp_train.data.gpt_dataset import PER_TOKEN_KEYS, GPTDataset
 from cp_train.data.loader import (
     ATTENTION_PLAN,
@@ -19,10 +23,6 @@ from cp_train.data.loader import (
 from cp_train.parallel.cp.balanced_layout import balanced_positions
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, gather_sequence, sequence_positions, unshard_sequence
 from cp_train.parallel.cp.plan.batch_plan import SamplePlanner, plan_from_gathered
-from torch.utils.data import default_collate
-
-from cp_train import build
-from cp_train.config.schema import build_config
 from tests.test_data_gpt_dataset import EOD, make_indexed
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from cp_train.data.default_corpus import (
     DEFAULT_VOCAB_SIZE,
     corpus_dir,

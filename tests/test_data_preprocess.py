@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from cp_train.data.indexed import IndexedDataset, data_path, index_path
 from cp_train.data.preprocess import list_input_files, run
 from cp_train.data.tokenizers.spm import Tokenizer, train_tokenizer
-
 from cp_train.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]

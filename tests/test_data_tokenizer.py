@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from cp_train.data.tokenizers.spm import Tokenizer, padded_vocab_size, train_tokenizer
 
 SOURCES = [Path(textwrap.__file__), Path(json.decoder.__file__)]

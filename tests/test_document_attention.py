@@ -11,9 +11,9 @@ import itertools
 
 import pytest
 import torch
+
 from cp_train.parallel.cp.dropins_varlen import zigzag_ring_flash_attn_varlen_func
 from cp_train.parallel.cp.layout import LAYOUTS
-
 from tests import document_cases
 from tests.document_cases import SPECS, documents, layout_positions
 

@@ -13,9 +13,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from cp_train.data.tokenizers.spm import train_tokenizer
 
 from cp_train.checkpoint.dcp import LATEST, step_dir_name
+from cp_train.data.tokenizers.spm import train_tokenizer
 from tests import trainer_cases
 from tests.entry_points import PROJECT_FRAME, assert_one_line, run, run_many, write_config
 

@@ -11,8 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cp_train.model import parallelize as data_parallel
-from cp_train.parallel.mesh import collectives
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -22,6 +20,8 @@ from cp_train.cli.launch import summarize
 from cp_train.config.schema import ConfigError, build_config
 from cp_train.errors import InputError, RunFailure, describe
 from cp_train.metrics.sinks import drop_records_after
+from cp_train.model import parallelize as data_parallel
+from cp_train.parallel.mesh import collectives
 
 
 @pytest.fixture()

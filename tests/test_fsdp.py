@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cp_train.data.tokenizers.spm import train_tokenizer
-from cp_train.parallel.mesh.state import run_with_parallel
 
 from cp_train.config.schema import ConfigError
 from cp_train.config.sources import load_config
+from cp_train.data.tokenizers.spm import train_tokenizer
 from cp_train.memory.dry_run import dry_run_vocab
+from cp_train.parallel.mesh.state import run_with_parallel
 from tests import fsdp_cases, trainer_cases
 from train import main as train_main
 

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from cp_train.model.config import ModelConfig
 from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.config import HFConfigError, model_fields, read_hf_config
 from cp_train.model.hf.llama import load_llama, save_llama
-from safetensors.torch import load_file, save_file
 
 SHAPE = {"vocab_size": 64, "num_layers": 1, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
          "ffn_hidden_size": 48, "max_position_embeddings": 64, "norm_eps": 1e-6}

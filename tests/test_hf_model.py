@@ -12,11 +12,11 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from cp_train.model.hf.llama import load_llama, save_llama
 from cp_train.model.hf.weights import INDEX_FILE, SINGLE_FILE
 from cp_train.parallel.mesh.state import run_with_parallel
-from safetensors.torch import load_file
-
 from tests import hf_cases
 from tests.numerics import rel_err
 

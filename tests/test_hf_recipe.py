@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from cp_train.data.preprocess import main as preprocess_main
-from cp_train.model.hf.llama import load_llama
-from cp_train.parallel.spawn import free_port
 
 from cp_train.checkpoint.export_hf import main as export_main
 from cp_train.cli.tiny_hf import main as tiny_hf_main
+from cp_train.data.preprocess import main as preprocess_main
 from cp_train.errors import InputError
+from cp_train.model.hf.llama import load_llama
+from cp_train.parallel.spawn import free_port
 from tests.numerics import rel_err
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,11 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cp_train.data.tokenizers.spm import train_tokenizer
-from cp_train.model.config import ModelConfig
-from cp_train.model.gpt import GPTModel
-from cp_train.model.hf.llama import load_llama, save_llama
-from cp_train.parallel.mesh.state import run_with_parallel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -30,7 +25,12 @@ from cp_train.checkpoint.export_hf import main as export_main
 from cp_train.checkpoint.files import DCP_METADATA, LATEST, META, step_dir_name
 from cp_train.config.flags import parse_config
 from cp_train.config.schema import ConfigError
+from cp_train.data.tokenizers.spm import train_tokenizer
 from cp_train.errors import InputError, run_entry_point
+from cp_train.model.config import ModelConfig
+from cp_train.model.gpt import GPTModel
+from cp_train.model.hf.llama import load_llama, save_llama
+from cp_train.parallel.mesh.state import run_with_parallel
 from tests import hf_cases, trainer_cases
 from tests.numerics import rel_err
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cp_train.parallel.kernels import select as kernels
 from cp_train.parallel.kernels.select import KernelUnavailable, select_kernel
 from cp_train.parallel.kernels.torch_ops import TorchCudaFlash, TorchEfficient, padded_lse

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cp_train.parallel.cp.attention import default_head_chunks, default_overlap
 from cp_train.parallel.cp.layout import (
     STATIC_LAYOUTS,
@@ -14,7 +15,6 @@ from cp_train.parallel.cp.layout import (
 )
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.kernels.select import flash_backward, flash_forward
-
 from tests.numerics import rel_err
 
 

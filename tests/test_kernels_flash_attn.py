@@ -14,13 +14,13 @@ import types
 
 import pytest
 import torch
+
 from cp_train.parallel.cp.plan.rank_plan import plan_for_layout
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels import select as kernels
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3, flash_attn_call_form, parameter_names
-
 from tests import fa3_standins
 from tests import flash_attn_standins as standins
 from tests.numerics import rel_err

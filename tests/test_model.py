@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from cp_train.model import GPTModel, ModelConfig, matmul_params, model_flops_per_token
 from cp_train.model.mlp import MLP
 from cp_train.model.rope import apply_rope, rope_tables
 from cp_train.parallel.cp.attention import context_parallel_attention
-
 from tests.model_cases import global_batch, step, tiny_config
 from tests.numerics import rel_err
 

@@ -8,8 +8,8 @@ the initial parameters must be identical.
 from __future__ import annotations
 
 import pytest
-from cp_train.parallel.mesh.state import run_with_parallel
 
+from cp_train.parallel.mesh.state import run_with_parallel
 from tests import model_cases
 
 TOL = 1e-5

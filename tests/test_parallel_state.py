@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
+
 from cp_train.parallel.mesh import groups as process_groups
 from cp_train.parallel.mesh import state as ps
 from cp_train.parallel.mesh.state import compute_rank_groups, initialize_parallel, rank_coordinates
 from cp_train.parallel.spawn import free_port
-from torch.distributed.tensor import Shard, distribute_tensor
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:

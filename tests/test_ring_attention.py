@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.dropins import zigzag_ring_flash_attn_func
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
@@ -11,7 +12,6 @@ from cp_train.parallel.cp.plan.rank_plan import plan_for_documents, plan_for_lay
 from cp_train.parallel.cp.ring.backward import _accumulate
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels.select import MathKernel, select_kernel
-
 from tests import ring_cases
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring

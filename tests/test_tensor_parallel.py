@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from cp_train.parallel.mesh import state as ps
-from cp_train.parallel.tp import layers as tpl
 from torch import nn
 
+from cp_train.parallel.mesh import state as ps
+from cp_train.parallel.tp import layers as tpl
 from tests.numerics import rel_err
 
 TOL = 1e-6  # relative error of fp32 TP layers against float64 references

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
 
 from cp_train.memory import dry_run
+from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
 from tests import trainer_cases
 from tests.numerics import rel_err
 

@@ -12,9 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cp_train.parallel.spawn import free_port
-
 from cp_train.metrics.plot import main as plot_main
+from cp_train.parallel.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, INTERVAL = 16, 4

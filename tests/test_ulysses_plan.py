@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cp_train.parallel.cp.plan.segments import pack_keys
 from cp_train.parallel.cp.plan.ulysses_plan import TOLERANCE, document_work, home_documents, ulysses_documents_plan
 

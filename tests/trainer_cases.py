@@ -17,14 +17,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from cp_train.data.indexed import IndexedDatasetWriter
-from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 from torch.distributed.tensor import DTensor
 
 from cp_train import build
 from cp_train import trainer as trainer_module
 from cp_train.config.schema import Config, build_config
+from cp_train.data.indexed import IndexedDatasetWriter
 from cp_train.metrics.sinks import METRICS_FILE
+from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 from cp_train.results import NonFiniteLossError
 from cp_train.trainer import Trainer
 

@@ -8,8 +8,8 @@ import dataclasses
 import torch
 
 from cp_train.config.schema import Config, ConfigError, field_type
+from cp_train.parallel.cp.algorithms import canonical_algorithm, check_algorithm, check_heads
 from cp_train.parallel.cp.layout import LAYOUTS, check_layout
-from cp_train.parallel.cp.spec import canonical_algorithm, check_algorithm, check_heads
 from cp_train.parallel.mesh.rank_groups import check_ulysses
 from cp_train.parallel.mesh.rank_groups import resolve_dp as resolve_layout_dp
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState

@@ -16,8 +16,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cp_train.data.tokenizers.spm import padded_vocab_size
 from tokenizers import Tokenizer as _Tokenizer
+
+from cp_train.data.tokenizers.spm import padded_vocab_size
 
 TOKENIZER_FILE = "tokenizer.json"
 

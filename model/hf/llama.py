@@ -20,15 +20,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from cp_train.model.config import ModelConfig
 from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.config import hf_config, model_fields, read_hf_config
 from cp_train.model.hf.weights import HFTensor, WeightFiles, hf_tensors, split_qkv, write_weights
 from cp_train.model.meta import allocate, meta_model
 from cp_train.model.shards import local_region, local_tensor, tensor_parallel_dim
-from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.mesh.groups import CPGroups
 from cp_train.parallel.tp.layers import group_size_and_rank
-from torch.distributed.tensor import DTensor
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 

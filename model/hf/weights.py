@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from cp_train.model.config import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from cp_train.model.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from cp_train.parallel.compat import all_gather_single, reduce_scatter_single
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.plan.rank_plan import RankPlan

@@ -15,13 +15,16 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from cp_train.parallel.cp.algorithms import canonical_algorithm, check_heads
 from cp_train.parallel.cp.allgather import allgather_attention
 from cp_train.parallel.cp.layout import LAYOUTS
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, build_cp_plan
 from cp_train.parallel.cp.ring.attention import ring_attention
-from cp_train.parallel.cp.spec import AttentionSpec, CPGroups, canonical_algorithm, check_heads
+from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.cp.ulysses.attention import ulysses_attention
 from cp_train.parallel.kernels.select import BACKENDS, select_kernel
+from cp_train.parallel.mesh.groups import CPGroups
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

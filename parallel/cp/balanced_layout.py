@@ -25,6 +25,7 @@ positions, labels, loss mask and document ids follow the tokens. The only divisi
 from __future__ import annotations
 
 import torch
+
 from cp_train.parallel.cp.layout import check_layout
 
 ROW_WORK = 4  # a document row cut off from its later rows is priced as this many query-key pairs of work

@@ -9,6 +9,7 @@ fp32. The varlen forms are in ``parallel/varlen_api.py``.
 from __future__ import annotations
 
 import torch.distributed as dist
+
 from cp_train.parallel.cp.attention import context_parallel_attention
 
 

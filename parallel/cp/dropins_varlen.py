@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.dropins import check_package_options, default_group
 from cp_train.parallel.cp.plan.batch_plan import CPPlan

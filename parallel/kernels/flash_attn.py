@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
 from cp_train.parallel.kernels.varlen import lse_from_padded, lse_to_padded
 
 MIN_FLASH_ATTN = (2, 5)

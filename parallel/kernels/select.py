@@ -41,6 +41,7 @@ from collections import Counter
 from typing import Protocol
 
 import torch
+
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
 from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv
 from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
 from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments, lse_from_padded, lse_to_padded
 
 LSE_ROW_ALIGNMENT = 32  # the efficient kernels' lse rows are padded to this multiple

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
 from cp_train.parallel.mesh.state import ParallelState
 
 TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",

@@ -14,11 +14,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from cp_train.parallel.cp.spec import CPGroups
-from cp_train.parallel.mesh.rank_groups import DATA_AXES, DATA_AXIS, Groups, ParallelDims, compute_rank_groups
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from cp_train.parallel.mesh.rank_groups import DATA_AXES, DATA_AXIS, Groups, ParallelDims, compute_rank_groups
+
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """The process groups a CP algorithm uses: ``cp`` (all CP ranks; None: no CP), and for ``hybrid`` the
+    ``ulysses`` (adjacent CP ranks) and ``ring`` (across Ulysses groups) subgroups."""
+
+    cp: dist.ProcessGroup | None
+    ulysses: dist.ProcessGroup | None = None
+    ring: dist.ProcessGroup | None = None
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.cp) if self.cp is not None else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.cp) if self.cp is not None else 0
+
+    @property
+    def ulysses_size(self) -> int:
+        return dist.get_world_size(self.ulysses) if self.ulysses is not None else 1
+
 
 
 @dataclass(frozen=True)

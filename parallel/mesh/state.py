@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
 from cp_train.parallel.mesh.groups import AxisGroup, ParallelState, build_state, forget_meshes, init_default_group
 from cp_train.parallel.mesh.rank_groups import (  # noqa: F401  (re-exported)
     AXIS_ORDER,
@@ -32,7 +34,6 @@ from cp_train.parallel.mesh.rank_groups import (  # noqa: F401  (re-exported)
     rank_coordinates,
     resolve_dp,
 )
-from torch.distributed.device_mesh import DeviceMesh
 
 _STATE: ParallelState | None = None
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cp_train.parallel.kernels import select as kernels
 
+from cp_train.parallel.kernels import select as kernels
 from tests.numerics import rel_err
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

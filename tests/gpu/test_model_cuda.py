@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cp_train.model import GPTModel
 
+from cp_train.model import GPTModel
 from tests.model_cases import global_batch, step, tiny_config
 from tests.numerics import rel_err
 

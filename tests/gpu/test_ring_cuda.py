@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels import select as kernels
 from cp_train.parallel.kernels.torch_ops import expand_kv
-
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
 

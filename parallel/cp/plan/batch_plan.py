@@ -24,12 +24,13 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.documents import gather_mask_inputs
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, build_plan, gathered_plan
 from cp_train.parallel.cp.plan.segments import pack_keys, runs, visible_intervals
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
-from cp_train.parallel.cp.spec import CPGroups
+from cp_train.parallel.mesh.groups import CPGroups
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from cp_train.parallel.compat import all_gather_single
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 

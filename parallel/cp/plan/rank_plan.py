@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.plan.segments import (
     Interval,

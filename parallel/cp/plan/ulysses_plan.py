@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, Selector, StepPlan
 from cp_train.parallel.cp.plan.segments import Segment, runs, visible_intervals
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from cp_train.parallel.cp.plan.rank_plan import RankPlan
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.comm import RingComm

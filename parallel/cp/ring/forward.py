@@ -14,6 +14,7 @@ rows later ranks still use, and empty hops are skipped.
 from __future__ import annotations
 
 import torch
+
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, Selector, StepPlan
 from cp_train.parallel.cp.plan.segments import Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen

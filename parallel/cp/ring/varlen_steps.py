@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from cp_train.parallel.cp.plan.rank_plan import RankPlan
 from cp_train.parallel.kernels.select import KERNEL_CALLS, AttentionKernel
 from cp_train.parallel.kernels.varlen import merge_block

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.comm import RingComm, count_sent
 from cp_train.parallel.cp.ring.forward import accumulator_dtype, ring_forward
-from cp_train.parallel.cp.spec import AttentionSpec, CPGroups
+from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.cp.ulysses.documents import Pending, UlyssesDocumentsAttention
+from cp_train.parallel.mesh.groups import CPGroups
 
 
 def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:

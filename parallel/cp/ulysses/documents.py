@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.plan.rank_plan import Selector
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments
