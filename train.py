@@ -1,6 +1,6 @@
 """cp-train entry point: ``torchrun --nproc-per-node N train.py --config FILE [flags] [--set key=value ...]``.
 
-The command itself is ``cp_train/main.py`` (also ``python -m cp_train`` where the package is installed).
+The command itself is ``cp_train/cli/train.py`` (also ``python -m cp_train`` where the package is installed).
 See ``python train.py --help`` and ``launch/``.
 """
 

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.common import emit  # noqa: E402
-from cp_train.config.schema import build_config  # noqa: E402
+from cp_train.config.sources import build_config  # noqa: E402
 from cp_train.data.indexed import IndexedDatasetWriter  # noqa: E402
 from cp_train.memory.state_bytes import state_bytes  # noqa: E402
 from cp_train.parallel.mesh.state import ParallelState, run_with_parallel  # noqa: E402

@@ -21,7 +21,7 @@ from cp_train.data.default_corpus import prepare_default_corpus
 from cp_train.data.gpt_dataset import GPTDataset, train_valid_split
 from cp_train.data.indexed import IndexedDataset
 from cp_train.data.loader import StepLoader, build_data_loader
-from cp_train.data.tokenizers.spm import load_tokenizer, padded_vocab_size
+from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.errors import InputError, agree
 from cp_train.model import GPTModel
 from cp_train.model.hf.llama import load_llama_weights
@@ -112,7 +112,7 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
             raise ConfigError(f"the Hugging Face model {hf} has {vocab} token ids, fewer than the "
                               f"{tokenizer.vocab_size} of the tokenizer {tokenizer_path}: train it with its own "
                               f"tokenizer, --tokenizer-model {hf} (data.tokenizer), on data tokenized with it "
-                              f"(python -m data.preprocess, then --data-path)")
+                              f"(cp-train-preprocess, then --data-path)")
         elif vocab is not None and vocab < tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size {vocab} is smaller than the {tokenizer.vocab_size} ids of the "
                               f"tokenizer {tokenizer_path}: set model.vocab_size >= {tokenizer.vocab_size} (e.g. "

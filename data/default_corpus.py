@@ -1,6 +1,6 @@
 """The default corpus: the installed Python standard library's sources, tokenized.
 
-    python -m data.prepare_default [--cache-dir DIR] [--workers N]
+    python -m cp_train.cli.prepare_corpus [--cache-dir DIR] [--workers N]
 
 Needs no network: it reads the ``.py`` files of the running Python's standard library (sorted,
 without test directories and site-packages), trains a SentencePiece BPE tokenizer (8192 ids) on
@@ -16,7 +16,6 @@ so concurrent callers (e.g. several ranks) never see a half-written corpus.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -24,7 +23,6 @@ import shutil
 import sys
 import sysconfig
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -123,25 +121,3 @@ def prepare_default_corpus(cache_dir: str | os.PathLike | None = None, *,
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return _paths(final)
-
-
-def main(argv: Sequence[str] | None = None) -> DefaultCorpus:
-    parser = argparse.ArgumentParser(prog="python -m data.prepare_default", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cache-dir", default=None,
-                        help="where to build (default $CP_TRAIN_CACHE or ~/.cache/cp-train)")
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: cores, <= 4)")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    corpus = prepare_default_corpus(args.cache_dir, workers=args.workers, progress=True)
-    manifest = json.loads((corpus.tokenizer_model.parent / "manifest.json").read_text())
-    print(f"default corpus ({time.perf_counter() - start:.1f} s):\n"
-          f"  tokenizer  {corpus.tokenizer_model} ({manifest['vocab_size']} ids)\n"
-          f"  data       {corpus.data_prefix}.bin/.idx ({manifest['documents']} documents, "
-          f"{manifest['tokens']:,} tokens)\n"
-          f"  sources    {manifest['files']} files of {manifest['source_root']}")
-    return corpus
-
-
-if __name__ == "__main__":
-    main()

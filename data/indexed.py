@@ -74,7 +74,7 @@ def check_vocab_fits(dtype: np.dtype | type, vocab_size: int, what: str = "the d
     if vocab_size - 1 > largest:
         raise ValueError(
             f"a tokenizer with {vocab_size} ids does not fit {what}, stored as {dtype.name} "
-            f"(largest id {largest}); re-run data.preprocess with this tokenizer so the tokens are "
+            f"(largest id {largest}); re-run cp-train-preprocess with this tokenizer so the tokens are "
             f"written as int32, or use the tokenizer the data was made with")
 
 
@@ -185,7 +185,7 @@ class IndexedDataset:
                 hint = (f": pass the dataset's prefix without .bin or .idx ({self.prefix[:-4]})"
                         if self.prefix.endswith((".bin", ".idx")) else
                         f"; an indexed dataset needs both {idx_file.name} and {bin_file.name} (make them with "
-                        f"python -m data.preprocess)")
+                        f"cp-train-preprocess)")
                 raise FileNotFoundError(f"{path} is missing{hint}")
         self._read_index(idx_file)
         self._check_data_size(bin_file)
@@ -196,7 +196,7 @@ class IndexedDataset:
         size = idx_file.stat().st_size
         if size < HEADER_BYTES:
             raise ValueError(f"{idx_file} is truncated: {size} bytes, the header alone is "
-                             f"{HEADER_BYTES}; rebuild it with python -m data.preprocess")
+                             f"{HEADER_BYTES}; rebuild it with cp-train-preprocess")
         raw = np.memmap(idx_file, dtype=np.uint8, mode="r")
         header = raw[:HEADER_BYTES].tobytes()
         if header[:9] != INDEX_MAGIC:
@@ -210,7 +210,7 @@ class IndexedDataset:
         needed = HEADER_BYTES + 4 * sequences + 8 * sequences + 8 * doc_entries
         if raw.size < needed:
             raise ValueError(f"{idx_file} is truncated: {raw.size} bytes, its header announces "
-                             f"{needed}; rebuild it with python -m data.preprocess")
+                             f"{needed}; rebuild it with cp-train-preprocess")
         self.dtype = np.dtype(DTYPE_CODES[code])
         offset = HEADER_BYTES
         self.sequence_lengths = raw[offset:offset + 4 * sequences].view("<i4")
@@ -281,4 +281,4 @@ class IndexedDataset:
             bad = high if high >= vocab_size else low
             raise ValueError(f"{data_path(self.prefix)} holds token id {bad}, outside the model's {vocab_size} ids: it "
                              f"was tokenized with another tokenizer; train with the tokenizer it was made with "
-                             f"(data.tokenizer), or re-run data.preprocess with this one")
+                             f"(data.tokenizer), or re-run cp-train-preprocess with this one")

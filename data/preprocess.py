@@ -1,6 +1,6 @@
 """Tokenize text into a Megatron ``.bin``/``.idx`` pair.
 
-    python -m data.preprocess --input PATH... --tokenizer MODEL --output-prefix PREFIX \\
+    cp-train-preprocess --input PATH... --tokenizer MODEL --output-prefix PREFIX \\
         [--workers N] [--json-key text] [--glob '*.txt']
 
 Inputs: text files (one document per file, read as UTF-8 with undecodable bytes replaced),
@@ -18,11 +18,9 @@ document gets a warning (``--debug`` or ``CP_TRAIN_DEBUG=1`` adds tracebacks).
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,10 +30,15 @@ import numpy as np
 from tqdm import tqdm
 
 from cp_train.data.indexed import IndexedDatasetWriter, data_path, index_path, token_dtype_for_vocab
-from cp_train.data.tokenizers.spm import Tokenizer, load_tokenizer
-from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, InputError, run_entry_point
+from cp_train.data.tokenizers.load import load_tokenizer
+from cp_train.data.tokenizers.spm import Tokenizer
 
 PathLike = str | os.PathLike
+class PreprocessError(ValueError):
+    """A bad input file or tokenizer; the message says which and what to change (the command reports it in one
+    line)."""
+
+
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
@@ -70,18 +73,18 @@ def list_input_files(inputs: Sequence[PathLike], glob: str = "*") -> list[Path]:
         elif item.is_file():
             files.append(item)
         else:
-            raise InputError(f"--input {item} does not exist: pass existing files or directories")
+            raise PreprocessError(f"--input {item} does not exist: pass existing files or directories")
     return files
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of the non-blank lines of ``path``; InputError at the first line that is not UTF-8."""
+    """(line number, text) of the non-blank lines of ``path``; PreprocessError at the first line that is not UTF-8."""
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise InputError(f"{path}:{number}: not UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                raise PreprocessError(f"{path}:{number}: not UTF-8 (byte 0x{raw[err.start]:02x} at column "
                                  f"{err.start + 1}); convert the file to UTF-8") from None
             if line.strip():
                 yield number, line
@@ -97,10 +100,10 @@ def iter_documents(files: Iterable[Path], json_key: str = "text") -> Iterator[st
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{number} is not valid JSON ({err.msg} at column {err.colno}); "
+                raise PreprocessError(f"{path}:{number} is not valid JSON ({err.msg} at column {err.colno}); "
                                  f"each line must be one JSON object") from None
             if not isinstance(record, dict) or json_key not in record:
-                raise InputError(f"{path}:{number} has no {json_key!r} field; pass the right --json-key")
+                raise PreprocessError(f"{path}:{number} has no {json_key!r} field; pass the right --json-key")
             yield str(record[json_key])
 
 
@@ -126,7 +129,7 @@ def preprocess(documents: Iterable[str], tokenizer_model: PathLike, output_prefi
     try:
         tokenizer = load_tokenizer(tokenizer_model)
     except FileNotFoundError as error:
-        raise InputError(f"--tokenizer: {error}") from None
+        raise PreprocessError(f"--tokenizer: {error}") from None
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -155,59 +158,3 @@ def preprocess(documents: Iterable[str], tokenizer_model: PathLike, output_prefi
             pool.join()
     return PreprocessSummary(count, tokens, skipped, time.perf_counter() - start,
                              os.fspath(output_prefix))
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="text files, .jsonl files or directories")
-    parser.add_argument("--tokenizer", required=True,
-                        help="SentencePiece .model file, or a HF tokenizer.json or a directory holding one")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
-    parser.add_argument("--json-key", default="text", help="field holding the text in .jsonl")
-    parser.add_argument("--glob", default="*", help="file pattern inside directories (default *)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument(DEBUG_FLAG, action="store_true", help=f"print tracebacks of errors (also {DEBUG_ENV}=1)")
-    return parser.parse_args(argv)
-
-
-def warn(text: str) -> None:
-    print(f"data.preprocess: warning: {text}", file=sys.stderr, flush=True)
-
-
-def run(argv: Sequence[str] | None = None) -> PreprocessSummary:
-    """Preprocess as the command line ``argv`` says; raises ``InputError`` for a bad input."""
-    args = parse_args(argv)
-    if args.output_prefix.endswith(("/", os.sep)) or Path(args.output_prefix).is_dir():
-        raise InputError(f"--output-prefix {args.output_prefix} names a directory: add the files' name, e.g. "
-                         f"{Path(args.output_prefix) / 'data'} (writes data.bin and data.idx there)")
-    files = list_input_files(args.input, args.glob)
-    if not files:
-        raise InputError(f"no input files found in {' '.join(args.input)} (glob {args.glob!r}): "
-                         f"pass files or directories that hold some")
-    for path in files:
-        if path.stat().st_size == 0:
-            warn(f"{path} is empty: it adds no document")
-    has_json = any(p.suffix in JSON_SUFFIXES for p in files)
-    summary = preprocess(iter_documents(files, args.json_key), args.tokenizer, args.output_prefix,
-                         workers=args.workers, progress=not args.quiet,
-                         total=None if has_json else len(files))
-    if summary.documents == 0:
-        warn(f"the inputs hold no document: {data_path(args.output_prefix)} is an empty dataset")
-    print(summary)
-    return summary
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: one line and exit code 2 for a bad input (see the module docstring)."""
-    def command(args: list[str]) -> int:
-        run(args)
-        return 0
-
-    return run_entry_point("data.preprocess", command, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,5 +14,5 @@ shift
 if [[ -z "${NPROC:-}" ]]; then
   NPROC=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
 fi
-exec python -m cp_train.launch --standalone --nproc-per-node "${NPROC}" ${TORCHRUN_ARGS:-} \
+exec python -m cp_train.cli.launch --standalone --nproc-per-node "${NPROC}" ${TORCHRUN_ARGS:-} \
   "${root}/train.py" --config "${config}" "$@"

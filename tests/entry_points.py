@@ -1,5 +1,5 @@
 """Running ``train.py`` as a user does, for the failure tests: ``python train.py`` (a world of one),
-``torchrun`` (``python -m torch.distributed.run``) or ``python -m cp_train.launch`` with 2 ranks.
+``torchrun`` (``python -m torch.distributed.run``) or ``python -m cp_train.cli.launch`` with 2 ranks.
 
 Runs use the tiny model of ``trainer_cases`` on its synthetic corpus, written as a YAML config.
 """

@@ -10,8 +10,8 @@ import torch
 
 import train as train_script
 from cp_train.config.flags import parse_config
-from cp_train.config.schema import Config, ConfigError, build_config, dump_yaml
-from cp_train.config.sources import load_config
+from cp_train.config.schema import Config, ConfigError, dump_yaml
+from cp_train.config.sources import build_config, load_config
 from cp_train.config.validate import validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"

@@ -1,5 +1,5 @@
 """Hugging Face tokenizer.json through the ``tokenizers`` library: the same ids as the library, EOD = eos after
-every document in data.preprocess, the trainer's tokenizer resolution, and clear errors."""
+every document in cp-train-preprocess, the trainer's tokenizer resolution, and clear errors."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import pytest
 from tokenizers import Tokenizer as LibraryTokenizer
 
 from cp_train import build
-from cp_train.config.schema import build_config
+from cp_train.cli.preprocess import main as preprocess_main
+from cp_train.config.sources import build_config
 from cp_train.data.indexed import IndexedDataset
-from cp_train.data.preprocess import main as preprocess_main
 from cp_train.data.tokenizers.hf import BOS_TOKEN, EOS_TOKEN, HFTokenizer, train_hf_tokenizer
-from cp_train.data.tokenizers.spm import Tokenizer, load_tokenizer
+from cp_train.data.tokenizers.load import load_tokenizer
+from cp_train.data.tokenizers.spm import Tokenizer
 
 DOCUMENTS = ["def f(x):\n    return x * 2\n", "déjà vu — naïve café\n", "class A:\n    pass\n\n\n# end"]
 

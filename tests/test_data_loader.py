@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from cp_train import build
-from cp_train.config.schema import build_config
+from cp_train.config.sources import build_config
 from cp_train.data.gpt_dataset import PER_TOKEN_KEYS, GPTDataset
 from cp_train.data.loader import (
     ATTENTION_PLAN,

@@ -1,4 +1,4 @@
-"""python -m data.preprocess on a small temporary corpus of text and JSON-lines files."""
+"""cp-train-preprocess on a small temporary corpus of text and JSON-lines files."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cp_train.cli.preprocess import run
 from cp_train.data.indexed import IndexedDataset, data_path, index_path
-from cp_train.data.preprocess import list_input_files, run
+from cp_train.data.preprocess import PreprocessError, list_input_files
 from cp_train.data.tokenizers.spm import Tokenizer, train_tokenizer
-from cp_train.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,13 +88,13 @@ def test_json_key_selects_the_field(tmp_path, corpus):
 
 def test_bad_inputs(tmp_path, corpus):
     model = corpus[0]
-    with pytest.raises(InputError, match=r"missing\.txt does not exist"):
+    with pytest.raises(PreprocessError, match=r"missing\.txt does not exist"):
         _run(model, [tmp_path / "missing.txt"], tmp_path / "x")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "ok"}\n{not json\n')
     with pytest.raises(ValueError, match=r"broken\.jsonl:2 is not valid JSON"):
         _run(model, [broken], tmp_path / "x")
-    with pytest.raises(InputError, match=r"--tokenizer: .*none\.model is missing"):
+    with pytest.raises(PreprocessError, match=r"--tokenizer: .*none\.model is missing"):
         _run(tmp_path / "none.model", [broken], tmp_path / "x")
 
 
@@ -102,7 +102,7 @@ def test_command_line(tmp_path, corpus):
     model, _, expected, inputs = corpus
     prefix = tmp_path / "cli"
     result = subprocess.run(
-        [sys.executable, "-m", "data.preprocess", "--input", *map(str, inputs), "--tokenizer",
+        [sys.executable, "-m", "cp_train.cli.preprocess", "--input", *map(str, inputs), "--tokenizer",
          str(model), "--output-prefix", str(prefix), "--workers", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -111,14 +111,14 @@ def test_command_line(tmp_path, corpus):
 
 
 def _command(tokenizer_model: Path, inputs: list[Path], prefix: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data.preprocess", "--input", *map(str, inputs), "--tokenizer",
+    return subprocess.run([sys.executable, "-m", "cp_train.cli.preprocess", "--input", *map(str, inputs), "--tokenizer",
                            str(tokenizer_model), "--output-prefix", str(prefix), "--quiet", *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_command_line_errors_are_one_line_naming_the_file(tmp_path, corpus):
-    """Each bad input through ``python -m data.preprocess``: exit code 2, one line naming the file (and line),
-    no traceback, and no output files left behind (an earlier good output stays as it was)."""
+    """Each bad input through ``python -m cp_train.cli.preprocess`` (``cp-train-preprocess``): exit code 2, one
+    line naming the file (and line), no traceback, and no output files left behind (an earlier good output stays as it was)."""
     model = corpus[0]
     good = tmp_path / "good.jsonl"
     good.write_text('{"text": "fine"}\n')
@@ -140,7 +140,7 @@ def test_command_line_errors_are_one_line_naming_the_file(tmp_path, corpus):
         output = done.stdout + done.stderr
         assert done.returncode == 2, (name, output)
         lines = [line for line in output.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("data.preprocess: error: "), (name, output)
+        assert len(lines) == 1 and lines[0].startswith("cp-train-preprocess: error: "), (name, output)
         assert re.search(message, lines[0]), (name, lines[0])
         assert "Traceback" not in output
         assert (data_path(prefix).read_bytes(), index_path(prefix).read_bytes()) == before, name
@@ -153,6 +153,6 @@ def test_command_line_warns_about_empty_inputs(tmp_path, corpus):
     done = _command(corpus[0], [empty], tmp_path / "e")
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == [
-        f"data.preprocess: warning: {empty} is empty: it adds no document",
-        f"data.preprocess: warning: the inputs hold no document: {tmp_path / 'e.bin'} is an empty dataset"]
+        f"cp-train-preprocess: warning: {empty} is empty: it adds no document",
+        f"cp-train-preprocess: warning: the inputs hold no document: {tmp_path / 'e.bin'} is an empty dataset"]
     assert len(IndexedDataset(tmp_path / "e")) == 0

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cp_train.data.tokenizers.spm import Tokenizer, padded_vocab_size, train_tokenizer
+from cp_train.data.tokenizers.load import padded_vocab_size
+from cp_train.data.tokenizers.spm import Tokenizer, train_tokenizer
 
 SOURCES = [Path(textwrap.__file__), Path(json.decoder.__file__)]
 TRICKY = [

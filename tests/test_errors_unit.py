@@ -17,7 +17,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from cp_train.checkpoint.files import DCP_METADATA, LATEST, META, prune, resume_source, step_dir_name
 from cp_train.checkpoint.resume import check_resume, config_changes
 from cp_train.cli.launch import summarize
-from cp_train.config.schema import ConfigError, build_config
+from cp_train.config.schema import ConfigError
+from cp_train.config.sources import build_config
 from cp_train.errors import InputError, RunFailure, describe
 from cp_train.metrics.sinks import drop_records_after
 from cp_train.model import parallelize as data_parallel

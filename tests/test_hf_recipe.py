@@ -1,5 +1,5 @@
 """The README's CPU demo of the long-context recipe, end to end (shortened to 2 steps): a tiny random HF Llama
-(context 128) from cp_train.tiny_hf, its tokenizer.json in data.preprocess, 4 torchrun ranks at cp=4 with
+(context 128) from cp_train.cli.tiny_hf, its tokenizer.json in cp-train-preprocess, 4 torchrun ranks at cp=4 with
 llama3 scaling to 512, export, and transformers loading the result as the same function at 512 tokens."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cp_train.checkpoint.export_hf import main as export_main
-from cp_train.cli.tiny_hf import main as tiny_hf_main
-from cp_train.data.preprocess import main as preprocess_main
+from cp_train.cli.export_hf import run as export_main
+from cp_train.cli.preprocess import main as preprocess_main
+from cp_train.cli.tiny_hf import run as tiny_hf_main
 from cp_train.errors import InputError
 from cp_train.model.hf.llama import load_llama
 from cp_train.parallel.spawn import free_port

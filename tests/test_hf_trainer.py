@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from cp_train.build import resolve_data
 from cp_train.checkpoint.export_hf import export_checkpoint
-from cp_train.checkpoint.export_hf import main as export_main
 from cp_train.checkpoint.files import DCP_METADATA, LATEST, META, step_dir_name
+from cp_train.cli.export_hf import run as export_main
 from cp_train.config.flags import parse_config
 from cp_train.config.schema import ConfigError
 from cp_train.data.tokenizers.spm import train_tokenizer

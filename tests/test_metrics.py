@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from cp_train.cli.plot import run as plot_main
 from cp_train.errors import InputError
-from cp_train.metrics.plot import main as plot_main
 from cp_train.metrics.plot import read_records
 from cp_train.metrics.sinks import METRICS_FILE, MetricsSinks, console_line, progress_bar, wandb_mode
 from cp_train.metrics.throughput import IntervalMeter, gpu_peak_tflops, peak_memory_gib, peak_tflops, reset_peak_memory

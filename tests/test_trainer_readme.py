@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cp_train.metrics.plot import main as plot_main
+from cp_train.cli.plot import run as plot_main
 from cp_train.parallel.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

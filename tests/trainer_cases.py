@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from cp_train import build
 from cp_train import trainer as trainer_module
-from cp_train.config.schema import Config, build_config
+from cp_train.config.schema import Config
+from cp_train.config.sources import build_config
 from cp_train.data.indexed import IndexedDatasetWriter
 from cp_train.metrics.sinks import METRICS_FILE
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState

@@ -1,6 +1,6 @@
 """Export a training checkpoint (DCP, any tp/cp/dp layout) as a Hugging Face Llama directory.
 
-    python -m cp_train.export_hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--tokenizer-from HF_DIR]
+    cp-train-export-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--tokenizer-from HF_DIR]
 
 ``CHECKPOINT_DIR`` is a run's checkpoint directory (its ``latest``) or one ``step_*`` directory. The
 model shape comes from the checkpoint's ``meta.json``; each tensor is read at full shape straight
@@ -12,13 +12,10 @@ directory when it still exists).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
-import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from cp_train.build import ensure_writable_dir
 from cp_train.checkpoint.dcp import META, find_checkpoint
 from cp_train.checkpoint.files import newest_complete
-from cp_train.errors import InputError, run_entry_point
+from cp_train.errors import InputError
 from cp_train.model.config import ModelConfig
 from cp_train.model.hf.llama import DEFAULT_SHARD_BYTES, write_hf_model
 from cp_train.model.hf.weights import hf_tensors
@@ -99,29 +96,3 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> Path:
-    """The command line (``python -m cp_train.export_hf --help``); returns the output directory."""
-    parser = argparse.ArgumentParser(prog="python -m cp_train.export_hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="checkpoint directory (its `latest`) or one step_* directory")
-    parser.add_argument("out", help="output directory (config.json, safetensors, tokenizer files)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="stored dtype (default: as saved)")
-    parser.add_argument("--tokenizer-from", default=None,
-                        help="HF directory whose tokenizer files and token ids to copy (default: the run's "
-                             "checkpoint.init_from_hf)")
-    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 2**30,
-                        help="largest safetensors file before sharding (default 5)")
-    args = parser.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype), args.tokenizer_from,
-                            int(args.max_shard_gb * 2**30))
-    print(f"exported {args.checkpoint} to {out}")
-    if not any((out / name).is_file() for name in TOKENIZER_FILES):
-        print(f"no tokenizer files in {out}: the run's tokenizer is not a Hugging Face one; copy them with "
-              f"--tokenizer-from HF_DIR (tokenizer.json and its config) for transformers' AutoTokenizer")
-    return out
-
-
-if __name__ == "__main__":
-    sys.exit(run_entry_point("python -m cp_train.export_hf", lambda args: main(args) and None))

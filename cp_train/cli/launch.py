@@ -1,4 +1,4 @@
-"""torchrun with a one-line failure report: ``python -m cp_train.launch [torchrun options] train.py [args]``.
+"""torchrun with a one-line failure report: ``python -m cp_train.cli.launch [torchrun options] train.py [args]``.
 
 It takes torchrun's own arguments and runs torchrun's own launcher (``torch.distributed.run``). When a
 worker fails, plain torchrun logs the failure, prints a Python traceback of its own launcher and a
@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-PROG = "cp_train.launch"
+PROG = "cp_train.cli.launch"
 QUIETED_LOGGERS = "torch.distributed.elastic.multiprocessing"  # log each failure: the summary line says it all
 
 

@@ -1,6 +1,6 @@
 """A tiny random Hugging Face Llama with a BPE ``tokenizer.json``, for CPU demos of the HF recipes (no downloads).
 
-    python -m cp_train.tiny_hf OUT_DIR [--context 128] [--vocab-size 2048] [--seed 0]
+    python -m cp_train.cli.tiny_hf OUT_DIR [--context 128] [--vocab-size 2048] [--seed 0]
 
 Trains a byte-level BPE tokenizer (Llama 3 style: ``<|begin_of_text|>`` before every document,
 ``<|end_of_text|>`` = EOD) on the installed Python standard library's sources, draws a small
@@ -47,12 +47,12 @@ def make_tiny_hf(out_dir: str | Path, context: int = 128, vocab_size: int = 2048
     model = GPTModel(tiny_model_config(tokenizer.vocab_size, context, seed))
     save_llama(model, out, extra_config={"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eos})
     (out / "README.txt").write_text(f"Random tiny Llama (seed {seed}, context {context}) made by "
-                                    f"python -m cp_train.tiny_hf for CPU demos; it has never been trained.\n")
+                                    f"python -m cp_train.cli.tiny_hf for CPU demos; it has never been trained.\n")
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m cp_train.tiny_hf", description=__doc__,
+def run(argv: Sequence[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(prog="python -m cp_train.cli.tiny_hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="output directory")
     parser.add_argument("--context", type=int, default=128, help="max_position_embeddings (default 128)")
@@ -66,5 +66,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     return out
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_entry_point("python -m cp_train.cli.tiny_hf", lambda args: run(args) and None, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(run_entry_point("python -m cp_train.tiny_hf", lambda args: main(args) and None))
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """The training command: parse the config, start torch.distributed from torchrun's environment, train.
 
-``train.py`` at the repository root and ``python -m cp_train`` (an installed package: ``torchrun
---nproc-per-node N -m cp_train --config FILE``) both run ``main``. Parses the config (YAML < flags <
+``train.py`` at the repository root, the ``cp-train`` console script and ``python -m cp_train`` (``torchrun
+--nproc-per-node N -m cp_train --config FILE``) all run ``main``. Parses the config (YAML < flags <
 ``--set``), initialises torch.distributed (nccl on CUDA, gloo on CPU; every collective bounded by
 ``parallel.timeout_minutes``), builds the run and trains; ``--dry-run`` plans the memory instead.
 
@@ -63,3 +63,8 @@ def train(argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "train.py") -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     return run_entry_point(prog, train, argv, explain=explain_collective_failure)
+
+
+def console_main() -> int:
+    """The ``cp-train`` console script: ``train.py`` under another name."""
+    return main(prog="cp-train")

@@ -242,33 +242,5 @@ def _mapping(key: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-DEPRECATED_KEYS = {"model.attention_layout": "parallel.cp_layout"}  # old key -> new key (still read)
-
-
-def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
-    """Defaults updated by each ``(source, {dotted key: value})`` layer in order (later wins). Deprecated keys
-    set the new key and leave a one-line note in ``config.deprecations``."""
-    config = Config()
-    notes = []
-    for source, values in layers:
-        for key, value in values.items():
-            if key in DEPRECATED_KEYS:
-                notes.append(f"{source}: {key} is deprecated, use {DEPRECATED_KEYS[key]} (read as that)")
-                key = DEPRECATED_KEYS[key]
-            try:
-                kind = field_type(key)
-            except ConfigError as error:
-                raise ConfigError(f"{source}: {error}") from None
-            section, name = key.split(".", 1)
-            setattr(getattr(config, section), name, coerce(key, value, kind))
-    config.model.resolve()
-    config.explicit_keys = frozenset(DEPRECATED_KEYS.get(key, key) for _, values in layers for key in values)
-    config.deprecations = tuple(notes)
-    if config.checkpoint.init_from_hf:
-        from cp_train.config.hf_init import apply_hf_model  # the model's shape comes from the HF config.json
-        apply_hf_model(config)
-    return config
-
-
 def dump_yaml(config: Config) -> str:
     return yaml.safe_dump(config.to_dict(), sort_keys=False)

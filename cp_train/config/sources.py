@@ -1,5 +1,5 @@
 """Where a config comes from: a YAML file, command-line flags and ``--set key=value`` overrides, layered
-onto the defaults by ``config.build_config`` (later wins)."""
+onto the defaults by ``build_config`` (later wins)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,35 @@ from typing import Any
 
 import yaml
 
-from cp_train.config.schema import Config, ConfigError, build_config
+from cp_train.config.hf_init import apply_hf_model
+from cp_train.config.schema import Config, ConfigError, coerce, field_type
+
+DEPRECATED_KEYS = {"model.attention_layout": "parallel.cp_layout"}  # old key -> new key (still read)
+
+
+def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
+    """Defaults updated by each ``(source, {dotted key: value})`` layer in order (later wins). Deprecated keys
+    set the new key and leave a one-line note in ``config.deprecations``."""
+    config = Config()
+    notes = []
+    for source, values in layers:
+        for key, value in values.items():
+            if key in DEPRECATED_KEYS:
+                notes.append(f"{source}: {key} is deprecated, use {DEPRECATED_KEYS[key]} (read as that)")
+                key = DEPRECATED_KEYS[key]
+            try:
+                kind = field_type(key)
+            except ConfigError as error:
+                raise ConfigError(f"{source}: {error}") from None
+            section, name = key.split(".", 1)
+            setattr(getattr(config, section), name, coerce(key, value, kind))
+    config.model.resolve()
+    config.explicit_keys = frozenset(DEPRECATED_KEYS.get(key, key) for _, values in layers for key in values)
+    config.deprecations = tuple(notes)
+    if config.checkpoint.init_from_hf:
+        apply_hf_model(config)  # the model's shape comes from the HF config.json
+    return config
+
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -24,7 +24,7 @@ import torch
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
 from cp_train.data.default_corpus import DEFAULT_VOCAB_SIZE
-from cp_train.data.tokenizers.spm import load_tokenizer, padded_vocab_size
+from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.memory.activations import activation_estimate
 from cp_train.model.meta import meta_model
 from cp_train.model.parallelize import fsdp_shard_dim

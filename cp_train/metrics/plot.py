@@ -1,6 +1,6 @@
 """Loss and throughput curves of a run, drawn from its ``metrics.jsonl``.
 
-    python -m cp_train.plot RUN_DIR [--out DIR]
+    python -m cp_train.cli.plot RUN_DIR [--out DIR]
 
 Writes ``loss.png`` (training loss, and validation loss when the run evaluated) and
 ``throughput.png`` (tokens/s per device, TFLOP/s per device, MFU) to ``--out`` (default: RUN_DIR).
@@ -9,14 +9,11 @@ Needs matplotlib (``pip install -e ".[dev]"``).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cp_train.errors import InputError, run_entry_point
+from cp_train.errors import InputError
 from cp_train.metrics.sinks import METRICS_FILE
 
 
@@ -79,19 +76,3 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     figure.savefig(written[-1], dpi=120)
     plt.close(figure)
     return written
-
-
-def main(argv: Sequence[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(prog="python -m cp_train.plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="the run directory (logging.dir) holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR)")
-    args = parser.parse_args(argv)
-    written = plot_run(args.run_dir, args.out)
-    for path in written:
-        print(path)
-    return written
-
-
-if __name__ == "__main__":
-    sys.exit(run_entry_point("python -m cp_train.plot", lambda args: main(args) and None))

@@ -3,7 +3,7 @@
 ``HFTokenizer(path)`` takes a ``tokenizer.json`` file or a model directory holding one. ``encode``
 returns exactly the ids of ``tokenizers.Tokenizer.from_file(...).encode(text).ids`` (the
 tokenizer's own post-processor decides on special tokens such as Llama 3's begin-of-text).
-EOD (appended after every document by ``data.preprocess``) is the tokenizer's eos: the
+EOD (appended after every document by ``cp-train-preprocess``) is the tokenizer's eos: the
 ``eos_token`` of ``tokenizer_config.json`` beside it, else the ``eos_token_id`` of ``config.json``
 or ``generation_config.json`` there.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _Tokenizer
 
-from cp_train.data.tokenizers.spm import padded_vocab_size
+from cp_train.data.tokenizers.vocab import padded_vocab_size
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -1,7 +1,7 @@
 """SentencePiece tokenizer: a thin wrapper for the trainer and a deterministic trainer for models.
 
-``load_tokenizer(path)`` opens either kind: SentencePiece ``.model`` files here, Hugging Face
-``tokenizer.json`` files (or their directories) in ``data.hf_tokenizer``.
+``load.load_tokenizer(path)`` opens either kind: SentencePiece ``.model`` files (here) or Hugging Face
+``tokenizer.json`` files and their directories (``hf.py``).
 
 Models made by ``train_tokenizer`` keep text byte-exact (identity normalization, whitespace kept,
 byte fallback for characters outside the vocab), so ``decode(encode(text)) == text`` for any
@@ -18,17 +18,11 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from cp_train.data.tokenizers.vocab import padded_vocab_size
+
 PathLike = str | os.PathLike
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-
-
-def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
-    """Smallest multiple of ``multiple * tp`` that is >= ``vocab_size`` (Megatron's padding)."""
-    if tp < 1 or multiple < 1:
-        raise ValueError(f"tp ({tp}) and multiple ({multiple}) must be positive")
-    step = multiple * tp
-    return math.ceil(vocab_size / step) * step
 
 
 class Tokenizer:
@@ -39,7 +33,7 @@ class Tokenizer:
         if not self.model_path.is_file():
             raise FileNotFoundError(
                 f"tokenizer model {self.model_path} is missing; train one with train_tokenizer or "
-                f"build the default one with python -m data.prepare_default")
+                f"build the default one with python -m cp_train.cli.prepare_corpus")
         try:
             self._sp = spm.SentencePieceProcessor(model_file=str(self.model_path))
         except RuntimeError as error:  # sentencepiece's "could not parse ModelProto"
@@ -91,19 +85,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (any iterable of ints: list, numpy array, 1-D tensor)."""
         return self._sp.decode([int(i) for i in ids])
-
-
-def load_tokenizer(path: PathLike) -> Tokenizer:
-    """The tokenizer at ``path``: a Hugging Face ``tokenizer.json`` (or a directory holding one) through the
-    ``tokenizers`` library (``data.hf_tokenizer.HFTokenizer``), otherwise a SentencePiece model."""
-    path = Path(path)
-    if not path.exists() and path.suffix != ".model":
-        raise FileNotFoundError(f"tokenizer {path} is missing: pass a SentencePiece .model file, a Hugging Face "
-                                f"tokenizer.json, or a directory holding tokenizer.json")
-    if path.is_dir() or path.suffix == ".json":
-        from cp_train.data.tokenizers.hf import HFTokenizer  # imports the tokenizers library only when needed
-        return HFTokenizer(path)  # type: ignore[return-value]  # the same interface
-    return Tokenizer(path)
 
 
 def _lines(paths: Sequence[Path]) -> Iterator[str]:
