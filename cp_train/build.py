@@ -26,9 +26,10 @@ from cp_train.errors import InputError, agree
 from cp_train.model import GPTModel
 from cp_train.model.hf.llama import load_llama_weights
 from cp_train.model.meta import allocate, materialize, meta_model
-from cp_train.model.parallelize import replicate_with_ddp, shard_with_fsdp
+from cp_train.model.parallelize import shard_with_fsdp
 from cp_train.model.shards import full_shape, local_tensor
 from cp_train.parallel.cp.plan.batch_plan import SamplePlanner
+from cp_train.parallel.dp.ddp import replicate_with_ddp
 from cp_train.parallel.mesh.groups import run_device
 from cp_train.parallel.mesh.state import ParallelState
 

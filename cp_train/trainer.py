@@ -40,9 +40,9 @@ from cp_train.metrics.throughput import (
     peak_tflops,
     reset_peak_memory,
 )
-from cp_train.model.parallelize import gradient_sync
 from cp_train.optim import LRSchedule, build_optimizer, clip_gradients, global_grad_norm
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.dp.ddp import gradient_sync
 from cp_train.parallel.mesh.state import ParallelState
 from cp_train.results import BatchLoss, NonFiniteLossError, StepResult, TrainResult
 

@@ -1,4 +1,5 @@
-"""Rank-side checks of the data-parallel wrappers (``cp_train/data_parallel.py``) on the tiny trainer run.
+"""Rank-side checks of the data-parallel wrappers (``parallel/dp/ddp.py``, ``model/parallelize.py``) on the tiny
+trainer run.
 
 Called as ``run_with_parallel((tp, cp, dp), fn, ...)`` on every rank of a spawned gloo world.
 """
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from cp_train.model import parallelize as data_parallel
+from cp_train.parallel.dp import ddp as data_parallel
 from cp_train.parallel.mesh.state import ParallelState
 from cp_train.trainer import Trainer
 from tests.trainer_cases import GLOBAL_BATCH, tiny_config

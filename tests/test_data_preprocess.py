@@ -118,7 +118,8 @@ def _command(tokenizer_model: Path, inputs: list[Path], prefix: Path, *extra: st
 
 def test_command_line_errors_are_one_line_naming_the_file(tmp_path, corpus):
     """Each bad input through ``python -m cp_train.cli.preprocess`` (``cp-train-preprocess``): exit code 2, one
-    line naming the file (and line), no traceback, and no output files left behind (an earlier good output stays as it was)."""
+    line naming the file (and line), no traceback, and no output files left behind (an earlier good output
+    stays as it was)."""
     model = corpus[0]
     good = tmp_path / "good.jsonl"
     good.write_text('{"text": "fine"}\n')

@@ -21,7 +21,7 @@ from cp_train.config.schema import ConfigError
 from cp_train.config.sources import build_config
 from cp_train.errors import InputError, RunFailure, describe
 from cp_train.metrics.sinks import drop_records_after
-from cp_train.model import parallelize as data_parallel
+from cp_train.parallel.dp import ddp as data_parallel
 from cp_train.parallel.mesh import collectives
 
 
