@@ -24,10 +24,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.common import emit, median, peak_memory_mb, reset_peak_memory  # noqa: E402  (sets the env the ranks start with)
+from cp_train.model.attention import attention_spec  # noqa: E402
 from cp_train.model.block import Block, BlockInputs  # noqa: E402
 from cp_train.model.config import ModelConfig  # noqa: E402
 from cp_train.model.rope import rope_tables  # noqa: E402
 from cp_train.parallel.cp.layout import sequence_positions  # noqa: E402
+from cp_train.parallel.mesh.model_parallel import ModelParallel  # noqa: E402
 from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
 
 
@@ -35,18 +37,20 @@ def measure_block(config: ModelConfig, layout: str, seq: int, batch: int, repeat
     """Run on every rank of a world that is the CP group: peak added MB and seconds of fwd + bwd."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    block = Block(config, 0, cp_group=dist.group.WORLD, cp_layout=layout)
+    parallel = ModelParallel.build(cp_group=dist.group.WORLD, layout=layout)
+    block = Block(config, 0, parallel)
     local = seq // world
     positions = sequence_positions(seq, rank, world, layout if world > 1 else "contiguous")
     cos, sin = rope_tables(positions.expand(batch, local), config.head_dim, config.rope_theta)
     x = torch.randn(batch, local, config.hidden_size, requires_grad=True)
     dout = torch.randn(batch, local, config.hidden_size)
+    inputs = BlockInputs(cos, sin, attention_spec(config, parallel, x.device, x.dtype, batch, None), None)
     added, seconds = [], []
     for index in range(1 + repeats):
         dist.barrier()
         base = reset_peak_memory()
         start = time.perf_counter()
-        block(x, BlockInputs(cos, sin, None)).backward(dout)
+        block(x, inputs).backward(dout)
         if index > 0:  # the first step is the warm-up
             seconds.append(time.perf_counter() - start)
             added.append(peak_memory_mb() - base)

@@ -1,7 +1,28 @@
-"""cp-train: the GPT model (config, blocks, FLOPs)."""
+"""cp_train.model: the GPT model (the same function as Hugging Face Llama), its FLOPs and its HF weights.
 
-from cp_train.model.config import ModelConfig, param_seed
-from cp_train.model.flops import matmul_params, model_flops_per_token
-from cp_train.model.gpt import GPTModel
+Loaded lazily (see ``cp_train.parallel``); FSDP2 for this model is ``cp_train.model.parallelize``.
+"""
 
-__all__ = ["GPTModel", "ModelConfig", "matmul_params", "model_flops_per_token", "param_seed"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {  # public name -> the module that defines it
+    "GPTModel": "cp_train.model.gpt",
+    "ModelConfig": "cp_train.model.config",
+    "load_llama": "cp_train.model.hf.llama",
+    "save_llama": "cp_train.model.hf.llama",
+    "model_flops_per_token": "cp_train.model.flops",
+    "matmul_params": "cp_train.model.flops",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:  # PEP 562: load a name's module on first use
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -12,41 +12,38 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.model.rope import apply_rope
-from cp_train.parallel.cp.attention import as_groups, context_parallel_attention
+from cp_train.parallel.cp.attention import attend
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
-from cp_train.parallel.mesh.groups import CPGroups
-from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, group_size_and_rank
+from cp_train.parallel.cp.spec import AttentionSpec, build_spec
+from cp_train.parallel.mesh.model_parallel import ModelParallel
+from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class Attention(nn.Module):
     """Self-attention of one block. Input and output ``[B, n, hidden]``: this rank's ``n`` tokens
-    of the sequence in ``cp_layout``, replicated over ``tp_group``.
+    of the sequence in ``parallel.layout``, replicated over the TP group.
 
-    Local heads: ``num_heads / tp`` query heads and ``num_kv_heads / tp`` kv heads. ``cp_group``
-    None means no CP (the local sequence is the whole sequence); ``cp_algorithm`` how CP attends.
+    Local heads: ``num_heads / tp`` query heads and ``num_kv_heads / tp`` kv heads. ``parallel`` (validated
+    once, ``ModelParallel.build``; None: no TP or CP) holds the groups, the layout and the CP algorithm.
     """
 
-    def __init__(self, config: ModelConfig, layer: int, tp_group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
-                 cp_algorithm: str = "ring", dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer: int, parallel: ModelParallel | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
-        tp, _ = group_size_and_rank(tp_group)
-        self.cp_groups = as_groups(cp_group)
-        self.cp_layout = cp_layout if self.cp_groups.size > 1 else "contiguous"  # cp=1: all alike
-        self.cp_algorithm = cp_algorithm
+        parallel = parallel or ModelParallel.build()
+        self.cp_groups = parallel.cp
         self.backend = config.attention_backend
         self.head_dim = config.head_dim
         self.group_size = config.num_heads // config.num_kv_heads  # query heads per kv head
-        self.local_kv_heads = config.num_kv_heads // tp
+        self.local_kv_heads = config.num_kv_heads // parallel.tp_size
         self.local_heads = self.local_kv_heads * self.group_size
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * self.head_dim
         name = f"layers.{layer}.attention"
+        tp_group = parallel.tp_group
         self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, bias=False, group=tp_group,
                                         seed=param_seed(config.seed, f"{name}.qkv"), init_std=config.init_std,
                                         dtype=dtype, device=device)
@@ -56,15 +53,25 @@ class Attention(nn.Module):
                                       init_std=config.init_std / math.sqrt(2 * config.num_layers),
                                       dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                plan: CPPlan | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec,
+                plan: CPPlan | None) -> torch.Tensor:
         """``x`` ``[B, n, hidden]``; ``cos``/``sin`` from ``rope_tables`` of this rank's global positions;
-        ``plan`` the batch's CP plan (``parallel.cp_attention.attention_plan``; None: built here)."""
+        ``spec`` and ``plan`` this forward's (``GPTModel.attention_spec``, ``GPTModel.build_cp_plan``), shared by
+        every layer and trusted: no checks here."""
         batch, n, _ = x.shape
         qkv = self.qkv(x).view(batch, n, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, : self.group_size].reshape(batch, n, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, self.group_size], qkv[:, :, :, self.group_size + 1].contiguous()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = context_parallel_attention(q, k, v, self.cp_groups, self.cp_layout, causal=True,
-                                         backend=self.backend, plan=plan, algorithm=self.cp_algorithm)
+        out, _ = attend(q, k, v, self.cp_groups, spec, plan)
         return self.proj(out.reshape(batch, n, self.local_heads * self.head_dim))
+
+
+def attention_spec(config: ModelConfig, parallel: ModelParallel, device: torch.device, dtype: torch.dtype,
+                   batch: int, plan: CPPlan | None) -> AttentionSpec:
+    """The spec every layer's attention shares in one forward: q ``[batch, n, heads/tp, head_dim]`` of
+    ``dtype`` (the compute dtype: autocast's when it is on), causal, in the model's layout and algorithm."""
+    kv_heads = config.num_kv_heads // parallel.tp_size
+    return build_spec(device, dtype, batch, config.num_heads // parallel.tp_size, kv_heads, config.head_dim,
+                      algorithm=parallel.algorithm, layout=parallel.attention_layout, causal=True,
+                      backend=config.attention_backend, plan=plan)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -11,46 +10,44 @@ from cp_train.model.attention import Attention
 from cp_train.model.config import ModelConfig
 from cp_train.model.mlp import MLP
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
-from cp_train.parallel.mesh.groups import CPGroups
+from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.mesh.model_parallel import ModelParallel
 
 
 class BlockInputs:
-    """What every block of one forward shares: the RoPE tables ``cos``/``sin`` of this rank's global positions
-    (``model.rope.rope_tables``) and the attention ``plan`` (``GPTModel.forward`` builds it once; None: the
-    plain local kernel).
+    """What every block of one forward shares, built once by ``GPTModel.forward``: the RoPE tables
+    ``cos``/``sin`` of this rank's global positions (``model.rope.rope_tables``), the attention ``spec``
+    (``attention.attention_spec``) and the batch's CP ``plan`` (None: the plain local kernel).
 
     A plain class on purpose: FSDP2 searches each sharded module's arguments for tensors that need gradients,
     through dataclasses too, and searching the plan (index tensors, none needing gradients) took 150-450 us
     per block call at cp 2-8."""
 
-    __slots__ = ("cos", "sin", "plan")
+    __slots__ = ("cos", "sin", "spec", "plan")
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, plan: CPPlan | None) -> None:
-        self.cos, self.sin, self.plan = cos, sin, plan
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec, plan: CPPlan | None) -> None:
+        self.cos, self.sin, self.spec, self.plan = cos, sin, spec, plan
 
 
 class Block(nn.Module):
-    """Input and output ``[B, n, hidden]`` (this rank's tokens, replicated over ``tp_group``).
+    """Input and output ``[B, n, hidden]`` (this rank's tokens, replicated over the TP group of ``parallel``).
 
     The RMSNorm weights are replicated over TP (and CP); with ``config.activation_checkpointing``
     only the block's input is kept for the backward and the block is recomputed there (the
     ring attention's communication included).
     """
 
-    def __init__(self, config: ModelConfig, layer: int, tp_group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
-                 cp_algorithm: str = "ring", dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer: int, parallel: ModelParallel | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.checkpointing = config.activation_checkpointing
         self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
-        self.attention = Attention(config, layer, tp_group, cp_group, cp_layout, cp_algorithm, dtype=dtype,
-                                   device=device)
+        self.attention = Attention(config, layer, parallel, dtype=dtype, device=device)
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
-        self.mlp = MLP(config, layer, tp_group, dtype=dtype, device=device)
+        self.mlp = MLP(config, layer, parallel.tp_group if parallel else None, dtype=dtype, device=device)
 
     def _forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), inputs.cos, inputs.sin, inputs.plan)
+        x = x + self.attention(self.attention_norm(x), inputs.cos, inputs.sin, inputs.spec, inputs.plan)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:

@@ -19,19 +19,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cp_train.model.attention import attention_spec
 from cp_train.model.block import Block, BlockInputs
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.model.rope import rope_tables
-from cp_train.parallel.cp.algorithms import canonical_algorithm, check_heads
-from cp_train.parallel.cp.attention import as_groups, attention_plan
+from cp_train.parallel.cp.algorithms import check_heads
+from cp_train.parallel.cp.attention import build_cp_plan
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, SamplePlanner
-from cp_train.parallel.mesh.groups import CPGroups
+from cp_train.parallel.mesh.model_parallel import ModelParallel
 from cp_train.parallel.tp.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel_region,
-    group_size_and_rank,
     vocab_parallel_cross_entropy,
 )
 
@@ -46,36 +46,35 @@ def _lm_head(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory:
                                 seed=param_seed(config.seed, "lm_head"), init_std=config.init_std, **factory)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the blocks' projections compute in: autocast's when it is on for ``x``'s device, else ``x``'s."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 def _is_int(x: torch.Tensor) -> bool:
     return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
 
 
 class GPTModel(nn.Module):
-    """GPT over a TP group and a CP group (None: size 1; ``CPGroups`` with the Ulysses and ring subgroups
-    for the hybrid algorithm). ``cp_layout``: how the sequence is split over CP (``parallel/layout.py``);
-    ``cp_algorithm``: ring, allgather, ulysses or hybrid (``parallel/attention_spec.py``)."""
+    """GPT over the TP and CP groups of ``parallel`` (``ModelParallel``, validated once; None: no TP or CP),
+    which also says how the sequence is split over CP (``parallel.layout``) and how CP attends
+    (``parallel.algorithm``: ring, allgather, ulysses or hybrid). The model checks it against ``config`` here,
+    once; the layers trust it."""
 
-    def __init__(self, config: ModelConfig, tp_group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 cp_algorithm: str = "ring") -> None:
+    def __init__(self, config: ModelConfig, parallel: ModelParallel | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.tp_size, _ = group_size_and_rank(tp_group)
-        self.cp_groups = as_groups(cp_group)
-        self.cp_size, self.cp_rank = self.cp_groups.size, self.cp_groups.rank
-        config.validate(self.tp_size, self.cp_size, layout=cp_layout)
-        self.cp_algorithm = canonical_algorithm(cp_algorithm) if self.cp_size > 1 else "ring"
-        degree = self.cp_groups.ulysses_size if self.cp_algorithm == "hybrid" else self.cp_size
-        check_heads(self.cp_algorithm, config.num_heads // self.tp_size, config.num_kv_heads // self.tp_size,
-                    degree)
-        self.cp_layout = cp_layout
-        self.config, self.tp_group, self.cp_group = config, tp_group, self.cp_groups.cp
+        parallel = parallel or ModelParallel.build()
+        config.validate(parallel.tp_size, parallel.cp_size, layout=parallel.layout)
+        check_heads(parallel.algorithm, config.num_heads // parallel.tp_size,
+                    config.num_kv_heads // parallel.tp_size, parallel.ulysses_degree)
+        self.config, self.parallel = config, parallel
         factory = {"dtype": dtype, "device": device}
-        self.embedding = _embedding(config, tp_group, **factory)
-        self.layers = nn.ModuleList(Block(config, i, tp_group, self.cp_groups, self.cp_layout, self.cp_algorithm,
-                                          **factory) for i in range(config.num_layers))
+        self.embedding = _embedding(config, parallel.tp_group, **factory)
+        self.layers = nn.ModuleList(Block(config, i, parallel, **factory) for i in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, **factory)
-        self.lm_head = None if config.tie_embeddings else _lm_head(config, tp_group, **factory)
+        self.lm_head = None if config.tie_embeddings else _lm_head(config, parallel.tp_group, **factory)
 
     def reference_units(self) -> Iterator[tuple[str, nn.Module]]:
         """``(name, module)`` for each child (the embedding, every block, the norm, the head), built one at a
@@ -90,8 +89,8 @@ class GPTModel(nn.Module):
 
     def local_positions(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
         """Global positions ``[local_len]`` of this rank's tokens in the CP layout."""
-        layout = self.cp_layout if self.cp_size > 1 else "contiguous"  # the same at cp = 1, any length
-        return sequence_positions(local_len * self.cp_size, self.cp_rank, self.cp_size, layout, device)
+        p = self.parallel
+        return sequence_positions(local_len * p.cp_size, p.cp_rank, p.cp_size, p.attention_layout, device)
 
     def _check_inputs(self, tokens: torch.Tensor, position_ids: torch.Tensor | None,
                       labels: torch.Tensor | None, document_ids: torch.Tensor | None) -> None:
@@ -99,7 +98,7 @@ class GPTModel(nn.Module):
             raise ValueError(f"tokens must be an integer tensor [batch, local_seqlen], got {tokens.dtype} "
                              f"{tuple(tokens.shape)}")
         batch, n = tokens.shape
-        self.config.check_sequence(n * self.cp_size, self.cp_size, self.cp_layout)
+        self.config.check_sequence(n * self.parallel.cp_size, self.parallel.cp_size, self.parallel.layout)
         if position_ids is not None and (not _is_int(position_ids)
                                          or tuple(position_ids.shape) not in ((batch, n), (n,))):
             raise ValueError(f"position_ids must be integer [batch, local_seqlen] = [{batch}, {n}] (or [{n}]), "
@@ -109,17 +108,17 @@ class GPTModel(nn.Module):
                 raise ValueError(f"{name} must be an integer tensor shaped like tokens {tuple(tokens.shape)}, got "
                                  f"{x.dtype} {tuple(x.shape)}")
 
-    def attention_plan(self, local_len: int, document_ids: torch.Tensor | None = None,
-                       position_ids: torch.Tensor | None = None) -> CPPlan | None:
-        """The attention's plan for a batch (every layer uses it): see ``forward``'s arguments."""
-        layout = self.cp_layout if self.cp_size > 1 else "contiguous"
-        return attention_plan(self.cp_groups, layout, True, local_len, document_ids, position_ids,
-                              self.cp_algorithm)
+    def build_cp_plan(self, local_len: int, document_ids: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None) -> CPPlan | None:
+        """The batch's CP plan (every layer uses it): see ``forward``'s arguments."""
+        p = self.parallel
+        return build_cp_plan(p.cp, p.attention_layout, True, local_len, document_ids, position_ids, p.algorithm)
 
     def sample_planner(self) -> SamplePlanner:
-        """``attention_plan`` for a data loader that holds whole samples (``data.loader``): the same plan, made
-        from every CP rank's document ids without communication."""
-        return SamplePlanner(self.cp_algorithm, self.cp_size, self.cp_rank, self.cp_groups.ulysses_size)
+        """``build_cp_plan`` for a data loader that holds whole samples (``cp_train.data.loader``): the same plan,
+        made from every CP rank's document ids without communication."""
+        p = self.parallel
+        return SamplePlanner(p.algorithm, p.cp_size, p.cp_rank, p.cp.ulysses_size)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
@@ -135,7 +134,7 @@ class GPTModel(nn.Module):
         self._check_inputs(tokens, position_ids, labels, document_ids)
         batch, n = tokens.shape
         if plan is None:
-            plan = self.attention_plan(n, document_ids, position_ids)
+            plan = self.build_cp_plan(n, document_ids, position_ids)
         if position_ids is None:
             position_ids = self.local_positions(n, tokens.device)
         position_ids = position_ids.expand(batch, n)
@@ -143,12 +142,13 @@ class GPTModel(nn.Module):
         cos, sin = rope_tables(position_ids, config.head_dim, config.rope_theta, scaling=config.rope_scaling,
                                max_position_embeddings=config.max_position_embeddings)
         x = self.embedding(tokens)
-        inputs = BlockInputs(cos, sin, plan)
+        spec = attention_spec(config, self.parallel, x.device, _compute_dtype(x), batch, plan)
+        inputs = BlockInputs(cos, sin, spec, plan)
         for layer in self.layers:
             x = layer(x, inputs)
-        x = copy_to_tensor_parallel_region(self.norm(x), self.tp_group)
+        x = copy_to_tensor_parallel_region(self.norm(x), self.parallel.tp_group)
         weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, weight)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+        return vocab_parallel_cross_entropy(logits, labels, self.parallel.tp_group)

@@ -1,6 +1,6 @@
 """Build a ``GPTModel`` without allocating it (meta device), then give each rank only its shards.
 
-    model = meta_model(config, tp_group, cp_groups, "zigzag")   # shapes only, TP attributes kept
+    model = meta_model(config, state.model_parallel("zigzag"))   # shapes only, TP attributes kept
     ... wrap it (fully_shard) while it is still on the meta device ...
     allocate(model, device)                                      # uninitialised local shards
     materialize(model)                                           # the seeded values of those shards
@@ -15,21 +15,18 @@ same seed (``GPTModel(...)`` on a real device), in every layout, with or without
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from cp_train.model.config import ModelConfig
 from cp_train.model.gpt import GPTModel
 from cp_train.model.shards import local_region, local_tensor, mark_tensor_parallel, tensor_parallel_dims
-from cp_train.parallel.mesh.groups import CPGroups
-from cp_train.parallel.tp.layers import group_size_and_rank
+from cp_train.parallel.mesh.model_parallel import ModelParallel
 
 
-def meta_model(config: ModelConfig, tp_group: dist.ProcessGroup | None = None,
-               cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
-               dtype: torch.dtype | None = None, cp_algorithm: str = "ring") -> GPTModel:
+def meta_model(config: ModelConfig, parallel: ModelParallel | None = None,
+               dtype: torch.dtype | None = None) -> GPTModel:
     """The ``GPTModel`` on the meta device: this rank's TP shapes and attributes, no storage, no init."""
     with torch.device("meta"):
-        return GPTModel(config, tp_group, cp_group, cp_layout, dtype=dtype, cp_algorithm=cp_algorithm)
+        return GPTModel(config, parallel, dtype=dtype)
 
 
 def allocate(model: torch.nn.Module, device: torch.device | str) -> None:
@@ -42,7 +39,7 @@ def allocate(model: torch.nn.Module, device: torch.device | str) -> None:
 @torch.no_grad()
 def materialize(model: GPTModel) -> None:
     """Fill every parameter's local block (its TP and FSDP shard) with the seeded initial values."""
-    tp_size, tp_rank = group_size_and_rank(model.tp_group)
+    tp_size, tp_rank = model.parallel.tp_size, model.parallel.tp_rank
     params = dict(model.named_parameters())
     for prefix, unit in model.reference_units():
         for name, full in unit.named_parameters():

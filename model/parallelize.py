@@ -44,7 +44,7 @@ def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bo
     ``reshard_after_forward`` applies to the blocks (the root keeps its parameters until the backward);
     ``param_dtype`` (bf16 runs) is the dtype parameters are gathered and computed in."""
     dims = tensor_parallel_dims(model)
-    tp_size = model.tp_size
+    tp_size = model.parallel.tp_size
     for name, param in model.named_parameters():
         if dims[name] is not None and tp_size > 1 and param.dim() == 1:
             raise ValueError(f"FSDP cannot shard the 1-D tensor-parallel parameter {name} within its TP group")

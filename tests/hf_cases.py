@@ -85,15 +85,15 @@ def _tp_gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 
 def full_logits_and_loss(model: GPTModel, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     """Logits ``[B, S, V]`` (gathered over TP and CP) and the mean next-token loss of the global ``tokens``."""
-    cp, rank, layout = model.cp_size, model.cp_rank, model.cp_layout
+    cp, rank, layout = model.parallel.cp_size, model.parallel.cp_rank, model.parallel.layout
     local = shard_sequence(tokens, rank, cp, layout)
     labels = shard_sequence(next_token_labels(tokens), rank, cp, layout)
     with torch.no_grad():
-        logits = _tp_gather_last(model(local), model.tp_group)
+        logits = _tp_gather_last(model(local), model.parallel.tp_group)
         losses = model(local, labels=labels)
     if cp > 1:
-        logits = gather_sequence(logits, model.cp_group, layout)
-        losses = gather_sequence(losses, model.cp_group, layout)
+        logits = gather_sequence(logits, model.parallel.cp.cp, layout)
+        losses = gather_sequence(losses, model.parallel.cp.cp, layout)
     count = (next_token_labels(tokens) != -100).sum()
     return {"logits": logits, "loss": losses.double().sum() / count}
 
@@ -124,7 +124,7 @@ def logits_on_rank(state: ParallelState, paths: dict[str, str], tokens: torch.Te
     with counting_reads() as read:
         for name, path in paths.items():
             read[0] = 0
-            model = load_llama(path, state.tp.group, state.cp.group, "zigzag")
+            model = load_llama(path, state.model_parallel("zigzag"))
             held = sum(p.numel() for p in model.parameters())
             results[name] = {**full_logits_and_loss(model, tokens), "read": read[0], "held": held}
     return results
@@ -132,7 +132,7 @@ def logits_on_rank(state: ParallelState, paths: dict[str, str], tokens: torch.Te
 
 def round_trip_on_rank(state: ParallelState, source: str, target: str) -> None:
     """Load ``source`` at this layout and save it to ``target`` (collective; global rank 0 writes)."""
-    model = load_llama(source, state.tp.group, state.cp.group)
+    model = load_llama(source, state.model_parallel("zigzag"))
     save_llama(model, target, max_shard_bytes=40_000)
     dist.barrier()
 

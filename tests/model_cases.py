@@ -64,19 +64,19 @@ def _full_param(model: GPTModel, name: str, local: torch.Tensor, cp_sum: bool) -
     """The full-shape tensor of parameter ``name`` from this rank's ``local`` (param or grad)."""
     if cp_sum:
         local = local.clone()
-        dist.all_reduce(local, group=model.cp_group)  # every parameter is replicated over CP
+        dist.all_reduce(local, group=model.parallel.cp.cp)  # every parameter is replicated over CP
     param = model.get_parameter(name)
     if getattr(param, "tensor_model_parallel", False):
-        return _tp_gather(local, model.tp_group, param.partition_dim)
-    copies = _tp_gather(local.unsqueeze(0), model.tp_group, 0)
+        return _tp_gather(local, model.parallel.tp_group, param.partition_dim)
+    copies = _tp_gather(local.unsqueeze(0), model.parallel.tp_group, 0)
     assert all(rel_err(c, copies[0]) <= 1e-6 for c in copies), f"{name}: TP-replicated copies differ"
     return local
 
 
 def gather_full(model: GPTModel, got: Result) -> Result:
     """``step`` results of a sharded model gathered to full shapes (grads summed over CP)."""
-    layout, cp = model.cp_layout, model.cp_group
-    logits = _tp_gather(got["logits"], model.tp_group, -1)
+    layout, cp = model.parallel.layout, model.parallel.cp.cp
+    logits = _tp_gather(got["logits"], model.parallel.tp_group, -1)
     return {"logits": gather_sequence(logits, cp, layout), "losses": gather_sequence(got["losses"], cp, layout),
             "grads": {n: _full_param(model, n, g, True) for n, g in got["grads"].items()},
             "params": {n: _full_param(model, n, p, False) for n, p in got["params"].items()}}
@@ -95,7 +95,7 @@ def compare(got: Result, ref: Result) -> dict[str, float]:
 def run_sharded(state: ParallelState, config: ModelConfig, data: Batch, layout: str, positions: bool = False,
                 algorithm: str = "ring") -> Result:
     """``step`` on this rank's slice of ``data`` (CP ``layout``, attention ``algorithm``), gathered."""
-    model = GPTModel(config, state.tp.group, state.cp_groups, layout, cp_algorithm=algorithm)
+    model = GPTModel(config, state.model_parallel(layout, algorithm))
     local = {k: shard_sequence(v, state.cp.rank, state.cp.size, layout) for k, v in data.items()}
     return gather_full(model, step(model, local, positions))
 
@@ -123,7 +123,7 @@ def wrong_positions_error_on_rank(state: ParallelState) -> dict[str, float]:
     config = tiny_config()
     data = global_batch(config)
     ref = step(GPTModel(config), data)
-    model = GPTModel(config, state.tp.group, state.cp.group, "zigzag")
+    model = GPTModel(config, state.model_parallel("zigzag"))
     local = {k: shard_sequence(v, state.cp.rank, state.cp.size, "zigzag") for k, v in data.items()}
     local["positions"] = torch.arange(SEQ // state.cp.size).expand(BATCH, -1)  # every rank "starts at 0"
     got = gather_full(model, step(model, local, positions=True))
@@ -132,7 +132,7 @@ def wrong_positions_error_on_rank(state: ParallelState) -> dict[str, float]:
 
 def bad_sequence_messages_on_rank(state: ParallelState) -> list[str]:
     """The errors a CP model raises (before any communication) for sequences the layout cannot split."""
-    model = GPTModel(tiny_config(), state.tp.group, state.cp.group, "zigzag")
+    model = GPTModel(tiny_config(), state.model_parallel("zigzag"))
     messages = []
     for local_len in (1, 3):
         try:
@@ -163,7 +163,7 @@ def packed_documents_on_rank(state: ParallelState, reset_positions: bool, layout
             for doc in docs[b].unique():
                 rows = (docs[b] == doc).nonzero().squeeze(1)
                 alone[b, rows] = reference(tokens[b, rows][None], positions[b, rows][None], labels[b, rows][None])[0]
-    model = GPTModel(config, state.tp.group, state.cp.group, layout)
+    model = GPTModel(config, state.model_parallel(layout))
     local = {name: shard_sequence(x, state.cp.rank, state.cp.size, layout)
              for name, x in (("tokens", tokens), ("labels", labels), ("docs", docs), ("positions", positions))}
     with torch.no_grad():

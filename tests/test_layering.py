@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"cp_train": "cp_train", "parallel": "cp_train.parallel", "model": "cp_train.model", "data": "cp_train.data"}
@@ -72,6 +71,7 @@ def _violations(source: str, allowed) -> list[str]:  # noqa: ANN001 - a predicat
 
 
 def test_pyproject_packages_are_every_folder_with_an_init() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
     assert set(project["packages"]) == packages
@@ -184,7 +184,7 @@ def test_the_checks_see_a_violation(monkeypatch) -> None:
         "cp_train.parallel.cp.layout imports cp_train.model.gpt"]
     monkeypatch.setitem(GRAPH, "cp_train.model.gpt", GRAPH["cp_train.model.gpt"] | {"cp_train.model.block"})
     monkeypatch.setitem(GRAPH, "cp_train.model.block", GRAPH["cp_train.model.block"] | {"cp_train.model.gpt"})
-    assert ["cp_train.model.block", "cp_train.model.gpt"] in _cycles()
+    assert any({"cp_train.model.block", "cp_train.model.gpt"} <= set(cycle) for cycle in _cycles())
 
 
 @pytest.mark.parametrize("folder", sorted(FOLDERS))

@@ -10,6 +10,7 @@ from cp_train.model import GPTModel, ModelConfig, matmul_params, model_flops_per
 from cp_train.model.mlp import MLP
 from cp_train.model.rope import apply_rope, rope_tables
 from cp_train.parallel.cp.attention import context_parallel_attention
+from cp_train.parallel.mesh.model_parallel import ModelParallel
 from tests.model_cases import global_batch, step, tiny_config
 from tests.numerics import rel_err
 
@@ -61,13 +62,13 @@ def test_model_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="num_heads 4 is not divisible by num_kv_heads 3"):
         GPTModel(tiny_config(num_kv_heads=3))
     with pytest.raises(ValueError, match="unknown CP layout 'spiral'"):
-        GPTModel(tiny_config(), cp_layout="spiral")
+        ModelParallel.build(layout="spiral")
 
 
 def test_init_depends_only_on_seed_and_config() -> None:
     base = dict(GPTModel(tiny_config()).named_parameters())
     same = dict(GPTModel(tiny_config(mlp_chunks=4, activation_checkpointing=True),
-                         cp_layout="stripe").named_parameters())
+                         ModelParallel.build(layout="stripe")).named_parameters())
     other = dict(GPTModel(tiny_config(seed=8)).named_parameters())
     assert base.keys() == same.keys() == other.keys()
     assert all(torch.equal(base[n], same[n]) for n in base)
@@ -182,7 +183,7 @@ def test_flops_count_matmul_weights_and_causal_attention() -> None:
         model_flops_per_token(config, 0)
 
 
-def test_fsdp_does_not_search_the_attention_plan(monkeypatch) -> None:
+def test_fsdp_does_not_search_the_cp_plan(monkeypatch) -> None:
     """FSDP2 searches each sharded block's arguments for tensors that need gradients, through dataclasses;
     the blocks get the RoPE tables and the plan (a dataclass of index tensors) in one object it leaves alone."""
     fsdp_utils = pytest.importorskip("torch.distributed.fsdp._common_utils")
@@ -202,7 +203,7 @@ def test_fsdp_does_not_search_the_attention_plan(monkeypatch) -> None:
         return walk(output, out, _depth)
 
     monkeypatch.setattr(fsdp_utils, "_collect_grad_tensors", counted)
-    assert fsdp_utils.collect_grad_tensors(((x, BlockInputs(cos, sin, plan)), {})) == (x,)
+    assert fsdp_utils.collect_grad_tensors(((x, BlockInputs(cos, sin, None, plan)), {})) == (x,)
     searched = len(visited)
     visited.clear()
     fsdp_utils.collect_grad_tensors(((x, cos, sin, plan), {}))  # the plan as an argument of its own

@@ -13,6 +13,7 @@ traceback (``cp_train/errors.py``).
 from __future__ import annotations
 
 import os
+import sys
 from argparse import Namespace
 from collections.abc import Sequence
 
@@ -68,3 +69,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "train.py") -> int:
 def console_main() -> int:
     """The ``cp-train`` console script: ``train.py`` under another name."""
     return main(prog="cp-train")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

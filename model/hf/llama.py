@@ -1,6 +1,6 @@
 """Load a Hugging Face Llama into a ``GPTModel`` (any TP x CP layout) and save one back; no transformers needed.
 
-    model = load_llama("Llama-3.2-1B", tp_group=state.tp.group, cp_group=state.cp.group)
+    model = load_llama("Llama-3.2-1B", state.model_parallel("zigzag"))
     save_llama(model, "out/")          # every rank calls it; global rank 0 writes
 
 ``load_llama`` builds the ``ModelConfig`` from ``config.json`` (``model.hf_config``), creates the
@@ -28,20 +28,17 @@ from cp_train.model.hf.config import hf_config, model_fields, read_hf_config
 from cp_train.model.hf.weights import HFTensor, WeightFiles, hf_tensors, split_qkv, write_weights
 from cp_train.model.meta import allocate, meta_model
 from cp_train.model.shards import local_region, local_tensor, tensor_parallel_dim
-from cp_train.parallel.mesh.groups import CPGroups
-from cp_train.parallel.tp.layers import group_size_and_rank
+from cp_train.parallel.mesh.model_parallel import ModelParallel
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 __all__ = ["empty_model", "load_llama", "load_llama_weights", "save_llama"]
 
 
-def empty_model(config: ModelConfig, tp_group: dist.ProcessGroup | None = None,
-                cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
-                dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                cp_algorithm: str = "ring") -> GPTModel:
+def empty_model(config: ModelConfig, parallel: ModelParallel | None = None, dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> GPTModel:
     """A ``GPTModel`` with allocated but uninitialised parameters (no random init: built on the meta device)."""
-    model = meta_model(config, tp_group, cp_group, cp_layout, dtype, cp_algorithm)
+    model = meta_model(config, parallel, dtype)
     allocate(model, device or "cpu")
     return model
 
@@ -62,7 +59,7 @@ def load_llama_weights(model: GPTModel, path: str | Path) -> None:
     """
     files = WeightFiles(path)
     config = model.config
-    tp_size, tp_rank = group_size_and_rank(model.tp_group)
+    tp_size, tp_rank = model.parallel.tp_size, model.parallel.tp_rank
     for name, entries in _by_param(config).items():
         param = model.get_parameter(name)
         for entry in entries:
@@ -95,18 +92,16 @@ def _load_qkv(files: WeightFiles, entries: list[HFTensor], out: torch.Tensor, re
                                  [source + lo - first, columns.start])
 
 
-def load_llama(path: str | Path, tp_group: dist.ProcessGroup | None = None,
-               cp_group: dist.ProcessGroup | CPGroups | None = None, cp_layout: str = "zigzag",
-               dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-               cp_algorithm: str = "ring") -> GPTModel:
-    """The HF Llama in directory ``path`` as a ``GPTModel`` on ``tp_group`` x ``cp_group`` (None: size 1),
-    split over CP in ``cp_layout`` and attending with ``cp_algorithm``.
+def load_llama(path: str | Path, parallel: ModelParallel | None = None, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> GPTModel:
+    """The HF Llama in directory ``path`` as a ``GPTModel`` on the TP and CP groups of ``parallel`` (None: no TP
+    or CP), split over CP in its layout and attending with its algorithm.
 
     ``dtype``: parameter dtype (None: torch's default, fp32; the stored weights are cast); ``device``:
     where the parameters live (None: CPU). Each rank reads only its TP shard of every tensor.
     """
     config = ModelConfig(**model_fields(read_hf_config(path)))
-    model = empty_model(config, tp_group, cp_group, cp_layout, dtype, device, cp_algorithm)
+    model = empty_model(config, parallel, dtype, device)
     load_llama_weights(model, path)
     return model
 
@@ -118,11 +113,11 @@ def _full_tensor(model: GPTModel, name: str) -> torch.Tensor:
     tensor = param.detach()
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
-    tp, _ = group_size_and_rank(model.tp_group)
+    tp = model.parallel.tp_size
     if tp == 1 or tensor_parallel_dim(param) is None:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(tp)]
-    dist.all_gather(parts, tensor.contiguous(), group=model.tp_group)
+    dist.all_gather(parts, tensor.contiguous(), group=model.parallel.tp_group)
     return torch.cat(parts, dim=tensor_parallel_dim(param))
 
 
@@ -169,7 +164,7 @@ def save_llama(model: GPTModel, path: str | Path, dtype: torch.dtype | None = No
                write: bool | None = None) -> Path:
     """Write ``model`` as an HF Llama directory (``config.json`` + safetensors) at ``path``; returns ``path``.
 
-    Collective over ``model.tp_group`` when TP-sharded: every rank of the world calls it, one tensor
+    Collective over ``model.parallel.tp_group`` when TP-sharded: every rank of the world calls it, one tensor
     is gathered at a time. ``write`` (None: global rank 0, or every process without torch.distributed)
     chooses the writer. ``dtype``: stored dtype (None: the parameters'). More than ``max_shard_bytes``
     of weights are written as shards plus ``model.safetensors.index.json``. ``extra_config`` (e.g.

@@ -1,14 +1,20 @@
-"""How one context-parallel attention call site runs, decided once: the frozen ``AttentionSpec``.
+"""How one context-parallel attention call site runs, decided once: the frozen ``AttentionSpec`` and
+``build_spec``, which makes it (the kernel, the scale and the ring's head chunks and overlap by default).
 
 The algorithms it names are in ``algorithms.py``; the groups it runs on are ``CPGroups``
-(``cp_train.parallel.mesh.groups``).
+(``cp_train.parallel.mesh.model_parallel``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from cp_train.parallel.kernels.select import AttentionKernel
+import torch
+
+from cp_train.parallel.cp.algorithms import canonical_algorithm
+from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.kernels.select import BACKENDS, AttentionKernel, select_kernel
 
 
 @dataclass(frozen=True)
@@ -32,3 +38,59 @@ class AttentionSpec:
     overlap: bool
     varlen: bool = False
     forward_head_chunks: int = 1
+
+
+def _many_small_calls(plan: CPPlan | None) -> bool:
+    """Whether packed documents make each step many small kernel calls (the same on every rank)."""
+    return plan is not None and plan.max_calls > 4
+
+
+def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None = None,
+                        rows_per_kv_head: int = 1) -> int:
+    """The ring backward's (and the all-gather's) kv-head chunks; the ring forward runs in one
+    (``AttentionSpec``). Two on GPUs, so that the backward's last dK/dV hop of one chunk travels during the next chunk's
+    compute. On CPU as many chunks as leave every thread work: PyTorch's CPU flash backward spreads its
+    threads over (batch x query heads) only, and ``rows_per_kv_head`` is that product per kv head; at one
+    thread per rank that is one kv head per chunk, which bounds the transient buffers at no speed cost.
+    One chunk without a ring (one rank: nothing travels) and when packed documents make many small calls
+    (small calls run slower, and their buffers are small anyway). The same on every rank."""
+    if device.type != "cpu":
+        return min(2, kv_heads)
+    if _many_small_calls(plan) or (plan is not None and len(plan.areas) == 1):
+        return 1
+    per_chunk = -(-torch.get_num_threads() // max(1, rows_per_kv_head))
+    return max(1, kv_heads // per_chunk)
+
+
+def default_overlap(device: torch.device, plan: CPPlan | None = None) -> bool:
+    """The ring backward's overlap policy (see ``ring_grads``): on for GPUs; on CPU only with packed documents.
+    There a rank's split of work between the local and the remote steps differs from its neighbours' even
+    when the totals match (the balanced layout), so hops that wait in place would make every step as slow
+    as its slowest rank; posted early, only the totals count, and the hops carry few rows. With one
+    document every step is equal on every rank and memory comes first."""
+    return device.type != "cpu" or _many_small_calls(plan)
+
+
+def build_spec(device: torch.device, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, head_dim: int, *,
+               algorithm: str = "ring", layout: str = "zigzag", causal: bool = True,
+               softmax_scale: float | None = None, backend: str | None = None, head_chunks: int | None = None,
+               deterministic: bool | None = None, overlap: bool | None = None,
+               plan: CPPlan | None = None) -> AttentionSpec:
+    """The spec of a call site whose q is ``[batch, n, heads, head_dim]`` of ``dtype`` on ``device`` and whose
+    k/v have ``kv_heads`` heads (the arguments as ``context_parallel_attention`` takes them). ``ValueError`` for
+    an unknown backend, ``KernelUnavailable`` for one that cannot run these inputs."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    batch = 1 if plan is not None and plan.packed else batch  # packed plans fold the batch into rows
+    forward_head_chunks = head_chunks or 1  # asked for: both ways; by default the forward runs in one
+    if head_chunks is None:
+        head_chunks = default_head_chunks(device, kv_heads, plan, batch * heads // kv_heads)
+    return AttentionSpec(
+        algorithm=canonical_algorithm(algorithm), layout=layout, causal=causal,
+        scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim),
+        kernel=select_kernel(device, dtype, head_dim, backend, deterministic),
+        head_chunks=head_chunks,
+        overlap=default_overlap(device, plan) if overlap is None else overlap, varlen=device.type == "cuda",
+        forward_head_chunks=forward_head_chunks)

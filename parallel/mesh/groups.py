@@ -1,4 +1,4 @@
-"""The process groups and meshes of one TP x CP x DP layout, and the state that holds them.
+"""The process groups and meshes of one TP x CP x DP layout, and the state that holds them (``ParallelState``).
 
 ``build_state`` creates the named DeviceMesh ``("dp", "cp", "tp")``, its flattenings and (for hybrid CP)
 the Ulysses and ring subgroups of CP; every rank creates every group, in the same order. ``state.py``
@@ -16,32 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from cp_train.parallel.mesh.model_parallel import CPGroups, ModelParallel
 from cp_train.parallel.mesh.rank_groups import DATA_AXES, DATA_AXIS, Groups, ParallelDims, compute_rank_groups
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass(frozen=True)
-class CPGroups:
-    """The process groups a CP algorithm uses: ``cp`` (all CP ranks; None: no CP), and for ``hybrid`` the
-    ``ulysses`` (adjacent CP ranks) and ``ring`` (across Ulysses groups) subgroups."""
-
-    cp: dist.ProcessGroup | None
-    ulysses: dist.ProcessGroup | None = None
-    ring: dist.ProcessGroup | None = None
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.cp) if self.cp is not None else 1
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.cp) if self.cp is not None else 0
-
-    @property
-    def ulysses_size(self) -> int:
-        return dist.get_world_size(self.ulysses) if self.ulysses is not None else 1
-
 
 
 @dataclass(frozen=True)
@@ -80,6 +58,10 @@ class ParallelState:
     owns_default_group: bool
     cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
     cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
+
+    def model_parallel(self, layout: str = "zigzag", algorithm: str = "ring") -> ModelParallel:
+        """The model's parallel settings on this state's TP and CP groups (``ModelParallel.build`` validates them)."""
+        return ModelParallel.build(self.tp.group, self.cp_groups, layout, algorithm)
 
     @property
     def cp_groups(self) -> CPGroups:

@@ -1,6 +1,6 @@
 """Per-batch plans of every CP algorithm: the mask as kernel segments and the token orders they need.
 
-``build_cp_plan`` gathers every CP rank's documents and positions once per batch (nothing for one
+``plan_batch`` gathers every CP rank's documents and positions once per batch (nothing for one
 document per sample in a static layout: that plan is cached) and returns a ``CPPlan``:
 
 - ``ring``: the ring plan over the CP group (``attention_plan.py``).
@@ -30,7 +30,7 @@ from cp_train.parallel.cp.plan.documents import gather_mask_inputs
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, build_plan, gathered_plan
 from cp_train.parallel.cp.plan.segments import pack_keys, runs, visible_intervals
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
-from cp_train.parallel.mesh.groups import CPGroups
+from cp_train.parallel.mesh.model_parallel import CPGroups
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses:
     return plan
 
 
-def build_cp_plan(algorithm: str, groups: CPGroups, layout: str, causal: bool, local_len: int,
+def plan_batch(algorithm: str, groups: CPGroups, layout: str, causal: bool, local_len: int,
                   document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
                   ) -> CPPlan | None:
     """This rank's plan for ``algorithm`` (None: cp = 1 and one document, the plain local kernel).
@@ -167,7 +167,7 @@ def build_cp_plan(algorithm: str, groups: CPGroups, layout: str, causal: bool, l
 
 def plan_from_gathered(algorithm: str, world: int, rank: int, ulysses: int, causal: bool, docs: torch.Tensor,
                        positions: torch.Tensor) -> CPPlan:
-    """``build_cp_plan`` from every CP rank's ``docs`` and ``positions`` ``[world, B, n]`` (int64, CPU, rank
+    """``plan_batch`` from every CP rank's ``docs`` and ``positions`` ``[world, B, n]`` (int64, CPU, rank
     order): what the all-gather would return. No communication."""
     tokens = _tokens(docs, positions)
     plan = _plan(algorithm if world > 1 else "ring", tokens, rank, ulysses, causal)

@@ -1,0 +1,83 @@
+"""What the model computes on: the CP groups (``CPGroups``) and the model's parallel settings (``ModelParallel``).
+
+``ModelParallel`` is built and validated once (``ModelParallel.build``, or ``ParallelState.model_parallel``)
+and passed whole to the model and its layers, which trust it: the TP group, the CP groups, the CP layout the
+tokens arrive in and the CP algorithm that attends, with the sizes and ranks read once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from cp_train.parallel.cp.algorithms import canonical_algorithm, check_algorithm
+from cp_train.parallel.cp.layout import LAYOUTS
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """The process groups a CP algorithm uses: ``cp`` (all CP ranks; None: no CP), and for ``hybrid`` the
+    ``ulysses`` (adjacent CP ranks) and ``ring`` (across Ulysses groups) subgroups."""
+
+    cp: dist.ProcessGroup | None
+    ulysses: dist.ProcessGroup | None = None
+    ring: dist.ProcessGroup | None = None
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.cp) if self.cp is not None else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.cp) if self.cp is not None else 0
+
+    @property
+    def ulysses_size(self) -> int:
+        return dist.get_world_size(self.ulysses) if self.ulysses is not None else 1
+
+
+def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """The model's parallel settings, validated once. ``tp_group`` None: no TP; ``cp.cp`` None: no CP.
+    ``layout`` is the CP layout of the tokens (``cp_train.parallel.cp.layout``) and ``algorithm`` the CP
+    algorithm (``ring`` whenever cp is 1: every algorithm is then the local kernel)."""
+
+    tp_group: dist.ProcessGroup | None
+    cp: CPGroups
+    layout: str
+    algorithm: str
+    tp_size: int
+    tp_rank: int
+    cp_size: int
+    cp_rank: int
+
+    @classmethod
+    def build(cls, tp_group: dist.ProcessGroup | None = None, cp_group: dist.ProcessGroup | CPGroups | None = None,
+              layout: str = "zigzag", algorithm: str = "ring") -> ModelParallel:
+        """Validate and freeze the settings; ``ValueError`` saying what to change (an unknown layout or
+        algorithm, hybrid without its Ulysses and ring subgroups)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        groups = cp_group if isinstance(cp_group, CPGroups) else CPGroups(cp_group)
+        cp_size, cp_rank = _size_and_rank(groups.cp)
+        algorithm = canonical_algorithm(algorithm) if cp_size > 1 else "ring"
+        if algorithm == "hybrid":
+            check_algorithm(algorithm, cp_size, groups.ulysses_size)
+        return cls(tp_group, groups, layout, algorithm, *_size_and_rank(tp_group), cp_size, cp_rank)
+
+    @property
+    def attention_layout(self) -> str:
+        """The layout the attention and the positions use: ``layout``, or contiguous without CP (all alike)."""
+        return self.layout if self.cp_size > 1 else "contiguous"
+
+    @property
+    def ulysses_degree(self) -> int:
+        """Ranks the Ulysses all-to-all splits the heads over (1 for ring and all-gather)."""
+        if self.algorithm == "hybrid":
+            return self.cp.ulysses_size
+        return self.cp_size if self.algorithm == "ulysses" else 1
