@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from cp_train.data.gpt_dataset import PER_TOKEN_KEYS
 from cp_train.parallel.cp.balanced_layout import balanced_positions
-from cp_train.parallel.cp.layout import LAYOUTS, check_layout, sequence_positions, shard_sequence
+from cp_train.parallel.cp.layout import check_layout, check_layout_name, sequence_positions, shard_sequence
 
 ATTENTION_PLAN = "attention_plan"  # a micro-batch's key for its attention plan (built by the collate's planner)
 
@@ -58,8 +58,7 @@ def check_cp_split(seq_len: int, cp_size: int, layout: str) -> None:
 
     With ``cp_size == 1`` nothing is split, so any ``seq_len`` works.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_layout_name(layout)
     if cp_size != 1:
         check_layout(seq_len, cp_size, layout)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cp_train.model.rope import resolve_rope_scaling
-from cp_train.parallel.cp.layout import LAYOUTS, check_layout
+from cp_train.parallel.cp.layout import check_layout, check_layout_name
 from cp_train.parallel.kernels.select import BACKENDS
 
 
@@ -17,9 +17,9 @@ class ModelConfig:
 
     ``mlp_chunks``: the MLP runs over this many slices of the local sequence, each under
     activation checkpointing (1: one plain pass). ``activation_checkpointing``: recompute
-    each block in the backward (the CP layout and algorithm are parallelism settings: ``GPTModel``'s
-    ``cp_layout`` and ``cp_algorithm``). ``attention_backend``: kernel for the attention
-    (None: the best available, see parallel/kernels.py; also used without a CP group).
+    each block in the backward (the CP layout and algorithm are parallelism settings: ``ModelParallel``).
+    ``attention_backend``: kernel for the attention (None: the best available, see
+    ``cp_train.parallel.kernels.select``; also used without a CP group).
     ``seed`` alone fixes the initial weights, whatever the layout. ``rope_scaling``: RoPE scaling
     with Hugging Face's fields and semantics (``linear``, ``llama3``, ``yarn``; see model/rope.py),
     None for none; ``norm_eps`` is HF's ``rms_norm_eps``.
@@ -88,8 +88,7 @@ class ModelConfig:
             if value % tp != 0:
                 raise ValueError(f"{name} {value} is not divisible by tp = {tp}; "
                                  f"choose a tp that divides {value} or make {name} a multiple of {tp}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        check_layout_name(layout)
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of "
                              f"{', '.join(BACKENDS)} or None")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_train.parallel.cp.attention import default_head_chunks, default_overlap
+from cp_train.parallel.cp.spec import default_head_chunks, default_overlap
 from cp_train.parallel.cp.layout import (
     STATIC_LAYOUTS,
     check_layout,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from cp_train.parallel.cp.algorithms import canonical_algorithm, check_heads
 from cp_train.parallel.cp.allgather import allgather_attention
-from cp_train.parallel.cp.layout import LAYOUTS
+from cp_train.parallel.cp.layout import check_layout_name
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, plan_batch
 from cp_train.parallel.cp.ring.attention import ring_attention
 from cp_train.parallel.cp.spec import AttentionSpec, build_spec
@@ -29,8 +29,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, world: int) -> None:
     """Raise ``ValueError`` saying what to change when q/k/v cannot go through context parallelism."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_layout_name(layout)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(f"{name} must be [batch, seqlen, heads, head_dim], got shape {tuple(x.shape)}")

@@ -27,13 +27,19 @@ STATIC_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "stripe")  # position
 LAYOUTS: tuple[str, ...] = (*STATIC_LAYOUTS, "balanced")
 
 
+def check_layout_name(layout: str) -> None:
+    """Raise ``ValueError`` listing the layouts unless ``layout`` is one of them."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
 def check_layout(seqlen: int, world: int, layout: str, what: str = "sequence length") -> None:
-    """Raise ``ValueError`` (saying what to change) unless ``seqlen`` splits evenly over ``world`` ranks.
+    """Raise ``ValueError`` (saying what to change) unless ``layout`` is known and ``seqlen`` splits evenly over
+    ``world`` ranks.
 
     ``what`` names the length in the message (a config key, say).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_layout_name(layout)
     if world < 1:
         raise ValueError(f"CP size must be >= 1, got {world}")
     parts = 2 * world if layout == "zigzag" else world

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from cp_train.parallel.cp.algorithms import canonical_algorithm, check_algorithm
-from cp_train.parallel.cp.layout import LAYOUTS
+from cp_train.parallel.cp.layout import check_layout_name
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,7 @@ class ModelParallel:
               layout: str = "zigzag", algorithm: str = "ring") -> ModelParallel:
         """Validate and freeze the settings; ``ValueError`` saying what to change (an unknown layout or
         algorithm, hybrid without its Ulysses and ring subgroups)."""
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown CP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        check_layout_name(layout)
         groups = cp_group if isinstance(cp_group, CPGroups) else CPGroups(cp_group)
         cp_size, cp_rank = _size_and_rank(groups.cp)
         algorithm = canonical_algorithm(algorithm) if cp_size > 1 else "ring"
