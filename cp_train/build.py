@@ -6,7 +6,6 @@ Problems with the inputs (tokenizer, data files, writable directories) are ``Inp
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from cp_train.data.indexed import IndexedDataset
 from cp_train.data.loader import StepLoader, build_data_loader
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.errors import InputError, agree
-from cp_train.model import GPTModel
+from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.llama import load_llama_weights
 from cp_train.model.meta import allocate, materialize, meta_model
 from cp_train.model.parallelize import shard_with_fsdp
@@ -73,19 +72,6 @@ def input_errors(what: str) -> Iterator[None]:
         if isinstance(error, InputError):
             raise
         raise InputError(f"{what}: {error}") from None
-
-
-def ensure_writable_dir(path: Path, key: str) -> None:
-    """Create directory ``path`` if needed and write a file in it; ``InputError`` naming ``key`` if that fails."""
-    if path.exists() and not path.is_dir():
-        raise InputError(f"{key} {path} is a file: pass a directory (created if missing)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
-            pass
-    except OSError as error:
-        raise InputError(f"{key} {path} is not a writable directory ({error.strerror or error}): "
-                         f"choose another one or fix its permissions") from None
 
 
 @dataclass
@@ -191,16 +177,12 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
     SUM the gradients over DP x CP (``data_parallel.py``). ``param_dtype`` (bf16 runs): the dtype FSDP
     gathers the parameters in. Returns ``(model, module)``: ``module`` is the DDP wrapper or the model."""
     parallel = config.parallel
-    try:
-        config.model.validate(state.tp.size, state.cp.size, config.data.seq_len, parallel.cp_layout)
-    except ValueError as error:
-        raise ConfigError(f"model: {error}") from None
-    groups = (config.model, state.tp.group, state.cp_groups, parallel.cp_layout)
+    model_parallel = state.model_parallel(parallel.cp_layout, parallel.cp_algorithm)
     on_meta = BUILD_ON_META or hf_dir is not None
     if on_meta:
-        model = meta_model(*groups, cp_algorithm=parallel.cp_algorithm)
+        model = meta_model(config.model, model_parallel)
     else:
-        model = GPTModel(*groups, device=device, cp_algorithm=parallel.cp_algorithm)
+        model = GPTModel(config.model, model_parallel, device=device)
     if parallel.fsdp:
         shard_with_fsdp(model, state.dp_cp_mesh, parallel.fsdp_reshard_after_forward, param_dtype)
     if on_meta:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -159,3 +160,16 @@ def agree(check: Callable[[], T]) -> T:
             kind, message = found
             raise kind(message)
     return value  # type: ignore[return-value]
+
+
+def ensure_writable_dir(path: Path, key: str) -> None:
+    """Create directory ``path`` if needed and write a file in it; ``InputError`` naming ``key`` if that fails."""
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{key} {path} is a file: pass a directory (created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        raise InputError(f"{key} {path} is not a writable directory ({error.strerror or error}): "
+                         f"choose another one or fix its permissions") from None

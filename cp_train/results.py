@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from cp_train.errors import RunFailure
 
@@ -13,7 +12,10 @@ class NonFiniteLossError(RunFailure, FloatingPointError):
     resume from."""
 
 
-class BatchLoss(NamedTuple):
+@dataclass(frozen=True)
+class BatchLoss:
+    """What ``Trainer.forward_backward`` measured on one global batch (read by name, never unpacked)."""
+
     loss: float  # global mean over the loss tokens of the global batch
     tokens: float  # loss tokens of the global batch
     local_tokens: float  # loss tokens of this rank's micro-batches

@@ -21,7 +21,7 @@ from cp_train.data.gpt_dataset import PER_TOKEN_KEYS
 from cp_train.parallel.cp.balanced_layout import balanced_positions
 from cp_train.parallel.cp.layout import check_layout, check_layout_name, sequence_positions, shard_sequence
 
-ATTENTION_PLAN = "attention_plan"  # a micro-batch's key for its attention plan (built by the collate's planner)
+CP_PLAN = "cp_plan"  # a micro-batch's key for its CP plan (built by the collate's planner)
 
 
 def slice_for_context_parallel(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
@@ -137,7 +137,7 @@ class CollateForContextParallel:
     """Stack samples into a micro-batch (``[B, seq_len]``), then keep this CP rank's slice.
 
     With a ``planner`` (``parallel.cp_plan.SamplePlanner``) the micro-batch also carries, under
-    ``ATTENTION_PLAN``, the per-document attention plan built from every CP rank's ``document_ids`` and
+    ``CP_PLAN``, the per-document CP plan built from every CP rank's ``document_ids`` and
     ``position_ids`` (``[cp, B, seq_len // cp]``, rank order), here where the whole sample is at hand."""
 
     def __init__(self, cp_rank: int, cp_size: int, layout: str,
@@ -153,7 +153,7 @@ class CollateForContextParallel:
                for key, value in batch.items()}
         every = [torch.gather(batch[key].expand(self.cp_size, *batch[key].shape), 2, index)
                  for key in ("document_ids", "position_ids")]  # every rank's, as the all-gather would give
-        out[ATTENTION_PLAN] = self.planner(*every)
+        out[CP_PLAN] = self.planner(*every)
         return out
 
 

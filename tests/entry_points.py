@@ -45,10 +45,10 @@ def write_config(path: Path, corpus: str, run_dir: Path, cp: int = 1, **override
 
 
 def command(args: Sequence[str], world: int = 1, launcher: str = "torchrun") -> list[str]:
-    """``python train.py ARGS`` for a world of one, else 2+ ranks through ``torchrun`` or ``cp_train.launch``."""
+    """``python train.py ARGS`` for a world of one, else 2+ ranks through ``torchrun`` or ``cp_train.cli.launch``."""
     if world == 1:
         return [sys.executable, TRAIN, *args]
-    module = "torch.distributed.run" if launcher == "torchrun" else "cp_train.launch"
+    module = "torch.distributed.run" if launcher == "torchrun" else "cp_train.cli.launch"
     return [sys.executable, "-m", module, "--nproc-per-node", str(world), "--master-port", str(free_port()),
             TRAIN, *args]
 

@@ -14,7 +14,7 @@ from cp_train import build
 from cp_train.config.sources import build_config
 from cp_train.data.gpt_dataset import PER_TOKEN_KEYS, GPTDataset
 from cp_train.data.loader import (
-    ATTENTION_PLAN,
+    CP_PLAN,
     CollateForContextParallel,
     DataParallelSampler,
     build_data_loader,
@@ -133,15 +133,15 @@ def test_collate_plans_from_the_whole_sample_as_the_gather_would(dataset, layout
         planner = SamplePlanner(algorithm, cp, rank, 2 if algorithm == "hybrid" else 1)
         got = CollateForContextParallel(rank, cp, layout, planner)(samples)
         every = [slice_for_context_parallel(batch, r, cp, layout) for r in range(cp)]
-        assert got.keys() == every[rank].keys() | {ATTENTION_PLAN}
+        assert got.keys() == every[rank].keys() | {CP_PLAN}
         for key in PER_TOKEN_KEYS:
             assert torch.equal(got[key], every[rank][key]), key
         docs, positions = (torch.stack([part[key] for part in every]) for key in ("document_ids", "position_ids"))
         expected = plan_from_gathered(algorithm, cp, rank, planner.ulysses, True, docs, positions)
-        assert repr(got[ATTENTION_PLAN]) == repr(expected)
-        assert got[ATTENTION_PLAN].areas == expected.areas and sum(expected.areas) > 0
+        assert repr(got[CP_PLAN]) == repr(expected)
+        assert got[CP_PLAN].areas == expected.areas and sum(expected.areas) > 0
         counts = [torch.unique(row, return_counts=True)[1] for row in batch["document_ids"]]
-        assert got[ATTENTION_PLAN].pairs == sum(int((c * (c + 1) // 2).sum()) for c in counts)  # the causal mask's
+        assert got[CP_PLAN].pairs == sum(int((c * (c + 1) // 2).sum()) for c in counts)  # the causal mask's
 
 
 def test_loader_workers_hand_over_the_same_plans(dataset):
@@ -151,7 +151,7 @@ def test_loader_workers_hand_over_the_same_plans(dataset):
                                          planner=planner) for n in (0, 1))
     for step_inline, step_workers in itertools.islice(zip(inline, workers, strict=True), 2):
         for a, b in zip(step_inline, step_workers, strict=True):
-            assert repr(a[ATTENTION_PLAN]) == repr(b[ATTENTION_PLAN]) and torch.equal(a["tokens"], b["tokens"])
+            assert repr(a[CP_PLAN]) == repr(b[CP_PLAN]) and torch.equal(a["tokens"], b["tokens"])
 
 
 def test_cp_slice_of_plain_positions_is_the_layout(dataset):

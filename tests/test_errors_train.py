@@ -1,5 +1,5 @@
 """train.py's config, input and checkpoint errors through its real entry points (``python train.py``, a world
-of one; ``torchrun`` and ``cp_train.launch`` with 2 ranks): one line naming the key or file and what to change,
+of one; ``torchrun`` and ``cp_train.cli.launch`` with 2 ranks): one line naming the key or file and what to change,
 exit code 2 (config or input) or 1 (a failed run), no traceback unless ``--debug``.
 
 Every case is a fresh process (mostly Python and torch start-up); ``run_many`` runs them two at a time.
@@ -183,13 +183,13 @@ def test_resume_changes_rng_files_and_non_finite_loss(base) -> None:
 @pytest.mark.parametrize("launcher", ["torchrun", "launch"])
 def test_two_ranks_print_a_config_error_once(base, tmp_path, launcher) -> None:
     """Under torchrun rank 0 alone prints the error; torchrun's summary shows it with the ranks' exit code 2 and
-    no traceback from the project; cp_train.launch ends with one line and exit code 2."""
+    no traceback from the project; cp_train.cli.launch ends with one line and exit code 2."""
     config = write_config(tmp_path / "cp2.yaml", base["corpus"], tmp_path / "run", cp=2)
     outcome = run(["--config", str(config), "--seq-len", "30"], world=2, launcher=launcher)
     message = r"data\.seq_len 30 is not divisible by 2\*cp = 4 for the zigzag layout"
     if launcher == "launch":
         assert_one_line(outcome, 2, message)
-        summary = outcome.lines("cp_train.launch: ")  # torchrun may stop the other rank before it exits
+        summary = outcome.lines("cp_train.cli.launch: ")  # torchrun may stop the other rank before it exits
         assert len(summary) == 1 and re.fullmatch(r"cp_train\.launch: train\.py failed with exit code 2 \((exit "
                                                   r"code 2|killed by SIGTERM) on ranks? .*\)", summary[0]), summary
         return

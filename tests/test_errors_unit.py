@@ -101,11 +101,11 @@ def _failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
 
 def test_launch_summary_names_the_root_cause_and_its_exit_code() -> None:
     killed = ChildFailedError("/repo/train.py", {0: _failure(0, -signal.SIGTERM, 5), 1: _failure(1, -9, 6)})
-    assert summarize(killed) == ("cp_train.launch: train.py failed with exit code 137 (killed by SIGTERM on rank 0; "
-                                 "killed by SIGKILL on rank 1)", 137)
+    assert summarize(killed) == ("cp_train.cli.launch: train.py failed with exit code 137 (killed by SIGTERM on "
+                                 "rank 0; killed by SIGKILL on rank 1)", 137)
     config = ChildFailedError("train.py", {0: _failure(0, 2, 7), 1: _failure(1, -signal.SIGTERM, 6),
                                            2: _failure(2, 2, 7)})
-    assert summarize(config) == ("cp_train.launch: train.py failed with exit code 2 (exit code 2 on ranks 0, 2; "
+    assert summarize(config) == ("cp_train.cli.launch: train.py failed with exit code 2 (exit code 2 on ranks 0, 2; "
                                  "killed by SIGTERM on rank 1)", 2)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_train.parallel.cp.spec import default_head_chunks, default_overlap
 from cp_train.parallel.cp.layout import (
     STATIC_LAYOUTS,
     check_layout,
@@ -14,6 +13,7 @@ from cp_train.parallel.cp.layout import (
     unshard_sequence,
 )
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.cp.spec import default_head_chunks, default_overlap
 from cp_train.parallel.kernels.select import flash_backward, flash_forward
 from tests.numerics import rel_err
 

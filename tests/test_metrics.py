@@ -6,6 +6,7 @@ import io
 import json
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 from cp_train.cli.plot import run as plot_main
 from cp_train.errors import InputError
 from cp_train.metrics.plot import read_records
-from cp_train.metrics.sinks import METRICS_FILE, MetricsSinks, console_line, progress_bar, wandb_mode
+from cp_train.metrics.sinks import METRICS_FILE, MetricsSinks, SinkSettings, console_line, progress_bar, wandb_mode
 from cp_train.metrics.throughput import IntervalMeter, gpu_peak_tflops, peak_memory_gib, peak_tflops, reset_peak_memory
 from cp_train.model import ModelConfig, matmul_params
 
@@ -100,9 +101,9 @@ def test_wandb_mode_defaults_to_offline(monkeypatch) -> None:
 
 def test_sinks_write_jsonl_and_console_lines(tmp_path) -> None:
     stream = io.StringIO()
-    sinks = MetricsSinks(True, tmp_path, "demo-tp1-cp2-dp1-seq64", 20, 0, {"a": 1},
-                         {"tp": 1, "cp": 2, "dp": 1, "seq_len": 64}, use_wandb=False, project="p", mode=None,
-                         stream=stream)
+    settings = SinkSettings(run_dir=tmp_path, run_name="demo-tp1-cp2-dp1-seq64", total_steps=20, config={"a": 1},
+                            layout={"tp": 1, "cp": 2, "dp": 1, "seq_len": 64}, use_wandb=False, wandb_project="p")
+    sinks = MetricsSinks(settings, stream=stream)
     meter = IntervalMeter(256, 1e6, 2, 0.2)
     for step in (10, 20):
         meter.add(3.0 - step / 10, 0.1, 0.01)
@@ -117,16 +118,21 @@ def test_sinks_write_jsonl_and_console_lines(tmp_path) -> None:
     assert lines[0].startswith("step 10/20 [##########..........]  50% | loss 2.0000")
     assert "tok/s" in lines[0] and "MFU" in lines[0] and "GiB" in lines[0]
     assert lines[2].startswith("eval  step 20/20 | val loss 1.5000") and lines[3] == "[cp-train] hello"
-    silent = MetricsSinks(False, tmp_path / "other", "x", 1, 0, {}, {}, False, "p", None)
+    silent = MetricsSinks(SinkSettings(run_dir=tmp_path / "other", run_name="x", total_steps=1), enabled=False)
     silent.log(records[0])
     assert not (tmp_path / "other").exists()
+
+
+def _wandb_settings(run_dir: Path, mode: str) -> SinkSettings:
+    layout = {"tp": 1, "cp": 1, "dp": 1, "seq_len": 8}
+    return SinkSettings(run_dir=run_dir, run_name="run", total_steps=1, layout=layout, use_wandb=True,
+                        wandb_project="p", wandb_mode=mode)
 
 
 def test_sinks_without_wandb_installed_log_to_jsonl_with_one_line(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     stream = io.StringIO()
-    sinks = MetricsSinks(True, tmp_path, "run", 1, 0, {}, {"tp": 1, "cp": 1, "dp": 1, "seq_len": 8}, use_wandb=True,
-                         project="p", mode="offline", stream=stream)
+    sinks = MetricsSinks(_wandb_settings(tmp_path, "offline"), stream=stream)
     sinks.log({"kind": "eval", "step": 1, "loss": 1.5, "perplexity": 4.48})
     sinks.close()
     assert sinks.wandb_run is None and [r["step"] for r in read_records(tmp_path)] == [1]
@@ -144,8 +150,7 @@ def test_sinks_when_wandb_cannot_start_say_what_to_set(tmp_path, monkeypatch) ->
     expected = (r"^wandb could not start its online run \(No API key configured\. .*\): set WANDB_API_KEY or run "
                 r"`wandb login`, or use --wandb-mode offline or disabled$")
     with pytest.raises(InputError, match=expected):
-        MetricsSinks(True, tmp_path, "run", 1, 0, {}, {"tp": 1, "cp": 1, "dp": 1, "seq_len": 8}, use_wandb=True,
-                     project="p", mode="online")
+        MetricsSinks(_wandb_settings(tmp_path, "online"))
 
 
 def test_console_line_and_bar() -> None:

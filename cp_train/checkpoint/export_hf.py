@@ -23,10 +23,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from cp_train.build import ensure_writable_dir
 from cp_train.checkpoint.dcp import META, find_checkpoint
 from cp_train.checkpoint.files import newest_complete
-from cp_train.errors import InputError
+from cp_train.errors import InputError, ensure_writable_dir
 from cp_train.model.config import ModelConfig
 from cp_train.model.hf.llama import DEFAULT_SHARD_BYTES, write_hf_model
 from cp_train.model.hf.weights import hf_tensors

@@ -17,10 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cp_train.build import ensure_writable_dir
 from cp_train.data.default_corpus import stdlib_sources
 from cp_train.data.tokenizers.hf import HFTokenizer, train_hf_tokenizer
-from cp_train.errors import InputError, run_entry_point
+from cp_train.errors import InputError, ensure_writable_dir, run_entry_point
 from cp_train.model.config import ModelConfig
 from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.llama import save_llama

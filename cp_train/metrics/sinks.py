@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -91,16 +92,35 @@ def drop_records_after(path: Path, step: int) -> int:
     return len(lines) - len(kept)
 
 
-class MetricsSinks:
-    """Console, JSONL and wandb sinks of one run; every method is a no-op unless ``enabled`` (one rank).
-    ``metrics.jsonl`` is appended to when ``append`` (a run resumed at ``first_step``: records of later
-    steps, logged before the run stopped, are dropped first), else started afresh."""
+@dataclass(frozen=True, kw_only=True)
+class SinkSettings:
+    """Where and what one run's sinks write: ``metrics.jsonl`` (and wandb's offline run) in ``run_dir``, console
+    lines with a progress bar to ``total_steps`` (when ``console``), a wandb run named ``run_name`` (when
+    ``use_wandb``) that records ``config`` and ``layout`` (tp, cp, dp, seq_len: its group and tags).
+    ``metrics.jsonl`` is appended to when ``append`` (a run resumed at ``first_step``: records of later steps,
+    logged before the run stopped, are dropped first), else started afresh."""
 
-    def __init__(self, enabled: bool, run_dir: Path, run_name: str, total_steps: int, first_step: int,
-                 config: dict[str, Any], layout: dict[str, int], use_wandb: bool, project: str,
-                 mode: str | None, console: bool = True, stream: TextIO | None = None, append: bool = False) -> None:
-        self.enabled, self.total_steps, self.first_step = enabled, total_steps, first_step
-        self.console, self.stream = console, stream or sys.stdout
+    run_dir: Path
+    run_name: str
+    total_steps: int
+    first_step: int = 0
+    append: bool = False
+    console: bool = True
+    config: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, int] = field(default_factory=dict)
+    use_wandb: bool = False
+    wandb_project: str = "cp-train"
+    wandb_mode: str | None = None  # None: online with WANDB_API_KEY, else offline (``wandb_mode()``)
+
+
+class MetricsSinks:
+    """Console, JSONL and wandb sinks of one run (``settings``); every method is a no-op unless ``enabled``
+    (one rank writes). Console lines go to ``stream`` (default stdout)."""
+
+    def __init__(self, settings: SinkSettings, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+        run_dir, layout, mode = settings.run_dir, settings.layout, settings.wandb_mode
+        self.enabled, self.total_steps, self.first_step = enabled, settings.total_steps, settings.first_step
+        self.console, self.stream = settings.console, stream or sys.stdout
         self.started = time.perf_counter()
         self.jsonl: TextIO | None = None
         self.wandb_run: Any = None
@@ -108,10 +128,10 @@ class MetricsSinks:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         # a resumed run appends to its metrics (dropping what it is about to redo), a fresh one starts them over
-        if append:
-            drop_records_after(run_dir / METRICS_FILE, first_step)
-        self.jsonl = open(run_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
-        if use_wandb and wandb_mode(mode) != "disabled":
+        if settings.append:
+            drop_records_after(run_dir / METRICS_FILE, settings.first_step)
+        self.jsonl = open(run_dir / METRICS_FILE, "a" if settings.append else "w", encoding="utf-8")  # noqa: SIM115
+        if settings.use_wandb and wandb_mode(mode) != "disabled":
             try:
                 import wandb  # slow import: only when used
             except ImportError:  # a declared dependency, but machines without it should still train
@@ -120,9 +140,9 @@ class MetricsSinks:
                 return
             try:
                 self.wandb_run = wandb.init(
-                    project=project, name=run_name, dir=str(run_dir), mode=wandb_mode(mode),
+                    project=settings.wandb_project, name=settings.run_name, dir=str(run_dir), mode=wandb_mode(mode),
                     group=f"tp{layout['tp']}-cp{layout['cp']}-dp{layout['dp']}-seq{layout['seq_len']}",
-                    config={**config, "layout": layout}, tags=[f"cp{layout['cp']}", f"seq{layout['seq_len']}"],
+                    config={**settings.config, "layout": layout}, tags=[f"cp{layout['cp']}", f"seq{layout['seq_len']}"],
                     reinit="finish_previous")
             except wandb.Error as error:  # no API key for an online run, a bad project name, ...
                 self.close()

@@ -1,0 +1,172 @@
+"""What a training run is made of, built in one place (``Trainer.__init__`` calls these in this order).
+
+- ``RunEnvironment``: the config checked against the parallel state, the device and autocast dtype, the
+  seeded RNG, the data sources, the run's name and directory, and the checkpoint it resumes from;
+- ``TrainingState``: the model, the module that runs it, the optimizer, the LR schedule and the sharded
+  (checkpointed) state of both; it resumes from a checkpoint;
+- ``RunData``: the train and validation datasets, the sample planner and this rank's train loader;
+- ``open_sinks``: the run's metrics sinks (and its ``config.yaml``).
+
+The order is part of the result: the RNG is seeded before the data and the model are built, and the
+model, the optimizer, a resumed checkpoint, the datasets and the loader follow in that order (each may
+draw random numbers or run collectives). The pieces themselves are made by ``build``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cp_train import build
+from cp_train.checkpoint.dcp import ShardedState
+from cp_train.checkpoint.files import resume_hint, resume_source
+from cp_train.checkpoint.resume import restore_run
+from cp_train.checkpoint.rng import derived_seed, seed_everything
+from cp_train.config.hf_init import hf_init_message
+from cp_train.config.schema import Config, dump_yaml
+from cp_train.config.validate import check_parallel_state, validate
+from cp_train.data.gpt_dataset import GPTDataset
+from cp_train.data.loader import StepLoader
+from cp_train.errors import agree, ensure_writable_dir
+from cp_train.memory.cpu_memory import keep_freed_memory
+from cp_train.memory.state_bytes import setup_record
+from cp_train.metrics.sinks import MetricsSinks, SinkSettings
+from cp_train.model.gpt import GPTModel
+from cp_train.optim import LRSchedule, build_optimizer
+from cp_train.parallel.cp.plan.batch_plan import SamplePlanner
+from cp_train.parallel.mesh.state import ParallelState
+
+
+@dataclass(frozen=True)
+class RunEnvironment:
+    """Where a run trains and on what: fixed once built."""
+
+    config: Config
+    state: ParallelState
+    dp: int  # the data-parallel size (validated against the world)
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # None: no autocast
+    sources: build.DataSources
+    run_name: str
+    run_dir: Path
+    resumed_from: Path | None  # the checkpoint this run resumes from
+    hf_dir: str | None  # the Hugging Face weights a fresh run starts from
+    notes: tuple[str, ...]  # to log at the start (HF initialisation, deprecated keys)
+
+    def where_to_resume(self) -> str:
+        """Where to resume after a failure: the newest complete checkpoint saved, else ``resumed_from``."""
+        return resume_hint(self.config.checkpoint.save, self.resumed_from)
+
+
+def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
+    """Check ``config`` against ``state``, pick the device and kernels, seed the RNG, resolve the data (filling
+    ``model.vocab_size``), check the run's directories and find the checkpoint to resume from (collective)."""
+    dp = validate(config, state.world_size)
+    check_parallel_state(config, state, dp)
+    device = build.select_device(state)
+    if config.train.deterministic:
+        build.use_deterministic_algorithms()
+    if device.type == "cpu" and config.train.cpu_keep_freed_memory:
+        keep_freed_memory()
+    autocast_dtype = build.autocast_dtype(config, device)
+    seed_everything(derived_seed(config.train.seed, state.rank))
+    sources = build.resolve_data(config, state)
+    run_name = config.run_name(dp)
+    run_dir = build.run_dir_of(config, run_name)
+    agree(lambda: _check_directories(config, state, run_dir))
+    ckpt = config.checkpoint
+    resumed_from = agree(lambda: resume_source(ckpt.load, ckpt.save if ckpt.auto_resume else None))
+    hf_dir = None if resumed_from is not None else ckpt.init_from_hf
+    notes = ((hf_init_message(config),) if hf_dir is not None else ()) + tuple(config.deprecations)
+    return RunEnvironment(config, state, dp, device, autocast_dtype, sources, run_name, run_dir, resumed_from, hf_dir,
+                          notes)
+
+
+def _check_directories(config: Config, state: ParallelState, run_dir: Path) -> None:
+    """The run directory and the checkpoint directory must take files before step 1 (rank 0 writes both the
+    metrics and the checkpoint metadata)."""
+    if state.rank == 0:
+        ensure_writable_dir(run_dir, "logging.dir (--run-dir)")
+        if config.checkpoint.save:
+            ensure_writable_dir(Path(config.checkpoint.save), "checkpoint.save (--save)")
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What training updates: the model (sharded by FSDP2 in place), the module that runs it (the DDP wrapper
+    or the model), its trainable parameters, the optimizer, the LR schedule, and their checkpointed state."""
+
+    model: GPTModel
+    module: nn.Module
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    sharded: ShardedState
+
+    def resume(self, env: RunEnvironment) -> tuple[int, int, list[str]]:
+        """Load the checkpoint ``env.resumed_from`` (resharded to this layout) into the model and optimizer (and
+        restore the RNG); returns (step, consumed samples, notes to log)."""
+        assert env.resumed_from is not None
+        return restore_run(env.resumed_from, env.config, self.sharded, self.optimizer, env.state)
+
+    def sizes(self, state: ParallelState) -> dict[str, int]:
+        """Parameter counts: the whole model's and this rank's (``build.describe``)."""
+        return build.describe(self.model, state)
+
+    def setup_record(self, sizes: dict[str, int], extra: dict) -> dict:
+        """The ``{"kind": "setup"}`` record of parameter and state bytes (collective; ``state_bytes``)."""
+        return setup_record(self.model, self.optimizer, sizes, extra)
+
+
+def build_training_state(env: RunEnvironment) -> TrainingState:
+    """The model (fresh, or from ``env.hf_dir``), the optimizer and schedule, and their sharded state."""
+    config = env.config
+    model, module = build.build_model(config, env.state, env.device, env.hf_dir, env.autocast_dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(model, config.optimizer, env.device)
+    schedule = LRSchedule(config.optimizer, config.schedule, config.train.steps)
+    return TrainingState(model, module, params, optimizer, schedule, ShardedState(model, optimizer, env.state))
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The datasets, the planner of per-document attention (None without ``data.document_mask``) and this
+    rank's train loader."""
+
+    train_data: GPTDataset
+    valid_data: GPTDataset | None
+    planner: SamplePlanner | None
+    loader: StepLoader
+
+    def valid_loader(self, env: RunEnvironment) -> StepLoader:
+        """A fresh loader over the validation split (which must exist), from its first sample."""
+        assert self.valid_data is not None
+        return build.build_loader(env.config, self.valid_data, env.state, 0, env.device, self.planner)
+
+
+def build_run_data(env: RunEnvironment, model: GPTModel, consumed_samples: int) -> RunData:
+    """Datasets over ``env.sources`` and the train loader from ``consumed_samples`` on (a resumed run's)."""
+    config, state = env.config, env.state
+    train_data, valid_data = build.build_datasets(config, env.sources, state)
+    planner = model.sample_planner() if config.data.document_mask else None
+    loader = build.build_loader(config, train_data, state, consumed_samples, env.device, planner)
+    return RunData(train_data, valid_data, planner, loader)
+
+
+def open_sinks(env: RunEnvironment, first_step: int) -> MetricsSinks:
+    """The metrics sinks of a run starting (or resumed) at ``first_step`` (rank 0 writes; it also writes the
+    run's ``config.yaml``)."""
+    config, state = env.config, env.state
+    logging = config.logging
+    settings = SinkSettings(
+        run_dir=env.run_dir, run_name=env.run_name, total_steps=config.train.steps, first_step=first_step,
+        append=first_step > 0, console=logging.console, config=config.to_dict(),
+        layout={**state.dims, "world_size": state.world_size, "seq_len": config.data.seq_len},
+        use_wandb=logging.wandb, wandb_project=logging.wandb_project, wandb_mode=logging.wandb_mode)
+    sinks = MetricsSinks(settings, enabled=state.rank == 0)
+    if state.rank == 0:
+        (env.run_dir / "config.yaml").write_text(dump_yaml(config))
+    return sinks
