@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cp_train.parallel.cp.attention import attention_plan, context_parallel_attention
+from cp_train.parallel.cp.attention import build_cp_plan, context_parallel_attention
 from cp_train.parallel.cp.balanced_layout import balanced_positions
 from cp_train.parallel.cp.dropins_varlen import ring_flash_attn_varlen_func, zigzag_ring_flash_attn_varlen_func
 from cp_train.parallel.cp.layout import sequence_positions
@@ -151,7 +151,7 @@ def check_bf16(layout: str, seqlen: int) -> dict[str, tuple[float, float]]:
     docs = documents("random", 2, seqlen, dist.get_world_size(), seed=11)
     ref = masked_reference(q, k, v, dout, docs, True, 32 ** -0.5)
     low = [x.bfloat16() for x in (q, k, v, dout)]
-    plan = attention_plan(None, "contiguous", True, seqlen, docs, torch.arange(seqlen))
+    plan = build_cp_plan(None, "contiguous", True, seqlen, docs, torch.arange(seqlen))
     local = [x.clone().requires_grad_(i < 3) for i, x in enumerate(low)]
     out = context_parallel_attention(*local[:3], None, "contiguous", True, plan=plan)
     out.backward(local[3])
@@ -182,7 +182,7 @@ def count_work(layout: str, causal: bool, seqlen: int, spec: str, algorithm: str
     steps = []
     if algorithm == "ring":  # the dense calls of this rank's local step and of its remote steps
         positions = layout_positions(layout, docs, dist.get_rank(), dist.get_world_size())
-        steps = attention_plan(dist.group.WORLD, layout, causal, seqlen // dist.get_world_size(),
+        steps = build_cp_plan(dist.group.WORLD, layout, causal, seqlen // dist.get_world_size(),
                                _take(docs, positions), positions).ring.steps
     return {**kernels.KERNEL_CALLS, "kv_bytes": ring_comm.BYTES_SENT[0], "grad_bytes": ring_comm.BYTES_SENT[1],
             "local_calls": len(steps[0].calls) if steps else 0,
@@ -228,7 +228,7 @@ def count_ulysses(layout: str, seqlen: int, spec: str) -> dict[str, object]:
     docs = documents(spec, 2, seqlen, world, seed=3)
     positions = [layout_positions(layout, docs, r, world) for r in range(world)]
     held = [torch.stack([docs[b, positions[r][b]] for b in range(2)]) for r in range(world)]
-    plan = attention_plan(dist.group.WORLD, layout, True, seqlen // world, held[rank], positions[rank], "ulysses")
+    plan = build_cp_plan(dist.group.WORLD, layout, True, seqlen // world, held[rank], positions[rank], "ulysses")
     ring_comm.BYTES_SENT.clear()
     run_documents(q, k, v, dout, docs, layout, True, head_chunks=1, algorithm="ulysses")
     spanning = sum(int(torch.isin(held[rank][b], torch.cat([held[o][b] for o in range(world) if o != rank])).sum())

@@ -13,6 +13,7 @@ from typing import Optional  # noqa: UP035 - torch.library.custom_op reads these
 
 import torch
 
+from cp_train.parallel.kernels.contract import BackwardRows, VarlenSegments
 from cp_train.parallel.kernels.select import MathKernel, _math_scores
 from cp_train.parallel.kernels.torch_ops import expand_kv, reduce_kv_grad
 from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments
@@ -50,9 +51,9 @@ class _ClosedForm:
     def forward(self, q, k, v, causal, scale):
         return _attention(q, k, v, scale, causal)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _grads(dout, q, k, v, scale, causal, dq, dk, dv)
+    def backward(self, rows, k, v, causal, scale):
+        dq, dk, dv = torch.empty_like(rows.q), torch.empty_like(k), torch.empty_like(v)
+        _grads(rows.dout, rows.q, k, v, scale, causal, dq, dk, dv)
         return dq, dk, dv
 
 
@@ -68,6 +69,12 @@ def _padded(lse, cu, max_seqlen):
     return padded
 
 
+def _segments(cu_q, cu_k) -> VarlenSegments:
+    """The offsets as the kernels' ``VarlenSegments`` (the maxima read back from them)."""
+    longest = [int((cu[1:] - cu[:-1]).max()) for cu in (cu_q, cu_k)]
+    return VarlenSegments(cu_q, cu_k, *longest)
+
+
 def _unpadded(lse, cu):
     bounds = cu.tolist()
     return torch.cat([lse[i, :, : hi - lo] for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))],
@@ -75,12 +82,13 @@ def _unpadded(lse, cu):
 
 
 def _varlen_attention(q, k, v, cu_q, cu_k, scale, causal):
-    out, lse = forward_by_segments(_CLOSED, q, k, v, cu_q, cu_k, causal, scale)
+    out, lse = forward_by_segments(_CLOSED, q, k, v, _segments(cu_q, cu_k), causal, scale)
     return out, lse.float()
 
 
 def _varlen_grads(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, dq, dk, dv):
-    gq, gk, gv = backward_by_segments(_CLOSED, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    gq, gk, gv = backward_by_segments(_CLOSED, BackwardRows(dout, q, out, lse), k, v, _segments(cu_q, cu_k), causal,
+                                      scale)
     dq.copy_(gq)
     dk.copy_(gk)
     dv.copy_(gv)

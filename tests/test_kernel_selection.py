@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cp_train.parallel.kernels import select as kernels
+from cp_train.parallel.kernels.contract import BackwardRows, VarlenSegments
 from cp_train.parallel.kernels.select import KernelUnavailable, select_kernel
 from cp_train.parallel.kernels.torch_ops import TorchCudaFlash, TorchEfficient, padded_lse
 
@@ -89,7 +90,8 @@ def test_cuda_flash_calls_match_the_op_schemas(sq: int, sk: int, kv_heads: int) 
     k, v = _meta(2, sk, kv_heads, 64, torch.bfloat16), _meta(2, sk, kv_heads, 64, torch.bfloat16)
     out, lse = kernel.forward(q, k, v, sq == sk, 0.125)
     assert out.shape == q.shape and lse.shape == (2, 8, sq) and lse.dtype == torch.float32
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse.transpose(1, 2).transpose(1, 2), sq == sk, 0.125)
+    dq, dk, dv = kernel.backward(BackwardRows(dout, q, out, lse.transpose(1, 2).transpose(1, 2)), k, v, sq == sk,
+                                 0.125)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape  # GQA handled by the kernel
     assert not torch.are_deterministic_algorithms_enabled()  # switched on for the call only
 
@@ -103,11 +105,11 @@ def test_efficient_attention_calls_match_the_op_schemas(sq: int, sk: int, kv_hea
     # the backward's meta kernel is registered with a shifted signature, so bind against the CPU dispatcher
     q, k, dout = torch.zeros(2, sq, 8, 64), torch.zeros(2, sk, kv_heads, 64), torch.zeros(2, sq, 8, 64)
     with pytest.raises(NotImplementedError, match="_efficient_attention_backward' with arguments from the 'CPU'"):
-        kernel.backward(dout, q, k, k, torch.zeros_like(q), torch.zeros(2, 8, sq), False, 0.125)
+        kernel.backward(BackwardRows(dout, q, torch.zeros_like(q), torch.zeros(2, 8, sq)), k, k, False, 0.125)
     with pytest.raises(NotImplementedError, match="_efficient_attention_forward' with arguments from the 'CPU'"):
         kernel.forward(q, k, k, True, 0.125)
     with pytest.raises(NotImplementedError, match="_flash_attention_backward' with arguments from the 'CPU'"):
-        TorchCudaFlash().backward(dout, q, k, k, q, torch.zeros(2, 8, sq), True, 0.125)
+        TorchCudaFlash().backward(BackwardRows(dout, q, q, torch.zeros(2, 8, sq)), k, k, True, 0.125)
 
 
 def test_efficient_lse_is_padded_densely_for_the_backward() -> None:
@@ -123,15 +125,17 @@ def test_varlen_calls_match_the_op_schemas() -> None:
     cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="meta")
     q, dout = (torch.empty(300, 8, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
     k = torch.empty(300, 2, 64, dtype=torch.bfloat16, device="meta")
+    segments = VarlenSegments(cu, cu, 200, 200)
     flash = TorchCudaFlash()
-    out, lse = flash.varlen_forward(q, k, k, cu, cu, 200, 200, True, 0.125)
+    out, lse = flash.varlen_forward(q, k, k, segments, True, 0.125)
     assert out.shape == q.shape and lse.shape == (8, 300)
-    dq, dk, dv = flash.varlen_backward(dout, q, k, k, out, lse, cu, cu, 200, 200, True, 0.125)
+    dq, dk, dv = flash.varlen_backward(BackwardRows(dout, q, out, lse), k, k, segments, True, 0.125)
     assert dq.shape == q.shape and dk.shape == k.shape
     efficient = TorchEfficient()
-    out, lse = efficient.varlen_forward(q.float(), k.float(), k.float(), cu, cu, 200, 200, True, 0.125)
+    out, lse = efficient.varlen_forward(q.float(), k.float(), k.float(), segments, True, 0.125)
     assert out.shape == q.shape and lse.shape == (8, 300)
     cpu_cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     q, k = torch.zeros(300, 8, 64), torch.zeros(300, 2, 64)
     with pytest.raises(NotImplementedError, match="_efficient_attention_backward' with arguments from the 'CPU'"):
-        efficient.varlen_backward(q, q, k, k, q, torch.zeros(8, 300), cpu_cu, cpu_cu, 200, 200, True, 0.125)
+        efficient.varlen_backward(BackwardRows(q, q, q, torch.zeros(8, 300)), k, k,
+                                  VarlenSegments(cpu_cu, cpu_cu, 200, 200), True, 0.125)

@@ -20,6 +20,7 @@ from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels import select as kernels
+from cp_train.parallel.kernels.contract import BackwardRows, VarlenSegments
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3, flash_attn_call_form, parameter_names
 from tests import fa3_standins
 from tests import flash_attn_standins as standins
@@ -47,8 +48,9 @@ def _check_kernel(kernel) -> None:
         ref_out, ref_lse = MATH.forward(q, k, v, causal, 0.25)
         assert out.shape == q.shape and lse.shape == (2, 4, sq) and lse.dtype == torch.float32
         assert rel_err(out, ref_out) < 1e-6 and rel_err(lse, ref_lse) < 1e-6
-        grads = kernel.backward(dout, q, k, v, out, lse.transpose(1, 2).contiguous().transpose(1, 2), causal, 0.25)
-        for got, ref in zip(grads, MATH.backward(dout, q, k, v, None, None, causal, 0.25), strict=True):
+        grads = kernel.backward(BackwardRows(dout, q, out, lse.transpose(1, 2).contiguous().transpose(1, 2)), k, v,
+                                causal, 0.25)
+        for got, ref in zip(grads, MATH.backward(BackwardRows(dout, q, None, None), k, v, causal, 0.25), strict=True):
             assert got.shape == ref.shape and rel_err(got, ref) < 1e-5
 
 
@@ -110,7 +112,7 @@ def test_ring_runs_through_the_flash_attn_call_forms(version: str) -> None:
     grads = ring_backward(dout, q, k, v, out.to(q.dtype), lse, None, spec, plan)
     ref_out, ref_lse = MATH.forward(q, k, v, True, 0.25)
     assert rel_err(out, ref_out) < 1e-6 and rel_err(lse.transpose(1, 2), ref_lse) < 1e-6
-    for got, ref in zip(grads, MATH.backward(dout, q, k, v, None, None, True, 0.25), strict=True):
+    for got, ref in zip(grads, MATH.backward(BackwardRows(dout, q, None, None), k, v, True, 0.25), strict=True):
         assert rel_err(got, ref) < 1e-5
 
 
@@ -170,13 +172,14 @@ def _check_varlen(kernel) -> None:
         q, dout = (torch.randn(sum(rows), 4, 16, generator=gen) for _ in range(2))
         k, v = (torch.randn(sum(keys), 2, 16, generator=gen) for _ in range(2))
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32) for x in (rows, keys))
-        args = (cu_q, cu_k, max(rows), max(keys), causal, 0.25)
+        args = (VarlenSegments(cu_q, cu_k, max(rows), max(keys)), causal, 0.25)
         out, lse = kernel.varlen_forward(q, k, v, *args)
         ref_out, ref_lse = MATH.varlen_forward(q, k, v, *args)
         assert out.shape == q.shape and lse.shape == (4, sum(rows))
         assert rel_err(out, ref_out) < 1e-6 and rel_err(lse, ref_lse) < 1e-6
-        grads = kernel.varlen_backward(dout, q, k, v, out, lse, *args)
-        for got, ref in zip(grads, MATH.varlen_backward(dout, q, k, v, ref_out, ref_lse, *args), strict=True):
+        grads = kernel.varlen_backward(BackwardRows(dout, q, out, lse), k, v, *args)
+        refs = MATH.varlen_backward(BackwardRows(dout, q, ref_out, ref_lse), k, v, *args)
+        for got, ref in zip(grads, refs, strict=True):
             assert got.shape == ref.shape and rel_err(got, ref) < 1e-5
 
 

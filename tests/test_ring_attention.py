@@ -10,7 +10,9 @@ from cp_train.parallel.cp.dropins import zigzag_ring_flash_attn_func
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.rank_plan import plan_for_documents, plan_for_layout
 from cp_train.parallel.cp.ring.backward import _accumulate
+from cp_train.parallel.cp.ring.blocks import BlockGrads
 from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.contract import BackwardRows
 from cp_train.parallel.kernels.select import MathKernel, select_kernel
 from tests import ring_cases
 from tests.numerics import rel_err
@@ -192,7 +194,7 @@ def test_a_strided_first_accumulator_travels_contiguous() -> None:
     step = plan_for_layout("contiguous", False, 2, 0, 8).steps[1]
     assert step.grad_rows[0] == 8
     dk, dv = (torch.randn(1, 2, 8, 4, dtype=torch.float64).transpose(1, 2) for _ in range(2))  # [1, 8, 2, 4], strided
-    sent = _accumulate([], step, [(dk, dv, (0, 8))], torch.empty(1, 8, 2, 4, dtype=torch.float64))
+    sent = _accumulate([], step, [BlockGrads(dk, dv, (0, 8))], torch.empty(1, 8, 2, 4, dtype=torch.float64))
     assert all(x.is_contiguous() for x in sent)
     assert torch.equal(sent[0], dk) and torch.equal(sent[1], dv)
 
@@ -205,7 +207,8 @@ def test_threaded_ring_harness_matches_the_reference(world: int, layout: str, ov
     spec = AttentionSpec("ring", layout, True, 0.25, select_kernel(q.device, q.dtype, 16), 2, overlap)
     got = run_threaded_ring(q, k, v, dout, world, spec)
     out, lse = MathKernel().forward(q, k, v, True, 0.25)
-    ref = dict(zip(("dq", "dk", "dv"), MathKernel().backward(dout, q, k, v, out, lse, True, 0.25), strict=True))
+    grads = MathKernel().backward(BackwardRows(dout, q, out, lse), k, v, True, 0.25)
+    ref = dict(zip(("dq", "dk", "dv"), grads, strict=True))
     ref.update(out=out, lse=lse)
     for name, value in ref.items():
         assert rel_err(got[name], value) <= TOL, name

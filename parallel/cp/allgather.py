@@ -22,6 +22,7 @@ from cp_train.parallel.compat import all_gather_single, reduce_scatter_single
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.plan.rank_plan import RankPlan
 from cp_train.parallel.cp.ring.backward import add_grad, local_grads, step_grads
+from cp_train.parallel.cp.ring.blocks import SavedRows
 from cp_train.parallel.cp.ring.comm import count_sent
 from cp_train.parallel.cp.ring.forward import accumulator_dtype, forward_step, head_chunk_bounds, plan_rows
 from cp_train.parallel.cp.spec import AttentionSpec
@@ -149,7 +150,7 @@ class _AllGatherAttention(torch.autograd.Function):
         pending, returning = _start_gather(k_rows, v_rows, chunks[0], group, ring), []
         for index, (h0, h1) in enumerate(chunks):
             qs = slice(h0 * group_size, h1 * group_size)
-            rows = (dout[:, :, qs], q_rows[:, :, qs], out[:, :, qs], lse[:, :, qs])
+            rows = SavedRows(dout[:, :, qs], q_rows[:, :, qs], out[:, :, qs], lse[:, :, qs])
             dq_c, dk_c, dv_c = dq[:, :, qs], dk[:, :, h0:h1], dv[:, :, h0:h1]
             # every block's dK/dV where it landed; the rank's own block first, while the gather travels
             grads: list[list[torch.Tensor] | None] = [None] * ring.world  # per source block: [dk, dv]
@@ -172,9 +173,9 @@ class _AllGatherAttention(torch.autograd.Function):
             pending = _start_gather(k_rows, v_rows, chunks[index + 1], group, ring) if index + 1 < len(chunks) else None
             for step in range(1, ring.world):
                 source = ring.steps[step].source
-                for dk_b, dv_b, target in step_grads(ring, step, rows, stores[source], dq_c, spec):
-                    add_grad(grads[source][0], dk_b, target)
-                    add_grad(grads[source][1], dv_b, target)
+                for grad in step_grads(ring, step, rows, stores[source], dq_c, spec):
+                    add_grad(grads[source][0], grad.dk, grad.target)
+                    add_grad(grads[source][1], grad.dv, grad.target)
             del stores
             if gathers:
                 for grad, target in zip(whole, (dk_c, dv_c), strict=True):

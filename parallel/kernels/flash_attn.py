@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from cp_train.parallel.kernels.contract import BackwardRows, OutLse, QKVGrads, VarlenSegments
 from cp_train.parallel.kernels.varlen import lse_from_padded, lse_to_padded
 
 MIN_FLASH_ATTN = (2, 5)
@@ -87,7 +88,7 @@ def _window(names: dict[str, bool] | str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class FlashAttn2:
-    """flash-attn 2.5-2.8 with the kernel contract of ``parallel/kernels.py``; built by ``load``.
+    """flash-attn 2.5-2.8 with the kernel contract (``contract.py``); built by ``load``.
 
     ``options`` are the keyword arguments both calls share for the version (no dropout, no window,
     no ALiBi, no softcap where it exists); ``lse_index`` is where the forward returns the lse.
@@ -118,27 +119,32 @@ class FlashAttn2:
                    getattr(interface, "_flash_attn_varlen_backward", None), options, varlen_options,
                    1 if form == "2.7" else 5, form == "2.5", deterministic)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         result = self.fwd(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False, **self.options)
         return result[0], result[self.lse_index]
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> QKVGrads:
+        dout, q, out, lse = rows
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.bwd(dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv,
                  softmax_scale=scale, causal=causal, deterministic=self.deterministic, rng_state=None,
                  **self.options)
         return dq, dk, dv
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                       causal: bool, scale: float) -> OutLse:
+        cu_q, cu_k, max_q, max_k = segments
         result = self.varlen_fwd(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                                  max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_softmax=False,
                                  **self.varlen_options)
         lse = result[self.lse_index]
         return result[0], lse_from_padded(lse, cu_q, q.shape[0]) if self.padded_varlen_lse else lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                        causal: bool, scale: float) -> QKVGrads:
+        dout, q, out, lse = rows
+        cu_q, cu_k, max_q, max_k = segments
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         lse = lse_to_padded(lse, cu_q, max_q) if self.padded_varlen_lse else lse.contiguous()
         self.varlen_bwd(dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
@@ -184,25 +190,30 @@ class FlashAttn3:
         causal_name = "is_causal" if "is_causal" in bwd_names else "causal"
         return cls(fwd, bwd, fwd_fixed, bwd_fixed, causal_name)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         result = self.fwd(**{**self.fwd_fixed, "q": q, "k": k, "v": v, "softmax_scale": scale, "causal": causal})
         return result[0], result[1]
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> QKVGrads:
+        dout, q, out, lse = rows
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.bwd(**{**self.bwd_fixed, "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out,
                     "softmax_lse": lse.contiguous(), "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale,
                     self.causal_name: causal})
         return dq, dk, dv
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                       causal: bool, scale: float) -> OutLse:
+        cu_q, cu_k, max_q, max_k = segments
         result = self.fwd(**{**self.fwd_fixed, "q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
                              "max_seqlen_q": max_q, "max_seqlen_k": max_k, "softmax_scale": scale, "causal": causal})
         return result[0], result[1]
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                        causal: bool, scale: float) -> QKVGrads:
+        dout, q, out, lse = rows
+        cu_q, cu_k, max_q, max_k = segments
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.bwd(**{**self.bwd_fixed, "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out,
                     "softmax_lse": lse.contiguous(), "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale,

@@ -1,15 +1,7 @@
 """Attention kernels that return the log-sum-exp, chosen once per (device, dtype, head_dim, backend).
 
-Contract (every kernel object ``select_kernel`` returns):
-
-- ``kernel.forward(q, k, v, causal, scale) -> (out, lse)``
-- ``kernel.backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``
-
-Layout ``[batch, seqlen, heads, head_dim]`` (flash-attn's; row-sliced views are fine). k and v may
-have fewer heads than q (GQA: ``heads % kv_heads == 0``). ``lse`` is ``[batch, heads, seqlen_q]``
-float32 (float64 for float64 inputs), natural log, scale included. ``causal`` is only used on square
-blocks, where every backend agrees. The backward, given the *final* merged ``out``/``lse`` of the
-query rows, returns this K/V block's exact share of dq and its exact dk/dv.
+Every kernel object ``select_kernel`` returns follows the contract of ``contract.py`` (``AttentionKernel``:
+dense and varlen forward and backward calls, their shapes and masks).
 
 Backends (``backend=None`` picks the first that fits, in this order):
 
@@ -17,7 +9,7 @@ Backends (``backend=None`` picks the first that fits, in this order):
 name           kernel                                                  device / dtypes
 ============== ======================================================= ===================
 fa3            FA3 (``flash_attn_interface``, Hopper build)            sm90, fp16/bf16
-flash_attn     flash-attn 2.5-2.8 (``parallel/flash_attn_api.py``)      CUDA, fp16/bf16
+flash_attn     flash-attn 2.5-2.8 (``flash_attn.py``)                  CUDA, fp16/bf16
 torch          PyTorch's flash kernels (CPU: any float; CUDA: fp16/bf16) CPU, CUDA
 torch_efficient PyTorch's memory-efficient kernels (the CUDA fp32 path)  CUDA, fp16/bf16/fp32
 math           float64 reference, materialises the scores (tests)       any
@@ -38,10 +30,10 @@ import importlib
 import importlib.util
 import warnings
 from collections import Counter
-from typing import Protocol
 
 import torch
 
+from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads, VarlenSegments
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
 from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv
 from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments
@@ -51,50 +43,33 @@ HALF = (torch.float16, torch.bfloat16)
 KERNEL_CALLS: Counter[str] = Counter()  # "forward"/"backward" block calls of the ring in this process (tests)
 
 
-class AttentionKernel(Protocol):
-    name: str
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                       cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...  # see parallel/varlen.py
-
-    def varlen_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-                        max_k: int, causal: bool, scale: float
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
 class MathKernel:
     """float64 attention that materialises the scores (the tests' reference; any device)."""
 
     name = "math"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         scores = _math_scores(q, k, causal, scale)
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
         out = torch.einsum("bhqk,bkhd->bqhd", probs, expand_kv(v, q.shape[2]).double())
         return out, lse.masked_fill(torch.isinf(lse), 0.0)
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> QKVGrads:
+        """Recomputes the forward under autograd: ``rows.out`` and ``rows.lse`` are not read."""
         with torch.enable_grad():
-            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (rows.q, k, v))
             out64, _ = self.forward(q64, k64, v64, causal, scale)
-            return torch.autograd.grad(out64, (q64, k64, v64), dout.double())
+            return torch.autograd.grad(out64, (q64, k64, v64), rows.dout.double())
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
-        return forward_by_segments(self, q, k, v, cu_q, cu_k, causal, scale)
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                       causal: bool, scale: float) -> OutLse:
+        return forward_by_segments(self, q, k, v, segments, causal, scale)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
-        return backward_by_segments(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                        causal: bool, scale: float) -> QKVGrads:
+        return backward_by_segments(self, rows, k, v, segments, causal, scale)
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -233,8 +208,7 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                  softmax_scale: float | None = None, backend: str | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  softmax_scale: float | None = None, backend: str | None = None) -> OutLse:
     """One call of the selected kernel: out [B, Sq, H, D] (q's dtype; float64 for math), lse [B, H, Sq]."""
     kernel = select_kernel(q.device, q.dtype, q.shape[-1], backend)
     return kernel.forward(q, k, v, causal, _scale(q, softmax_scale))
@@ -242,7 +216,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool = False, softmax_scale: float | None = None,
-                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   backend: str | None = None) -> QKVGrads:
     """Gradients (dq [B, Sq, H, D], dk, dv [B, Sk, Hk, D]) of one K/V block, given the rows' final out/lse."""
     kernel = select_kernel(q.device, q.dtype, q.shape[-1], backend)
-    return kernel.backward(dout, q, k, v, out, lse, causal, _scale(q, softmax_scale))
+    return kernel.backward(BackwardRows(dout, q, out, lse), k, v, causal, _scale(q, softmax_scale))

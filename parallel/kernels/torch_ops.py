@@ -1,4 +1,4 @@
-"""PyTorch's own attention kernels behind the kernel contract of ``parallel/kernels.py``.
+"""PyTorch's own attention kernels behind the kernel contract (``contract.py``).
 
 - ``TorchCpuFlash``: ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward); any float dtype, any
   head_dim; deterministic (a fixed reduction order for a fixed thread count).
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cp_train.parallel.kernels.contract import BackwardRows, OutLse, QKVGrads, VarlenSegments
 from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments, lse_from_padded, lse_to_padded
 
 LSE_ROW_ALIGNMENT = 32  # the efficient kernels' lse rows are padded to this multiple
@@ -55,16 +56,16 @@ class TorchCpuFlash:
 
     name: str = "torch cpu flash"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         heads = q.shape[2]
         k, v = expand_kv(k, heads), expand_kv(v, heads)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
         return out.transpose(1, 2), lse
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> QKVGrads:
+        dout, q, out, lse = rows
         heads, kv_heads = q.shape[2], k.shape[2]
         ke, ve = expand_kv(k, heads), expand_kv(v, heads)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -73,11 +74,13 @@ class TorchCpuFlash:
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
-        return forward_by_segments(self, q, k, v, cu_q, cu_k, causal, scale)
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                       causal: bool, scale: float) -> OutLse:
+        return forward_by_segments(self, q, k, v, segments, causal, scale)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
-        return backward_by_segments(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                        causal: bool, scale: float) -> QKVGrads:
+        return backward_by_segments(self, rows, k, v, segments, causal, scale)
 
 
 @contextlib.contextmanager
@@ -102,30 +105,35 @@ class TorchCudaFlash:
     deterministic: bool = False
     name: str = "torch cuda flash"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         out, lse = torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal,
                                                            False, scale=scale)[:2]
         return out, lse
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], causal, scale)
+    def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> QKVGrads:
+        return self._backward(rows, k, v, None, None, rows.q.shape[1], k.shape[1], causal, scale)
 
-    def _backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+    def _backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor | None,
+                  cu_k: torch.Tensor | None, max_q: int, max_k: int, causal: bool, scale: float) -> QKVGrads:
+        """Both backwards: dense with no offsets (``cu_q``/``cu_k`` None, the maxima the sequence lengths)."""
+        dout, q, out, lse = rows
         rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout's RNG state: never read
         with deterministic_algorithms(self.deterministic):
             return torch.ops.aten._flash_attention_backward(
                 dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state,
                 rng_state[0], scale=scale)
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                       causal: bool, scale: float) -> OutLse:
+        cu_q, cu_k, max_q, max_k = segments
         out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                            scale=scale)[:2]
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
-        return self._backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                        causal: bool, scale: float) -> QKVGrads:
+        return self._backward(rows, k, v, *segments, causal, scale)
 
 
 def aligned_rows(rows: int) -> int:
@@ -148,16 +156,16 @@ class TorchEfficient:
     deterministic: bool = False
     name: str = "torch efficient"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         heads = q.shape[2]
         out, lse = torch.ops.aten._efficient_attention_forward(
             q, expand_kv(k, heads), expand_kv(v, heads), None, None, None, None, None, 0.0,
             CAUSAL_FROM_TOP_LEFT if causal else 0, True, scale=scale)[:2]
         return out, lse[:, :, : q.shape[1]]
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> QKVGrads:
+        dout, q, out, lse = rows
         heads, kv_heads = q.shape[2], k.shape[2]
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
@@ -166,14 +174,19 @@ class TorchEfficient:
             scale=scale, num_splits_key=1 if self.deterministic else None)
         return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001 - see varlen.py
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                       causal: bool, scale: float) -> OutLse:
+        cu_q, cu_k, max_q, max_k = segments
         heads = q.shape[1]
         out, lse = torch.ops.aten._efficient_attention_forward(
             q[None], expand_kv(k[None], heads), expand_kv(v[None], heads), None, cu_q, cu_k, max_q, max_k, 0.0,
             CAUSAL_FROM_BOTTOM_RIGHT if causal else 0, True, scale=scale)[:2]
         return out[0], lse_from_padded(lse, cu_q, q.shape[0])
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):  # noqa: ANN001
+    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                        causal: bool, scale: float) -> QKVGrads:
+        dout, q, out, lse = rows
+        cu_q, cu_k, max_q, max_k = segments
         heads, kv_heads = q.shape[1], k.shape[1]
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(

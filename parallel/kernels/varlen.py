@@ -1,20 +1,18 @@
 """Variable-length ("varlen") attention calls: many (query, key) segments packed into one call.
 
-Contract (``kernel.varlen_forward`` / ``varlen_backward``): q ``[Tq, H, D]``, k, v ``[Tk, Hk, D]``;
-segment ``i`` is query rows ``cu_q[i]:cu_q[i+1]`` against key rows ``cu_k[i]:cu_k[i+1]`` (int32 offsets,
-``max_q``/``max_k`` the longest); ``causal`` masks are aligned bottom-right (query ``t`` of a segment of
-``R`` rows and ``K`` keys sees the first ``K - R + t + 1`` keys), as flash-attn's. The forward returns out
-``[Tq, H, D]`` and lse ``[H, Tq]`` float32; the backward, given the rows' final out/lse, returns dq, dk, dv.
-
-Kernels without a varlen form (the CPU flash kernel, the float64 reference) run each segment as dense
-calls (``by_segments``); the GPU kernels call their own varlen entry points. Some of those keep the lse
-padded per segment (``[segments, H, rows]``): ``lse_to_padded`` / ``lse_from_padded`` convert.
+The call forms, shapes and masks are the kernel contract's (``contract.py``: ``kernel.varlen_forward(q, k, v,
+segments, causal, scale)``, ``kernel.varlen_backward(rows, k, v, segments, causal, scale)``). Kernels without
+a varlen form (the CPU flash kernel, the float64 reference) run each segment as dense calls (``by_segments``);
+the GPU kernels call their own varlen entry points. Some of those keep the lse padded per segment
+(``[segments, H, rows]``): ``lse_to_padded`` / ``lse_from_padded`` convert.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads, VarlenSegments
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -37,10 +35,10 @@ def _dense_parts(rows: int, keys: int, causal: bool) -> list[tuple[int, int, boo
     return [(0, keys - rows, False), (keys - rows, keys, True)]
 
 
-def forward_by_segments(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,  # noqa: ANN001
-                        cu_k: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_by_segments(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        segments: VarlenSegments, causal: bool, scale: float) -> OutLse:
     """The varlen forward as one dense ``kernel.forward`` call per segment part (merged in fp32)."""
-    bq, bk = _bounds(cu_q), _bounds(cu_k)
+    bq, bk = _bounds(segments.cu_q), _bounds(segments.cu_k)
     out = torch.empty(q.shape, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=out.dtype, device=q.device)
     for i in range(len(bq) - 1):
@@ -57,20 +55,21 @@ def forward_by_segments(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out.to(q.dtype), lse.transpose(0, 1).contiguous()
 
 
-def backward_by_segments(kernel, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: ANN001
-                         out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward_by_segments(kernel: AttentionKernel, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor,
+                         segments: VarlenSegments, causal: bool, scale: float) -> QKVGrads:
     """The varlen backward as dense ``kernel.backward`` calls per segment part (each given the final lse)."""
-    bq, bk = _bounds(cu_q), _bounds(cu_k)
+    dout, q, out, lse = rows
+    bq, bk = _bounds(segments.cu_q), _bounds(segments.cu_k)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
     for i in range(len(bq) - 1):
-        rows, start = slice(bq[i], bq[i + 1]), bk[i]
-        for k0, k1, part_causal in _dense_parts(rows.stop - rows.start, bk[i + 1] - start, causal):
+        part, start = slice(bq[i], bq[i + 1]), bk[i]
+        for k0, k1, part_causal in _dense_parts(part.stop - part.start, bk[i + 1] - start, causal):
             keys = slice(start + k0, start + k1)
-            gq, gk, gv = kernel.backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
-                                         out[None, rows], lse[None, :, rows], part_causal, scale)
-            dq[rows] += gq[0]
+            gq, gk, gv = kernel.backward(
+                BackwardRows(dout[None, part], q[None, part], out[None, part], lse[None, :, part]),
+                k[None, keys], v[None, keys], part_causal, scale)
+            dq[part] += gq[0]
             dk[keys] += gk[0]
             dv[keys] += gv[0]
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, gather_sequence, shard_sequence
-from cp_train.parallel.mesh.groups import CPGroups
+from cp_train.parallel.mesh.model_parallel import CPGroups
 from cp_train.parallel.mesh.state import parallel_context
 from tests.document_cases import masked_reference
 from tests.numerics import rel_err

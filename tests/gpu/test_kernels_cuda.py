@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cp_train.parallel.kernels import select as kernels
+from cp_train.parallel.kernels.contract import BackwardRows, VarlenSegments
 from tests.numerics import rel_err
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -46,7 +47,7 @@ def test_backend_matches_float64(backend, dtype_name, sq, sk, causal, heads, kv_
     scale = head_dim ** -0.5
     math = kernels.MathKernel()
     ref_out, ref_lse = math.forward(q, k, v, causal, scale)
-    ref_grads = math.backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
+    ref_grads = math.backward(BackwardRows(dout, q, ref_out, ref_lse), k, v, causal, scale)
     out, lse = kernel.forward(q, k, v, causal, scale)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == (2, heads, sq) and lse.dtype == torch.float32
     tol_out, tol_grad = TOL[dtype]
@@ -54,7 +55,7 @@ def test_backend_matches_float64(backend, dtype_name, sq, sk, causal, heads, kv_
     assert rel_err(lse, ref_lse) < tol_out, f"lse {rel_err(lse, ref_lse):.2e}"
     # the ring hands the backward its merged lse as a [B, H, n] view of a [B, n, H] buffer
     ring_lse = ref_lse.float().transpose(1, 2).contiguous().transpose(1, 2)
-    grads = kernel.backward(dout, q, k, v, ref_out.to(dtype), ring_lse, causal, scale)
+    grads = kernel.backward(BackwardRows(dout, q, ref_out.to(dtype), ring_lse), k, v, causal, scale)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert got.shape == ref.shape, name
         assert rel_err(got, ref) < tol_grad, f"{name} {rel_err(got, ref):.2e}"
@@ -69,9 +70,9 @@ def test_deterministic_backward_is_bitwise_repeatable(backend: str, dtype: torch
         pytest.skip(str(error))
     q, k, v, dout = _inputs(1024, 1024, 8, 2, 64, dtype, seed=1)
     out, lse = kernel.forward(q, k, v, True, 0.125)
-    first = kernel.backward(dout, q, k, v, out, lse, True, 0.125)
+    first = kernel.backward(BackwardRows(dout, q, out, lse), k, v, True, 0.125)
     for _ in range(3):
-        again = kernel.backward(dout, q, k, v, out, lse, True, 0.125)
+        again = kernel.backward(BackwardRows(dout, q, out, lse), k, v, True, 0.125)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
@@ -96,14 +97,14 @@ def test_varlen_matches_float64(backend: str, dtype_name: str, causal: bool) -> 
     q, dout, k, v = make(sum(rows), 8), make(sum(rows), 8), make(sum(keys), 2), make(sum(keys), 2)
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for x in (rows, keys))
-    args = (cu_q, cu_k, max(rows), max(keys), causal, 0.125)
+    args = (VarlenSegments(cu_q, cu_k, max(rows), max(keys)), causal, 0.125)
     math = kernels.MathKernel()
     ref_out, ref_lse = math.varlen_forward(q, k, v, *args)
-    ref_grads = math.varlen_backward(dout, q, k, v, ref_out, ref_lse, *args)
+    ref_grads = math.varlen_backward(BackwardRows(dout, q, ref_out, ref_lse), k, v, *args)
     out, lse = kernel.varlen_forward(q, k, v, *args)
     tol_out, tol_grad = TOL[dtype]
     assert lse.shape == (8, sum(rows)) and rel_err(lse, ref_lse) < tol_out
     assert rel_err(out, ref_out) < tol_out
-    grads = kernel.varlen_backward(dout, q, k, v, ref_out.to(dtype), ref_lse.float(), *args)
+    grads = kernel.varlen_backward(BackwardRows(dout, q, ref_out.to(dtype), ref_lse.float()), k, v, *args)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert rel_err(got, ref) < tol_grad, f"{name} {rel_err(got, ref):.2e}"

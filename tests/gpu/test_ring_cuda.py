@@ -13,6 +13,7 @@ import torch
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels import select as kernels
+from cp_train.parallel.kernels.contract import BackwardRows
 from cp_train.parallel.kernels.torch_ops import expand_kv
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
@@ -27,7 +28,7 @@ def _full(seqlen: int, dtype: torch.dtype, heads: int = 8, kv_heads: int = 2, he
 def _reference(q, k, v, dout, causal: bool, scale: float) -> dict[str, torch.Tensor]:
     math = kernels.MathKernel()
     out, lse = math.forward(q, k, v, causal, scale)
-    grads = math.backward(dout, q, k, v, out, lse, causal, scale)
+    grads = math.backward(BackwardRows(dout, q, out, lse), k, v, causal, scale)
     return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
 
 

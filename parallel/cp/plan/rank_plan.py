@@ -1,4 +1,4 @@
-"""One CP rank's ring schedule, derived from the attention mask (see ``mask_segments.py``).
+"""One CP rank's ring schedule, derived from the attention mask (see ``segments.py``).
 
 At ring step ``t`` rank ``r`` holds the K/V block that started on ``source = (r - t) % world``. The
 plan lists, per step, the kernel segments (query rows x rows of the held block), and sizes every
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,14 @@ from cp_train.parallel.cp.plan.segments import (
 )
 
 Selector = slice | torch.Tensor | None  # rows picked from a compacted store (None: nothing)
+
+
+class KernelCall(NamedTuple):
+    """One dense kernel call of a step: ``segment`` (query rows x rows of the held K/V store; a causal one is
+    square) and ``grad_kv``, the same key rows in the step's dK/dV accumulator."""
+
+    segment: Segment
+    grad_kv: Interval
 
 
 @dataclass(frozen=True)
@@ -59,17 +68,17 @@ class StepPlan:
     grad_rows: tuple[int, int]
 
     @functools.cached_property
-    def calls(self) -> list[tuple[Segment, Interval]]:
+    def calls(self) -> list[KernelCall]:
         """``dense_calls()``, computed once."""
         return self.dense_calls()
 
-    def dense_calls(self) -> list[tuple[Segment, Interval]]:
-        """(kernel call, its rows in the accumulator) for a dense kernel (causal calls square)."""
+    def dense_calls(self) -> list[KernelCall]:
+        """The step's segments as calls of a dense kernel (causal calls square), with their accumulator rows."""
         calls = []
         for segment, grad in zip(self.segments, self.grad_kv, strict=True):
             for call in segment.dense_calls():
                 offset = grad[0] - segment.kv[0]
-                calls.append((call, (call.kv[0] + offset, call.kv[1] + offset)))
+                calls.append(KernelCall(call, (call.kv[0] + offset, call.kv[1] + offset)))
         return calls
 
 

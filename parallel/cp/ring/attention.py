@@ -1,8 +1,8 @@
 """Ring attention with autograd: this rank's queries against every K/V block of the ring.
 
-``ring_attention(q, k, v, group, spec, plan)`` runs ``ring_core``'s forward and ``ring_grads``' backward over
+``ring_attention(q, k, v, group, spec, plan)`` runs ``forward.py``'s forward and ``backward.py``'s backward over
 ``group`` with ``plan`` (a ``RankPlan``; None: no ring and one document, a single kernel call each
-way). The public entry point is ``parallel.cp_attention.context_parallel_attention``.
+way). The public entry point is ``cp_train.parallel.cp.attention.context_parallel_attention``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.comm import RingComm
 from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.contract import BackwardRows
 from cp_train.parallel.kernels.select import KERNEL_CALLS
 
 
@@ -40,7 +41,7 @@ class _RingAttention(torch.autograd.Function):
         spec = ctx.spec
         if ctx.plan is None:
             KERNEL_CALLS["backward"] += 1
-            dq, dk, dv = spec.kernel.backward(dout, q, k, v, out, lse, spec.causal, spec.scale)
+            dq, dk, dv = spec.kernel.backward(BackwardRows(dout, q, out, lse), k, v, spec.causal, spec.scale)
         else:
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse.transpose(1, 2), ctx.comm, spec, ctx.plan)
         if dq.dtype != q.dtype:

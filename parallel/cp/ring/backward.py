@@ -1,5 +1,5 @@
-"""The ring attention backward pipeline (no autograd; see ring_attention.py; shapes, plans and head chunks
-as in ring_core.py).
+"""The ring attention backward pipeline (no autograd; see attention.py; shapes, plans and head chunks
+as in forward.py).
 
 Backward: the local step first, over every head at once (its kernel outputs become dq, dk, dv) while
 the first head chunk's K/V hop travels; then the remote steps, one head chunk (``spec.head_chunks``) at
@@ -8,7 +8,7 @@ dK/dV accumulator of a block starts on the first rank that uses it, travels the 
 grows by the rows each rank touches and arrives home at the block's owner, which adds it to its own
 share. dQ stays local. Nothing saved is recomputed. Buffers are dropped as soon as they are sent.
 
-Overlap policy (``AttentionSpec.overlap``, ``cp_attention.default_overlap``): at a chunk boundary two
+Overlap policy (``AttentionSpec.overlap``, ``spec.default_overlap``): at a chunk boundary two
 hops have no kernel call of their own chunk to hide behind, the chunk's last dK/dV hop home and the
 next chunk's first K/V hop. Without ``overlap`` (CPU with one document, where memory is the tighter
 budget and every rank's steps are equal) both travel together and are waited for in place. With it
@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, Selector, StepPlan
-from cp_train.parallel.cp.plan.segments import Segment
+from cp_train.parallel.cp.plan.segments import Interval, Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
+from cp_train.parallel.cp.ring.blocks import BlockGrads, SavedRows
 from cp_train.parallel.cp.ring.comm import RingComm, Transfer
 from cp_train.parallel.cp.ring.forward import (
     GRAD_TAG,
@@ -38,12 +39,11 @@ from cp_train.parallel.cp.ring.forward import (
 )
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
 from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.contract import BackwardRows, QKVGrads
 from cp_train.parallel.kernels.select import KERNEL_CALLS
 
-Grads = list[tuple[torch.Tensor, torch.Tensor, "tuple[int, int] | torch.Tensor"]]
 
-
-def add_grad(total: torch.Tensor, part: torch.Tensor, target: tuple[int, int] | torch.Tensor) -> None:
+def add_grad(total: torch.Tensor, part: torch.Tensor, target: Interval | torch.Tensor) -> None:
     """Add one call's dK (or dV) to an accumulator: rows ``target`` (an interval of dim 1), or the rows of
     the flattened ``[B*rows]`` accumulator a varlen call names (an index tensor)."""
     if isinstance(target, tuple):
@@ -52,37 +52,35 @@ def add_grad(total: torch.Tensor, part: torch.Tensor, target: tuple[int, int] | 
         total.flatten(0, 1).index_add_(0, target, part.to(total.dtype))
 
 
-def _covers(target: tuple[int, int] | torch.Tensor, rows: int) -> bool:
+def _covers(target: Interval | torch.Tensor, rows: int) -> bool:
     """Whether one call's gradient rows are all ``rows`` of the accumulator, in order."""
     return isinstance(target, tuple) and target == (0, rows)
 
 
-def step_grads(plan: RankPlan, index: int, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor],
-                dq: torch.Tensor, spec: AttentionSpec) -> Grads:
-    """One step's backward: adds its dq share into ``dq``; returns (dk, dv, accumulator rows) per call.
+def step_grads(plan: RankPlan, index: int, rows: SavedRows, held: list[torch.Tensor], dq: torch.Tensor,
+               spec: AttentionSpec) -> list[BlockGrads]:
+    """One step's backward: adds its dq share into ``dq``; returns each kernel call's ``BlockGrads``.
 
-    ``rows`` = (dout, q, out, lse) of the chunk's query heads; ``held`` the K/V store of the step.
+    ``rows`` are the chunk's query heads; ``held`` the [k, v] store of the step.
     """
     step = plan.steps[index]
     if uses_varlen(spec, step):
-        calls = varlen_calls(plan, index, rows[1].shape[0], rows[1].shape[1], dq.device)
+        calls = varlen_calls(plan, index, rows.q.shape[0], rows.q.shape[1], dq.device)
         return ring_varlen.backward_step(spec.kernel, calls, rows, held, dq, spec.scale)
     grads = []
-    for call, grad_rows in step.calls:
-        dq_b, dk_b, dv_b = call_backward(spec, call, rows, held)
-        dq[:, slice(*call.q)] += dq_b
-        grads.append((dk_b, dv_b, grad_rows))
+    for call in step.calls:
+        dq_b, dk_b, dv_b = call_backward(spec, call.segment, rows, held)
+        dq[:, slice(*call.segment.q)] += dq_b
+        grads.append(BlockGrads(dk_b, dv_b, call.grad_kv))
     return grads
 
 
-def call_backward(spec: AttentionSpec, call: Segment, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One dense kernel call's dq (its query rows) and dk, dv (its key rows); ``rows`` = (dout, q, out, lse)."""
-    keys = slice(*call.kv)
-    dout, q, out, lse = (x[:, slice(*call.q)] for x in rows)
+def call_backward(spec: AttentionSpec, segment: Segment, rows: SavedRows, held: list[torch.Tensor]) -> QKVGrads:
+    """One dense kernel call's dq (its query rows) and dk, dv (its key rows of the [k, v] store ``held``)."""
+    part, keys = slice(*segment.q), slice(*segment.kv)
+    grad = BackwardRows(rows.dout[:, part], rows.q[:, part], rows.out[:, part], rows.lse[:, part].transpose(1, 2))
     KERNEL_CALLS["backward"] += 1
-    return spec.kernel.backward(dout, q, held[0][:, keys], held[1][:, keys], out, lse.transpose(1, 2), call.causal,
-                                spec.scale)
+    return spec.kernel.backward(grad, held[0][:, keys], held[1][:, keys], segment.causal, spec.scale)
 
 
 def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]], home: Selector) -> None:
@@ -95,31 +93,30 @@ def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]], home: S
     homecoming.clear()
 
 
-def local_grads(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], dq_c: torch.Tensor,
-                 dk_c: torch.Tensor, dv_c: torch.Tensor, spec: AttentionSpec) -> None:
+def local_grads(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], dq_c: torch.Tensor,
+                dk_c: torch.Tensor, dv_c: torch.Tensor, spec: AttentionSpec) -> None:
     """The local step: dq, dk, dv of the chunk's own block, written straight into the outputs."""
     dq_c.zero_()
     grads = step_grads(plan, 0, rows, held, dq_c, spec)
-    if len(grads) == 1 and _covers(grads[0][2], dk_c.shape[1]):  # one call over every row: copy, no zeroing
-        dk_c.copy_(grads[0][0])
-        dv_c.copy_(grads[0][1])
+    if len(grads) == 1 and _covers(grads[0].target, dk_c.shape[1]):  # one call over every row: copy, no zeroing
+        dk_c.copy_(grads[0].dk)
+        dv_c.copy_(grads[0].dv)
         return
     dk_c.zero_()
     dv_c.zero_()
-    for dk_b, dv_b, target in grads:
-        add_grad(dk_c, dk_b, target)
-        add_grad(dv_c, dv_b, target)
+    for grad in grads:
+        add_grad(dk_c, grad.dk, grad.target)
+        add_grad(dv_c, grad.dv, grad.target)
 
 
-def local_step(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.Tensor], spec: AttentionSpec
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def local_step(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], spec: AttentionSpec) -> QKVGrads:
     """The local step over every head: new dq, dk, dv accumulators (``rows`` and ``held`` as in ``step_grads``).
     One call over every row hands over the kernel's own outputs (no copy in the accumulator dtype)."""
-    q, k = rows[1], held[0]
+    q, k = rows.q, held[0]
     acc = accumulator_dtype(q.dtype)
     step = plan.steps[0]
-    if one_call(spec, step, q.shape[1]) and _covers(step.calls[0][1], k.shape[1]):
-        dq, dk, dv = call_backward(spec, step.calls[0][0], rows, held)
+    if one_call(spec, step, q.shape[1]) and _covers(step.calls[0].grad_kv, k.shape[1]):
+        dq, dk, dv = call_backward(spec, step.calls[0].segment, rows, held)
         return dq.to(acc), dk.to(acc), dv.to(acc)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
@@ -129,8 +126,7 @@ def local_step(plan: RankPlan, rows: tuple[torch.Tensor, ...], held: list[torch.
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, comm: RingComm | None, spec: AttentionSpec, plan: RankPlan
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor, comm: RingComm | None, spec: AttentionSpec, plan: RankPlan) -> QKVGrads:
     """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype.
 
     The local step runs first over every head while the first head chunk's K/V hop travels (its kernel
@@ -146,18 +142,18 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     group_size = heads // kv_heads
     chunks = head_chunk_bounds(kv_heads, spec.head_chunks) if comm is not None else []
 
-    def chunk_rows(k0: int, k1: int) -> tuple[torch.Tensor, ...]:
+    def chunk_rows(k0: int, k1: int) -> SavedRows:
         qs = slice(k0 * group_size, k1 * group_size)
         dout_c = dout[:, :, qs]
         if batch == 1 and not dout_c.is_contiguous():  # the CPU kernel copies a strided dout in every call
             dout_c = dout_c.contiguous()
-        return dout_c, q[:, :, qs], out[:, :, qs], lse[:, :, qs]
+        return SavedRows(dout_c, q[:, :, qs], out[:, :, qs], lse[:, :, qs])
 
     def first_hop(k0: int, k1: int) -> Transfer:
         return pass_kv(comm, [k[:, :, k0:k1], v[:, :, k0:k1]], plan.steps[0], k[:, :, k0:k1])
 
     kv_transfer = first_hop(*chunks[0]) if chunks else None
-    dq, dk, dv = local_step(plan, (dout, q, out, lse), [k, v], spec)
+    dq, dk, dv = local_step(plan, SavedRows(dout, q, out, lse), [k, v], spec)
     homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []  # dK/dV hops still travelling home
     for number, (k0, k1) in enumerate(chunks):
         rows = chunk_rows(k0, k1)
@@ -192,7 +188,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq.reshape(q_shape[:3] + (dim,)), dk.reshape(kv_shape[:3] + (dim,)), dv.reshape(kv_shape[:3] + (dim,))
 
 
-def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: Grads, like: torch.Tensor
+def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: list[BlockGrads], like: torch.Tensor
                 ) -> list[torch.Tensor]:
     """The travelling [dk, dv] accumulator after this step: the arriving one (rows of earlier ranks, placed by
     ``step.grad_grow``) plus this rank's calls, in ``step.grad_rows[0]`` rows (empty: nothing to send).
@@ -200,8 +196,8 @@ def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: Grads, like
     rows = step.grad_rows[0]
     if rows == 0:
         return []
-    if not arriving and len(grads) == 1 and _covers(grads[0][2], rows) and grads[0][0].dtype == like.dtype:
-        return [g.contiguous() for g in grads[0][:2]]  # the first contribution covers every row: send it as it is
+    if not arriving and len(grads) == 1 and _covers(grads[0].target, rows) and grads[0].dk.dtype == like.dtype:
+        return [grads[0].dk.contiguous(), grads[0].dv.contiguous()]  # the first contribution covers every row
     if arriving and arriving[0].shape[1] == rows:
         total = arriving
     else:
@@ -210,7 +206,7 @@ def _accumulate(arriving: list[torch.Tensor], step: StepPlan, grads: Grads, like
         if arriving:
             add_rows(total[0], step.grad_grow, arriving[0])
             add_rows(total[1], step.grad_grow, arriving[1])
-    for dk_b, dv_b, target in grads:
-        add_grad(total[0], dk_b, target)
-        add_grad(total[1], dv_b, target)
+    for grad in grads:
+        add_grad(total[0], grad.dk, grad.target)
+        add_grad(total[1], grad.dv, grad.target)
     return total

@@ -1,9 +1,9 @@
 """The ring attention forward pipeline and the pieces both directions share (no autograd; see
-ring_attention.py; the backward is ring_grads.py).
+attention.py; the backward is backward.py).
 
 Shapes: q, dout, out ``[B, n, H, D]``; k, v ``[B, n, Hk, D]``; lse ``[B, n, H]`` (float32 accumulator
 layout); ``n`` is the local sequence length of one CP rank. What each step computes and sends comes
-from the rank's ``RankPlan`` (``attention_plan.py``); a packed plan views every tensor ``[1, B*n, ...]``.
+from the rank's ``RankPlan`` (``plan/rank_plan.py``); a packed plan views every tensor ``[1, B*n, ...]``.
 
 The forward runs over *head chunks* (``spec.forward_head_chunks``, by default one: all heads) and, inside
 each, over the ring steps. Exactly one K/V transfer is in flight at any time, always for the next step
@@ -79,13 +79,14 @@ def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.T
         ring_varlen.forward_step(spec.kernel, calls, q, held, out, lse, spec.scale, index == 0)
         return
     written = 0  # rows [0, written) of the local step hold a first value
-    for call, _ in step.calls:
-        rows = slice(*call.q)
-        block_out, block_lse = call_forward(spec, call, q, held)
-        if index == 0 and call.q[0] >= written:  # the local step covers every row: first write copies
+    for call in step.calls:
+        segment = call.segment
+        rows = slice(*segment.q)
+        block_out, block_lse = call_forward(spec, segment, q, held)
+        if index == 0 and segment.q[0] >= written:  # the local step covers every row: first write copies
             out[:, rows].copy_(block_out)
             lse[:, rows].copy_(block_lse)
-            written = call.q[1]
+            written = segment.q[1]
         else:
             merge_block(out[:, rows], lse[:, rows], block_out, block_lse)
         del block_out, block_lse
@@ -103,14 +104,14 @@ def call_forward(spec: AttentionSpec, call: Segment, q: torch.Tensor, held: list
 
 def one_call(spec: AttentionSpec, step: StepPlan, rows: int) -> bool:
     """Whether ``step`` is one dense kernel call over all ``rows`` query rows."""
-    return not uses_varlen(spec, step) and len(step.calls) == 1 and step.calls[0][0].q == (0, rows)
+    return not uses_varlen(spec, step) and len(step.calls) == 1 and step.calls[0].segment.q == (0, rows)
 
 
 def _local_forward(plan: RankPlan, q: torch.Tensor, held: list[torch.Tensor], spec: AttentionSpec
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The local step as one call over every row and head: its outputs become the running out [B, n, H, D]
     and lse [B, n, H] (the accumulator dtype; no copy when the inputs are in it)."""
-    out, lse = call_forward(spec, plan.steps[0].calls[0][0], q, held)
+    out, lse = call_forward(spec, plan.steps[0].calls[0].segment, q, held)
     acc = accumulator_dtype(q.dtype)
     return out.to(acc), lse.to(acc)
 

@@ -1,7 +1,7 @@
 """The ring's steps as varlen kernel calls: one call per step for the causal segments, one for the rest.
 
 A GPU runs many small dense calls slowly, so with packed documents each ring step gathers its segments'
-query rows and K/V rows into packed tensors (``parallel/varlen.py``), makes at most two varlen calls
+query rows and K/V rows into packed tensors (``parallel/kernels/varlen.py``), makes at most two varlen calls
 (flash-attn's masks are either causal or not for a whole call) and scatters the results back. Each query
 row is in at most one segment of a step, so the scatter never collides; K/V rows shared by segments are
 gathered once per segment and their gradients summed back with ``index_add_``.
@@ -17,23 +17,22 @@ from dataclasses import dataclass
 import torch
 
 from cp_train.parallel.cp.plan.rank_plan import RankPlan
-from cp_train.parallel.kernels.select import KERNEL_CALLS, AttentionKernel
+from cp_train.parallel.cp.ring.blocks import BlockGrads, SavedRows
+from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, VarlenSegments
+from cp_train.parallel.kernels.select import KERNEL_CALLS
 from cp_train.parallel.kernels.varlen import merge_block
 
 
 @dataclass(frozen=True)
 class VarlenCall:
     """One varlen call: ``q_index`` rows of the flattened ``[B*n]`` queries, ``kv_index`` of the flattened held
-    K/V store, ``grad_index`` of the flattened dK/dV accumulator; cumulative lengths and maxima."""
+    K/V store, ``grad_index`` of the flattened dK/dV accumulator; ``segments`` as the kernel takes them."""
 
     causal: bool
     q_index: torch.Tensor
     kv_index: torch.Tensor
     grad_index: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
+    segments: VarlenSegments
 
 
 def varlen_calls(plan: RankPlan, index: int, batch: int, rows: int, device: torch.device) -> list[VarlenCall]:
@@ -58,7 +57,8 @@ def varlen_calls(plan: RankPlan, index: int, batch: int, rows: int, device: torc
             cu = [torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
                   for lengths in (lengths_q, lengths_k)]
             calls.append(VarlenCall(causal, *(torch.cat(p).to(device) for p in (q_parts, kv_parts, grad_parts)),
-                                    cu[0].to(device), cu[1].to(device), max(lengths_q), max(lengths_k)))
+                                    VarlenSegments(cu[0].to(device), cu[1].to(device), max(lengths_q),
+                                                   max(lengths_k))))
         plan.cache[key] = calls
     return plan.cache[key]
 
@@ -75,7 +75,7 @@ def forward_step(kernel: AttentionKernel, calls: list[VarlenCall], q: torch.Tens
         KERNEL_CALLS["forward"] += 1
         block_out, block_lse = kernel.varlen_forward(
             q_flat.index_select(0, call.q_index), k_flat.index_select(0, call.kv_index),
-            v_flat.index_select(0, call.kv_index), call.cu_q, call.cu_k, call.max_q, call.max_k, call.causal, scale)
+            v_flat.index_select(0, call.kv_index), call.segments, call.causal, scale)
         block_lse = block_lse.transpose(0, 1)
         if first:
             out_flat.index_copy_(0, call.q_index, block_out.to(out.dtype))
@@ -87,11 +87,10 @@ def forward_step(kernel: AttentionKernel, calls: list[VarlenCall], q: torch.Tens
         lse_flat.index_copy_(0, call.q_index, current_lse)
 
 
-def backward_step(kernel: AttentionKernel, calls: list[VarlenCall], rows: tuple[torch.Tensor, ...],
-                  held: list[torch.Tensor], dq: torch.Tensor, scale: float
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """One ring step backward: adds the dq share into ``dq``; returns (dk, dv, rows of the flattened
-    accumulator) per call. ``rows`` = (dout, q, out, lse) of the chunk's query heads."""
+def backward_step(kernel: AttentionKernel, calls: list[VarlenCall], rows: SavedRows, held: list[torch.Tensor],
+                  dq: torch.Tensor, scale: float) -> list[BlockGrads]:
+    """One ring step backward: adds the dq share into ``dq``; returns each call's ``BlockGrads`` (its target the
+    rows of the flattened accumulator). ``rows`` are the chunk's query heads."""
     if not calls:
         return []
     dout, q, out, lse = (x.flatten(0, 1) for x in rows)
@@ -100,11 +99,12 @@ def backward_step(kernel: AttentionKernel, calls: list[VarlenCall], rows: tuple[
     grads = []
     for call in calls:
         KERNEL_CALLS["backward"] += 1
-        pick = lambda x, index: x.index_select(0, index)  # noqa: E731
-        dq_b, dk_b, dv_b = kernel.varlen_backward(
-            pick(dout, call.q_index), pick(q, call.q_index), pick(k_flat, call.kv_index), pick(v_flat, call.kv_index),
-            pick(out, call.q_index), pick(lse, call.q_index).transpose(0, 1).contiguous(), call.cu_q, call.cu_k,
-            call.max_q, call.max_k, call.causal, scale)
+        index = call.q_index
+        grad = BackwardRows(dout.index_select(0, index), q.index_select(0, index), out.index_select(0, index),
+                            lse.index_select(0, index).transpose(0, 1).contiguous())
+        dq_b, dk_b, dv_b = kernel.varlen_backward(grad, k_flat.index_select(0, call.kv_index),
+                                                  v_flat.index_select(0, call.kv_index), call.segments, call.causal,
+                                                  scale)
         dq_flat.index_add_(0, call.q_index, dq_b.to(dq.dtype))
-        grads.append((dk_b, dv_b, call.grad_index))
+        grads.append(BlockGrads(dk_b, dv_b, call.grad_index))
     return grads

@@ -23,7 +23,8 @@ from cp_train.parallel.cp.ring.comm import RingComm, count_sent
 from cp_train.parallel.cp.ring.forward import accumulator_dtype, ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.cp.ulysses.documents import Pending, UlyssesDocumentsAttention
-from cp_train.parallel.mesh.groups import CPGroups
+from cp_train.parallel.kernels.contract import BackwardRows
+from cp_train.parallel.mesh.model_parallel import CPGroups
 
 
 def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
@@ -148,8 +149,8 @@ class _UlyssesAttention(torch.autograd.Function):
             pending = post(c + 1) if c + 1 < chunks else None
             q_h, k_h, v_h, out_h, lse_h = saved[5 * c: 5 * c + 5]
             if plan.ring is None:
-                grads = spec.kernel.backward(dout_h, q_h, k_h, v_h, out_h, lse_h.transpose(1, 2).contiguous(),
-                                             spec.causal, spec.scale)
+                grads = spec.kernel.backward(BackwardRows(dout_h, q_h, out_h, lse_h.transpose(1, 2).contiguous()),
+                                             k_h, v_h, spec.causal, spec.scale)
             else:
                 grads = ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, comm, spec, plan.ring)
             back.append((c, [_post_heads_to_seq(_in_rank_order(g.to(dout.dtype), plan, batch), group)

@@ -24,6 +24,7 @@ from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.plan.rank_plan import Selector
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments
 from cp_train.parallel.cp.ring.backward import add_grad, local_grads, step_grads
+from cp_train.parallel.cp.ring.blocks import SavedRows
 from cp_train.parallel.cp.ring.comm import BYTES_SENT
 from cp_train.parallel.cp.ring.forward import accumulator_dtype, forward_step, plan_rows
 from cp_train.parallel.cp.spec import AttentionSpec
@@ -173,7 +174,7 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
 
         pending = post(0) if travels else None
         if docs.home is not None:
-            local_grads(docs.home, (dout, q, out, lse), [k, v], dq, dk, dv, spec)
+            local_grads(docs.home, SavedRows(dout, q, out, lse), [k, v], dq, dk, dv, spec)
         back = []
         for c in range(chunks if travels else 0):
             pending[0].wait()
@@ -185,12 +186,12 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
             dv_flat, dv_b = _flat_blocks(docs.counts, batch, (kv_step // u, dim), acc, dout.device, zero=True)
             for i, block in enumerate(docs.blocks):
                 dq_b[i].zero_()
+                block_rows = SavedRows(dout_b[i], q_b[i], out_b[i], lse_b[i])
                 for index, step in enumerate(block.steps):
                     held = [k_b[step.source], v_b[step.source]]
-                    for dk_part, dv_part, target in step_grads(block, index, (dout_b[i], q_b[i], out_b[i], lse_b[i]),
-                                                               held, dq_b[i], spec):
-                        add_grad(dk_b[step.source], dk_part, target)
-                        add_grad(dv_b[step.source], dv_part, target)
+                    for grad in step_grads(block, index, block_rows, held, dq_b[i], spec):
+                        add_grad(dk_b[step.source], grad.dk, grad.target)
+                        add_grad(dv_b[step.source], grad.dv, grad.target)
             q_shapes = [tuple(x.shape) for x in dq_b]
             kv_shapes = [tuple(x.shape) for x in dk_b]
             back.append(((slice(c * q_step, (c + 1) * q_step), slice(c * kv_step, (c + 1) * kv_step),
