@@ -19,11 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.common import median, peak_memory_mb, reset_peak_memory
-from cp_train.parallel.cp.attention import attention_plan, context_parallel_attention, make_spec
+from cp_train.parallel.cp.attention import as_groups, attend, build_cp_plan
 from cp_train.parallel.cp.balanced_layout import balanced_positions
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.ring.comm import BYTES_SENT
-from cp_train.parallel.mesh.groups import CPGroups
+from cp_train.parallel.cp.spec import build_spec
+from cp_train.parallel.mesh.model_parallel import CPGroups
 from cp_train.parallel.mesh.rank_groups import compute_rank_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -141,7 +142,7 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
     group = _groups(algorithm, ulysses) if ":" in case else None
     one_document = documents == "1"
     masked = not one_document or layout == "balanced"  # the balanced layout always follows the documents
-    plan = None if case == "torch_cp" or (case == "local" and one_document) else attention_plan(
+    plan = None if case == "torch_cp" or (case == "local" and one_document) else build_cp_plan(
         group, layout, causal, positions.shape[1], torch.gather(docs, 1, positions) if masked else None,
         positions if masked else None, algorithm if ":" in case else "ring")
     for x in (q, k, v):
@@ -149,8 +150,9 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
     ours = case != "torch_cp" and not (case == "local" and one_document)
     spec, timed = None, None
     if ours:  # our own call path: time its kernel calls too
-        spec = make_spec(q, k, algorithm if ":" in case else "ring", layout, causal, head_chunks=head_chunks,
-                         plan=plan)
+        spec = build_spec(q.device, q.dtype, q.shape[0], q.shape[2], k.shape[2], q.shape[-1],
+                          algorithm=algorithm if ":" in case else "ring", layout=layout, causal=causal,
+                          head_chunks=head_chunks, plan=plan)
         timed = TimedKernel(spec.kernel)
         spec = dataclasses.replace(spec, kernel=timed)
 
@@ -163,7 +165,7 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
                                                      is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
                 out = out.transpose(1, 2)
             else:
-                out = context_parallel_attention(q, k, v, group, layout, causal, plan=plan, spec=spec)
+                out, _ = attend(q, k, v, as_groups(group), spec, plan)  # the model's path: built once, no checks
             if not fwd_only:
                 out.backward(dout)
         for x in (q, k, v):

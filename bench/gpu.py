@@ -30,12 +30,13 @@ from bench.common import emit, median
 from cp_train.config.sources import load_config
 from cp_train.metrics.throughput import gpu_peak_tflops
 from cp_train.model import GPTModel, model_flops_per_token
-from cp_train.parallel.cp.attention import context_parallel_attention, default_head_chunks, default_overlap
+from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.plan.rank_plan import plan_for_layout
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.forward import ring_forward
-from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.cp.spec import AttentionSpec, default_head_chunks, default_overlap
 from cp_train.parallel.kernels import select as kernels
+from cp_train.parallel.kernels.contract import BackwardRows
 
 MODELS = {"gpt-125m": "launch/configs/gpt-125m-cp8.yaml", "gpt-1b": "launch/configs/gpt-1b-128k-cp8.yaml"}
 
@@ -91,7 +92,7 @@ def attention_cases(q, k, v, dout, device: torch.device) -> dict[str, Callable[[
 
         def direct(kernel=kernel) -> None:
             out, lse = kernel.forward(q, k, v, True, scale)
-            kernel.backward(dout, q, k, v, out, lse, True, scale)
+            kernel.backward(BackwardRows(dout, q, out, lse), k, v, True, scale)
 
         cases.setdefault(f"kernel:{kernel.name}", direct)
     return cases
