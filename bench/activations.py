@@ -1,4 +1,4 @@
-"""The dry run's activation estimate (``cp_train/activations.py``) against the measured peak of one block.
+"""The dry run's activation estimate (``cp_train/memory/activations.py``) against the measured peak of one block.
 
     python -m bench.activations [--seq 8192] [--cases 1,1 1,4 2,1 2,4 4,4]
 

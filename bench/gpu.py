@@ -6,14 +6,14 @@
 
 Kernels (bf16, causal, batch 1, ``--hidden`` / head_dim heads): ``sdpa_flash`` is
 ``F.scaled_dot_product_attention`` restricted to its flash backend, the baseline; ``kernel:<name>`` is
-each backend of ``parallel/kernels.py`` present here, called directly (forward, then backward from
+each backend of ``cp_train.parallel.kernels.select`` present here, called directly (forward, then backward from
 its own out/lse); ``ring_path`` is ``context_parallel_attention`` at cp=1 through autograd, the
 path the model takes; ``ring_blocks`` is the ring's per-block machinery on one rank (head chunks,
 fp32 accumulators, the merged-lse backward). ``ratio`` is TFLOP/s over the baseline's in the same run.
 
 Training (``--models``): one optimizer step of a shipped config at cp=1 on this GPU, ``--train-seq``
 tokens, micro batch 1, bf16 autocast, fused AdamW: tokens/s, model TFLOP/s (``model/flops.py``) and
-MFU against the GPU's dense bf16 peak (``cp_train/metrics.py``).
+MFU against the GPU's dense bf16 peak (``cp_train/metrics/throughput.py``).
 """
 
 from __future__ import annotations

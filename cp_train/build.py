@@ -46,7 +46,7 @@ def autocast_dtype(config: Config, device: torch.device) -> torch.dtype | None:
 
 def use_deterministic_algorithms() -> None:
     """Deterministic kernels from here on (cuBLAS needs its workspace setting before its first use);
-    the attention kernels follow it too (see parallel/kernels.py)."""
+    the attention kernels follow it too (see ``cp_train.parallel.kernels.select``)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
 
@@ -174,8 +174,9 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
     Built on the meta device, then (``parallel.fsdp``) sharded with FSDP2 over DP x CP, then given storage
     for its local shards only, filled from the seeded initialisation or, with ``hf_dir``, from this rank's
     blocks of the Hugging Face weights there. Without FSDP the model is wrapped in DDP over DP x CP. Both
-    SUM the gradients over DP x CP (``data_parallel.py``). ``param_dtype`` (bf16 runs): the dtype FSDP
-    gathers the parameters in. Returns ``(model, module)``: ``module`` is the DDP wrapper or the model."""
+    SUM the gradients over DP x CP (``cp_train.parallel.dp.ddp``, ``model/parallelize.py``). ``param_dtype``
+    (bf16 runs): the dtype FSDP gathers the parameters in. Returns ``(model, module)``: ``module`` is the DDP
+    wrapper or the model."""
     parallel = config.parallel
     model_parallel = state.model_parallel(parallel.cp_layout, parallel.cp_algorithm)
     on_meta = BUILD_ON_META or hf_dir is not None

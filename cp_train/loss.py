@@ -2,9 +2,9 @@
 
 Contract (Megatron / torchtitan): count the loss tokens of the whole global batch first
 (all-reduce over DP x CP), backpropagate ``sum(local token losses) / global_count`` on every rank,
-SUM the gradients over DP x CP (``data_parallel.py``), and log ``all_reduce(sum of token losses) /
-global_count``. Averaging per rank and then over ranks is wrong whenever ranks hold different
-numbers of loss tokens (EOD masking, padding, zigzag slices of unequal documents).
+SUM the gradients over DP x CP (DDP: ``cp_train.parallel.dp.ddp``; FSDP2: ``model/parallelize.py``), and
+log ``all_reduce(sum of token losses) / global_count``. Averaging per rank and then over ranks is wrong
+whenever ranks hold different numbers of loss tokens (EOD masking, padding, zigzag slices of unequal documents).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def rank_positions(document_ids: torch.Tensor, cp_size: int, layout: str) -> tor
 class CollateForContextParallel:
     """Stack samples into a micro-batch (``[B, seq_len]``), then keep this CP rank's slice.
 
-    With a ``planner`` (``parallel.cp_plan.SamplePlanner``) the micro-batch also carries, under
+    With a ``planner`` (``cp_train.parallel.cp.plan.batch_plan.SamplePlanner``) the micro-batch also carries, under
     ``CP_PLAN``, the per-document CP plan built from every CP rank's ``document_ids`` and
     ``position_ids`` (``[cp, B, seq_len // cp]``, rank order), here where the whole sample is at hand."""
 

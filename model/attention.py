@@ -56,7 +56,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec,
                 plan: CPPlan | None) -> torch.Tensor:
         """``x`` ``[B, n, hidden]``; ``cos``/``sin`` from ``rope_tables`` of this rank's global positions;
-        ``spec`` and ``plan`` this forward's (``GPTModel.attention_spec``, ``GPTModel.build_cp_plan``), shared by
+        ``spec`` and ``plan`` this forward's (``attention_spec``, ``GPTModel.build_cp_plan``), shared by
         every layer and trusted: no checks here."""
         batch, n, _ = x.shape
         qkv = self.qkv(x).view(batch, n, self.local_kv_heads, self.group_size + 2, self.head_dim)

@@ -21,7 +21,7 @@ class ModelConfig:
     ``attention_backend``: kernel for the attention (None: the best available, see
     ``cp_train.parallel.kernels.select``; also used without a CP group).
     ``seed`` alone fixes the initial weights, whatever the layout. ``rope_scaling``: RoPE scaling
-    with Hugging Face's fields and semantics (``linear``, ``llama3``, ``yarn``; see model/rope.py),
+    with Hugging Face's fields and semantics (``linear``, ``llama3``, ``yarn``; see ``rope.py``),
     None for none; ``norm_eps`` is HF's ``rms_norm_eps``.
     """
 

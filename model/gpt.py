@@ -1,7 +1,7 @@
 """The GPT decoder: vocab-parallel embedding, pre-norm blocks, final RMSNorm, vocab-parallel LM head.
 
 Each rank holds ``n`` tokens of every sample: its slice of the sequence in the CP layout
-(``parallel/layout.py``), the same slice on every rank of its TP group. With ``labels`` the
+(``cp_train.parallel.cp.layout``), the same slice on every rank of its TP group. With ``labels`` the
 model returns the per-token loss ``[B, n]`` (fp32, from ``vocab_parallel_cross_entropy``;
 the trainer owns the reduction over tokens and ranks), else this rank's vocab shard of the
 logits ``[B, n, vocab/tp]``. Every parameter is drawn from ``config.seed`` and its name only,

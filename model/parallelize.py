@@ -1,6 +1,6 @@
 """FSDP2 applied to the GPT model (``parallel.fsdp``): parameters, gradients and AdamW state sharded over DP x CP.
 
-The loss contract (``loss.py``): every rank backpropagates its token-loss sum over the global token
+The loss contract (``cp_train/loss.py``): every rank backpropagates its token-loss sum over the global token
 count, so the exact gradient is the plain SUM over the DP x CP group. Both wrappers average by default:
 FSDP2 is given a divide factor of 1 with sum-only collectives (DDP: ``cp_train.parallel.dp.ddp``).
 

@@ -1,4 +1,4 @@
-"""glibc keeps freed memory on CPU runs (cp_train/cpu_memory.py): steps stop faulting their pages in again."""
+"""glibc keeps freed memory on CPU runs (cp_train/memory/cpu_memory.py): steps stop faulting their pages in again."""
 
 from __future__ import annotations
 

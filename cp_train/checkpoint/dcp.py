@@ -15,7 +15,7 @@ replicated elsewhere. DCP writes each shard once and loads them into any other l
 with FSDP on or off. A crash during a save leaves
 ``latest`` on the previous checkpoint; the partial directory is ignored (and replaced by the next save).
 A save that fails (a full disk, say) raises ``RunFailure`` on every rank naming the directory and the
-checkpoint ``latest`` still names. ``checkpoint_files.py`` checks a checkpoint's files before loading.
+checkpoint ``latest`` still names. ``files.py`` checks a checkpoint's files before loading.
 """
 
 from __future__ import annotations

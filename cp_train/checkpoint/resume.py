@@ -4,7 +4,7 @@ Changes to the data stream (which samples each step sees) or to the model's func
 refused, listing every such key with its old and new value, unless the key is named in
 ``checkpoint.allow_changes``; accepted and other changes (learning rate, ``train.steps``, layout, ...)
 are logged. ``train.steps`` may grow freely: the sample order does not depend on it
-(``data/sample_index.py``), so training longer continues the same stream.
+(``cp_train.data.sample_index``), so training longer continues the same stream.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from cp_train.trainer import run_training
 
 
 def dry_run(config: Config, args: Namespace) -> int:
-    """Print every rank's planned memory (``cp_train/dry_run.py``); rank 0 alone under torchrun. Exit status 1
+    """Print every rank's planned memory (``cp_train/memory/dry_run.py``); rank 0 alone under torchrun. Exit status 1
     when the largest rank does not fit the device."""
     from cp_train.memory.dry_run import dry_run_world, report
 

@@ -1,7 +1,7 @@
 """The run configuration: dataclasses per concern, loaded from YAML and overridden by dotted keys
-(``config_sources.py``).
+(``sources.py``).
 
-Precedence (lowest first): dataclass defaults < the YAML file < command-line flags (``cli.py``)
+Precedence (lowest first): dataclass defaults < the YAML file < command-line flags (``flags.py``)
 < ``--set section.key=value`` overrides. Unknown sections or keys are errors naming the key;
 values are coerced to the field's type (``"3e-4"`` -> float, ``"true"`` -> bool, ``"null"`` -> None
 where the field allows it). ``validate`` checks a config against a world size and raises
@@ -87,7 +87,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size (DDP, without parallel.fsdp)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)
-    cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (cpu_memory.py)
+    cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (memory/cpu_memory.py)
 
 
 @dataclass

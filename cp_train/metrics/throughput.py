@@ -12,7 +12,7 @@
   mean, per global batch, averaged over the interval (1.0: balanced; see the ``balanced`` CP layout).
 - peak memory: CUDA's max allocated bytes (and max reserved, the allocator's cache included), or on
   CPU the process's peak RSS (``VmHWM``; it counts the freed memory glibc keeps for the next step,
-  ``cpu_memory.py``, like CUDA's reserved bytes).
+  ``cp_train/memory/cpu_memory.py``, like CUDA's reserved bytes).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     model = load_llama("Llama-3.2-1B", state.model_parallel("zigzag"))
     save_llama(model, "out/")          # every rank calls it; global rank 0 writes
 
-``load_llama`` builds the ``ModelConfig`` from ``config.json`` (``model.hf_config``), creates the
+``load_llama`` builds the ``ModelConfig`` from ``config.json`` (``hf/config.py``), creates the
 model without initialising it (meta device) and fills each parameter with this rank's TP shard,
 read slice by slice from the safetensors files: a rank never holds more than its shard plus one
 read block. ``save_llama`` gathers each tensor over the model's TP group, one at a time, and writes

@@ -3,7 +3,7 @@
 Each takes this rank's slice ``[batch, local_seqlen, heads, head_dim]`` in the layout its name says
 and returns this rank's output slice; ``group`` is the CP process group (None: the default group).
 With ``return_attn_probs=True`` they return ``(out, lse, None)``, lse ``[batch, heads, local_seqlen]``
-fp32. The varlen forms are in ``parallel/varlen_api.py``.
+fp32. The varlen forms are in ``dropins_varlen.py``.
 """
 
 from __future__ import annotations

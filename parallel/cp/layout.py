@@ -7,7 +7,7 @@ Layouts (``world`` = CP size, ``S`` = global sequence length):
   chunks r and ``2*world-1-r`` (in that order), which balances causal work.
 - ``stripe``: token t lives on rank ``t % world`` (local order = global order).
 - ``balanced``: each sample's tokens are dealt to the ranks by their attention work under the
-  per-document mask, by recursive circular bisection (``parallel/balanced_layout.py``; one document
+  per-document mask, by recursive circular bisection (``balanced_layout.py``; one document
   gives zigzag); which positions a rank holds depends on the sample, so the loader passes them on as
   ``position_ids`` (no static positions).
 

@@ -21,7 +21,7 @@ from cp_train.parallel.kernels.select import BACKENDS, AttentionKernel, select_k
 class AttentionSpec:
     """One call site's settings, decided once: ``algorithm``, CP ``layout``, ``causal``, softmax ``scale``,
     the ``kernel``, the kv-head ``head_chunks`` (the ring's backward and the all-gather), the ring backward's
-    ``overlap`` policy, whether steps of many segments run as ``varlen`` calls (``parallel/ring_core.py``)
+    ``overlap`` policy, whether steps of many segments run as ``varlen`` calls (``ring/forward.py``)
     and the ring forward's ``forward_head_chunks``.
 
     The ring's forward runs in one head chunk unless asked otherwise: chunks bound the K/V it receives,
@@ -63,7 +63,7 @@ def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None
 
 
 def default_overlap(device: torch.device, plan: CPPlan | None = None) -> bool:
-    """The ring backward's overlap policy (see ``ring_grads``): on for GPUs; on CPU only with packed documents.
+    """The ring backward's overlap policy (see ``ring/backward.py``): on for GPUs; on CPU only with packed documents.
     There a rank's split of work between the local and the remote steps differs from its neighbours' even
     when the totals match (the balanced layout), so hops that wait in place would make every step as slow
     as its slowest rank; posted early, only the totals count, and the hops carry few rows. With one

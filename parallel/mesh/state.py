@@ -1,8 +1,8 @@
 """Process groups for TP x CP x DP, built once per process on a named DeviceMesh.
 
-Rank order is Megatron's ``tp-cp-dp`` (see ``parallel/rank_groups.py`` for the pure
+Rank order is Megatron's ``tp-cp-dp`` (see ``rank_groups.py`` for the pure
 rank-group function, re-exported here). ``initialize_parallel`` creates
-the groups (``process_groups.py``: every rank creates every group, in the same order) and returns a
+the groups (``groups.py``: every rank creates every group, in the same order) and returns a
 ``ParallelState``; the Megatron-named getters below read that current state. Library
 modules receive groups explicitly and never call the getters.
 """

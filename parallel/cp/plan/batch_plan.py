@@ -3,7 +3,7 @@
 ``plan_batch`` gathers every CP rank's documents and positions once per batch (nothing for one
 document per sample in a static layout: that plan is cached) and returns a ``CPPlan``:
 
-- ``ring``: the ring plan over the CP group (``attention_plan.py``).
+- ``ring``: the ring plan over the CP group (``rank_plan.py``).
 - ``allgather``: this rank's queries attend every rank's gathered K/V block where it lands, one step
   per block in ring order (``gathered_plan``; no ``order``).
 - ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; for one

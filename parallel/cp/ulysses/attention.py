@@ -8,7 +8,7 @@ order, and a second all-to-all returns each rank its own tokens of every head. W
 
 The heads go in chunks, so the all-to-alls of one chunk travel while another computes: chunk c+1's
 inputs and chunk c-1's output are in flight during chunk c's attention, in the forward and the
-backward alike. ``ulysses`` with packed documents runs ``ulysses_documents.py`` instead: documents
+backward alike. ``ulysses`` with packed documents runs ``documents.py`` instead: documents
 wholly on one rank stay there, and only the other rows take the all-to-all.
 """
 

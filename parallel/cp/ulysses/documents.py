@@ -1,6 +1,6 @@
 """Ulysses attention over packed documents: home documents stay, only cross rows take the all-to-all.
 
-Plan: ``ulysses_plan.UlyssesDocuments``. Per call:
+Plan: ``cp_train.parallel.cp.plan.ulysses_plan.UlyssesDocuments``. Per call:
 
 - the first head chunk's cross rows of q, k, v leave (an all-to-all with uneven splits: rank ``j``
   sends its ``counts[j]`` cross rows of the receiver's heads);
