@@ -154,7 +154,7 @@ def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, cons
 
     On CUDA the batches are prefetched by worker processes (``data.num_workers``, default 2) into
     pinned memory, so the trainer's non-blocking copy overlaps the GPU's work; with a ``planner``
-    (``GPTModel.sample_planner``) each micro-batch's attention plan is made there too."""
+    (``GPTModel.sample_planner``) each micro-batch's CP plan is made there too."""
     cuda = device.type == "cuda"
     workers = config.data.num_workers if config.data.num_workers is not None else (2 if cuda else 0)
     return build_data_loader(dataset, config.train.micro_batch_size, config.train.global_batch_size,

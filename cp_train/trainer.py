@@ -92,7 +92,7 @@ class Trainer:
 
     def _losses(self, mb: MicroBatch) -> tuple[torch.Tensor, CPPlan | None]:
         """Per-token losses of one micro-batch (attention per document when ``data.document_mask``) and the
-        attention plan they used (None without a ring)."""
+        CP plan they used (None without a ring)."""
         documents = mb["document_ids"] if self.config.data.document_mask else None
         plan = mb.get(CP_PLAN)  # made by the loader (with the document mask)
         if plan is None:

@@ -51,7 +51,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        """``inputs``: the RoPE tables and the attention plan of this batch (``BlockInputs``)."""
+        """``inputs``: the RoPE tables, the attention spec and the CP plan of this forward (``BlockInputs``)."""
         if self.checkpointing and torch.is_grad_enabled():
             return checkpoint(self._forward, x, inputs, use_reentrant=False)
         return self._forward(x, inputs)

@@ -127,7 +127,7 @@ class GPTModel(nn.Module):
         (None: those of the layout; restarting at each document is fine); labels ``[B, n]`` global class ids
         (``-100``: ignored, loss 0); document_ids ``[B, n]`` the tokens' documents, non-decreasing along each
         sample (None: one document per sample): attention stays inside each document. ``plan``: this
-        batch's ``attention_plan`` when the caller built it already.
+        batch's ``build_cp_plan`` when the caller built it already.
 
         Returns the per-token loss ``[B, n]`` (fp32) with labels, else logits ``[B, n, vocab/tp]``.
         """

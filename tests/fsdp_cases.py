@@ -26,7 +26,7 @@ COUNTED = ("reduce_scatter_single", "all_gather_single")  # FSDP2's collectives 
 
 @contextmanager
 def counting(counts: Counter, group: dist.ProcessGroup) -> Iterator[None]:
-    """Count FSDP2's reduce-scatters and all-gathers on ``group`` (DP x CP; the CP attention plans gather on the
+    """Count FSDP2's reduce-scatters and all-gathers on ``group`` (DP x CP; the CP plans gather on the
     CP group) and DDP's gradient all-reduces (its comm hook) in ``counts``."""
     originals: dict[str, Callable[..., Any]] = {name: getattr(dist, name) for name in COUNTED}
     hook = data_parallel._sum_all_reduce

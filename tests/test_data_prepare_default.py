@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cp_train.cli.prepare_corpus import run as prepare_corpus
 from cp_train.data.default_corpus import (
     DEFAULT_VOCAB_SIZE,
     corpus_dir,
     default_cache_dir,
-    main,
     prepare_default_corpus,
     stdlib_sources,
 )
@@ -95,7 +95,7 @@ def test_second_call_returns_existing_files(built, capsys):
     files = [corpus.tokenizer_model, data_path(corpus.data_prefix), index_path(corpus.data_prefix)]
     stamps = [p.stat().st_mtime_ns for p in files]
     start = time.perf_counter()
-    assert main(["--cache-dir", str(cache)]) == corpus
+    assert prepare_corpus(["--cache-dir", str(cache)]) == corpus
     assert time.perf_counter() - start < 10.0  # no tokenizer training, no tokenizing (a loaded machine: seconds)
     assert [p.stat().st_mtime_ns for p in files] == stamps
     out = capsys.readouterr().out

@@ -190,7 +190,7 @@ def test_two_ranks_print_a_config_error_once(base, tmp_path, launcher) -> None:
     if launcher == "launch":
         assert_one_line(outcome, 2, message)
         summary = outcome.lines("cp_train.cli.launch: ")  # torchrun may stop the other rank before it exits
-        assert len(summary) == 1 and re.fullmatch(r"cp_train\.launch: train\.py failed with exit code 2 \((exit "
+        assert len(summary) == 1 and re.fullmatch(r"cp_train\.cli\.launch: train\.py failed with exit code 2 \((exit "
                                                   r"code 2|killed by SIGTERM) on ranks? .*\)", summary[0]), summary
         return
     lines = outcome.lines("train.py: ")

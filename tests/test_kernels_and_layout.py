@@ -97,3 +97,23 @@ def test_cpu_ring_defaults_follow_threads_ranks_and_documents() -> None:
     assert default_head_chunks(cuda, 8, ring) == 2
     assert not default_overlap(cpu, ring) and not default_overlap(cpu, None)
     assert default_overlap(cpu, documents) and default_overlap(cuda, ring)
+
+
+def test_the_mask_is_said_one_way() -> None:
+    """``context_parallel_attention`` takes a prebuilt plan or document ids, not both, and a plan of its algorithm
+    only; one rank's plan is the local kernel's whatever algorithm was asked."""
+    from cp_train.parallel.cp.attention import build_cp_plan, context_parallel_attention
+    from cp_train.parallel.cp.plan.batch_plan import _static_plan
+
+    q = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    plan = build_cp_plan(None, "contiguous", True, 8, docs, algorithm="ulysses")
+    assert plan.algorithm == "ring"
+    expected = context_parallel_attention(q, q, q, None, "contiguous", document_ids=docs)
+    assert torch.equal(context_parallel_attention(q, q, q, None, "contiguous", plan=plan), expected)
+    with pytest.raises(ValueError, match="pass the mask one way: plan= .* or document_ids/position_ids, not both"):
+        context_parallel_attention(q, q, q, None, "contiguous", plan=plan, document_ids=docs)
+    ulysses = _static_plan("ulysses", "contiguous", True, 2, 1, 0, 8)
+    with pytest.raises(ValueError, match=r"plan= was built for the ulysses algorithm but the call runs ring: "
+                                         r"build it with build_cp_plan\(\.\.\., algorithm='ring'\)"):
+        context_parallel_attention(q, q, q, None, "contiguous", plan=ulysses)

@@ -63,8 +63,9 @@ def build_cp_plan(group: dist.ProcessGroup | CPGroups | None, layout: str, causa
     """This batch's plan (``plan.batch_plan``): what every rank computes at every step, from the documents and
     positions of all CP ranks (one all-gather when ``document_ids`` are given). Build it once per batch and
     pass it to every layer; None: one document per sample at one rank (the plain local kernel)."""
-    return plan_batch(canonical_algorithm(algorithm), as_groups(group), layout, causal, local_len, document_ids,
-                      position_ids)
+    groups = as_groups(group)
+    algorithm = canonical_algorithm(algorithm) if groups.size > 1 else "ring"  # one rank: the local kernel
+    return plan_batch(algorithm, groups, layout, causal, local_len, document_ids, position_ids)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
@@ -109,6 +110,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     algorithm = canonical_algorithm(algorithm)
     if groups.size == 1:
         algorithm = "ring"  # without CP every algorithm is the local kernel
+    if plan is not None and plan.algorithm != algorithm:
+        raise ValueError(f"plan= was built for the {plan.algorithm} algorithm but the call runs {algorithm}: "
+                         f"build it with build_cp_plan(..., algorithm={algorithm!r})")
     check_heads(algorithm, q.shape[2], k.shape[2], groups.ulysses_size if algorithm == "hybrid" else groups.size)
     if plan is None:
         plan = plan_batch(algorithm, groups, layout, causal, q.shape[1], document_ids, position_ids)

@@ -1,4 +1,4 @@
-"""Every CP rank's document ids and positions, gathered for the per-document attention plan."""
+"""Every CP rank's document ids and positions, gathered for the per-document CP plan."""
 
 from __future__ import annotations
 
