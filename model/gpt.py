@@ -28,12 +28,8 @@ from cp_train.parallel.cp.attention import build_cp_plan
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, SamplePlanner
 from cp_train.parallel.mesh.model_parallel import ModelParallel
-from cp_train.parallel.tp.layers import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    copy_to_tensor_parallel_region,
-    vocab_parallel_cross_entropy,
-)
+from cp_train.parallel.tp.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region
 
 
 def _embedding(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory: Any) -> VocabParallelEmbedding:

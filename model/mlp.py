@@ -18,12 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cp_train.model.config import ModelConfig, param_seed
-from cp_train.parallel.tp.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    copy_to_tensor_parallel_region,
-    reduce_from_tensor_parallel_region,
-)
+from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
+from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 
 
 class MLP(nn.Module):

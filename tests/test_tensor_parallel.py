@@ -10,6 +10,7 @@ from torch import nn
 
 from cp_train.parallel.mesh import state as ps
 from cp_train.parallel.tp import layers as tpl
+from cp_train.parallel.tp import mappings as tpm
 from tests.numerics import rel_err
 
 TOL = 1e-6  # relative error of fp32 TP layers against float64 references
@@ -41,23 +42,23 @@ def check_mappings(group: dist.ProcessGroup, tp: int, rank: int, errors: dict[st
     per_rank = [randn(3, 4 * tp, seed=10 + r) for r in range(tp)]  # rank r's input / upstream grad
     total = sum(per_rank)
     x = per_rank[rank].clone().requires_grad_()
-    y = tpl.copy_to_tensor_parallel_region(x, group)
+    y = tpm.copy_to_tensor_parallel_region(x, group)
     assert torch.equal(y, x), "copy_to forward must be the identity"
     y.backward(per_rank[rank])
     check_close(errors, "copy_to grad", x.grad, total)
     x = per_rank[rank].clone().requires_grad_()
-    y = tpl.reduce_from_tensor_parallel_region(x, group)
+    y = tpm.reduce_from_tensor_parallel_region(x, group)
     check_close(errors, "reduce_from fwd", y, total)
     y.backward(per_rank[rank])
     assert torch.equal(x.grad, per_rank[rank]), "reduce_from backward must be the identity"
     x = total.clone().requires_grad_()
-    y = tpl.scatter_to_tensor_parallel_region(x, group)
+    y = tpm.scatter_to_tensor_parallel_region(x, group)
     assert torch.equal(y, total.chunk(tp, dim=-1)[rank]), "scatter_to must keep this rank's chunk"
     y.backward(per_rank[rank].chunk(tp, dim=-1)[rank])
     expected = torch.cat([per_rank[r].chunk(tp, dim=-1)[r] for r in range(tp)], dim=-1)
     assert torch.equal(x.grad, expected), "scatter_to backward must all-gather the chunks in rank order"
     x = per_rank[rank].chunk(tp, dim=-1)[rank].clone().requires_grad_()
-    y = tpl.gather_from_tensor_parallel_region(x, group)
+    y = tpm.gather_from_tensor_parallel_region(x, group)
     assert torch.equal(y, expected), "gather_from must concatenate the chunks in rank order"
     y.backward(per_rank[rank])
     assert torch.equal(x.grad, per_rank[rank].chunk(tp, dim=-1)[rank]), "gather_from backward must split"
@@ -184,7 +185,7 @@ def check_bad_input(group: dist.ProcessGroup, tp: int) -> None:
     with pytest.raises(ValueError, match=f"num_embeddings = 13 is not divisible by the tensor-parallel size {tp}"):
         tpl.VocabParallelEmbedding(13, 8, group=group)
     with pytest.raises(ValueError, match=f"last dimension = 7 is not divisible by the tensor-parallel size {tp}"):
-        tpl.scatter_to_tensor_parallel_region(torch.zeros(2, 7), group)
+        tpm.scatter_to_tensor_parallel_region(torch.zeros(2, 7), group)
     row = tpl.RowParallelLinear(4 * tp, 3, input_is_parallel=True, group=group)
     with pytest.raises(ValueError, match="input_is_parallel expects the last dim to be in_features/tp = 4"):
         row(torch.zeros(2, 4 * tp))
@@ -238,8 +239,8 @@ def test_without_group_layers_are_the_plain_layers() -> None:
     embedding = tpl.VocabParallelEmbedding(11, 5, seed=2)
     ids = torch.tensor([[0, 10, 3]])
     assert torch.equal(embedding(ids), F.embedding(ids, embedding.weight))
-    for mapping in (tpl.copy_to_tensor_parallel_region, tpl.reduce_from_tensor_parallel_region,
-                    tpl.scatter_to_tensor_parallel_region, tpl.gather_from_tensor_parallel_region):
+    for mapping in (tpm.copy_to_tensor_parallel_region, tpm.reduce_from_tensor_parallel_region,
+                    tpm.scatter_to_tensor_parallel_region, tpm.gather_from_tensor_parallel_region):
         assert mapping(x, None) is x, f"{mapping.__name__} must be the identity without a group"
 
 

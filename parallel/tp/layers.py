@@ -1,4 +1,5 @@
-"""Megatron-style tensor parallelism (TP): autograd mappings and TP layers.
+"""Megatron-style tensor-parallel (TP) layers: column- and row-parallel linear, vocab-parallel embedding and
+cross entropy (the mappings they use are in ``mappings.py``).
 
 Every function and layer takes its TP ``group`` explicitly; ``group=None`` (or a group of
 size 1) means no TP: the layers are then plain ``Linear`` / ``Embedding`` layers and the
@@ -20,105 +21,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cp_train.parallel.tp.mappings import (
+    check_divisible,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    group_size_and_rank,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 """Fills a full fp32 weight in place, drawing only from the given generator."""
-
-
-def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """``(size, rank)`` of this process in ``group``; ``(1, 0)`` for ``None``."""
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _check_divisible(what: str, value: int, size: int) -> None:
-    if value % size != 0:
-        raise ValueError(f"{what} = {value} is not divisible by the tensor-parallel size {size}; "
-                         f"make {what} a multiple of {size} or change tp")
-
-
-def _split_last_dim(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
-    _check_divisible("last dimension", x.shape[-1], size)
-    return x.chunk(size, dim=-1)[rank].contiguous()
-
-
-def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
-def _all_reduced(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
-
-
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduced(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return _all_reduced(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group, (ctx.size, rank) = group, group_size_and_rank(group)
-        return _split_last_dim(x, ctx.size, rank)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last_dim(grad, ctx.group, ctx.size), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.size, ctx.rank = group_size_and_rank(group)
-        return _gather_last_dim(x, group, ctx.size)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split_last_dim(grad, ctx.size, ctx.rank), None
-
-
-def _no_tp(group: dist.ProcessGroup | None) -> bool:
-    return group is None or dist.get_world_size(group) == 1
-
-
-def copy_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Identity forward; all-reduce (sum) of the gradient over ``group`` backward."""
-    return x if _no_tp(group) else _CopyToRegion.apply(x, group)
-
-
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-reduce (sum) over ``group`` forward; identity backward."""
-    return x if _no_tp(group) else _ReduceFromRegion.apply(x, group)
-
-
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Keep this rank's chunk of the last dim (``[..., d]`` -> ``[..., d/tp]``); all-gather backward."""
-    return x if _no_tp(group) else _ScatterToRegion.apply(x, group)
-
-
-def gather_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-gather the last dim in rank order (``[..., d/tp]`` -> ``[..., d]``); split backward."""
-    return x if _no_tp(group) else _GatherFromRegion.apply(x, group)
 
 
 def init_weight_shard(full_shape: tuple[int, int], partition_dim: int, group: dist.ProcessGroup | None,
@@ -131,7 +44,7 @@ def init_weight_shard(full_shape: tuple[int, int], partition_dim: int, group: di
     concatenate to the full weight that tp=1 would hold.
     """
     size, rank = group_size_and_rank(group)
-    _check_divisible(f"weight dim {partition_dim} of {tuple(full_shape)}", full_shape[partition_dim], size)
+    check_divisible(f"weight dim {partition_dim} of {tuple(full_shape)}", full_shape[partition_dim], size)
     generator = torch.Generator().manual_seed(seed)
     full = torch.empty(full_shape, dtype=torch.float32)
     if init_method is None:
@@ -165,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
         self.tp_size, self.tp_rank = group_size_and_rank(group)
-        _check_divisible("out_features", out_features, self.tp_size)
+        check_divisible("out_features", out_features, self.tp_size)
         self.weight = _partitioned(init_weight_shard((out_features, in_features), 0, group, seed,
                                                      init_method, init_std, dtype, device), 0)
         local_out = out_features // self.tp_size
@@ -194,7 +107,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.group = input_is_parallel, group
         self.tp_size, self.tp_rank = group_size_and_rank(group)
-        _check_divisible("in_features", in_features, self.tp_size)
+        check_divisible("in_features", in_features, self.tp_size)
         self.weight = _partitioned(init_weight_shard((out_features, in_features), 1, group, seed,
                                                      init_method, init_std, dtype, device), 1)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=device))
@@ -225,7 +138,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.tp_size, self.tp_rank = group_size_and_rank(group)
-        _check_divisible("num_embeddings", num_embeddings, self.tp_size)
+        check_divisible("num_embeddings", num_embeddings, self.tp_size)
         self.weight = _partitioned(init_weight_shard((num_embeddings, embedding_dim), 0, group, seed,
                                                      init_method, init_std, dtype, device), 0)
         self.vocab_start = self.tp_rank * (num_embeddings // self.tp_size)
