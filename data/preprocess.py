@@ -1,7 +1,4 @@
-"""Tokenize text into a Megatron ``.bin``/``.idx`` pair.
-
-    cp-train-preprocess --input PATH... --tokenizer MODEL --output-prefix PREFIX \\
-        [--workers N] [--json-key text] [--glob '*.txt']
+"""Tokenize text into a Megatron ``.bin``/``.idx`` pair (the command is ``cp-train-preprocess``).
 
 Inputs: text files (one document per file, read as UTF-8 with undecodable bytes replaced),
 ``.jsonl``/``.json`` files (one JSON object per line in UTF-8, the document is ``obj[json_key]``) and
@@ -12,8 +9,8 @@ uint16 when the vocab fits, else int32, under temporary names renamed at the end
 no ``.bin`` without its ``.idx``).
 
 A bad input (a missing file, a JSON line that does not parse or lacks the key, bytes that are not
-UTF-8) stops the run with one line naming the file and line, exit code 2; an input that holds no
-document gets a warning (``--debug`` or ``CP_TRAIN_DEBUG=1`` adds tracebacks).
+UTF-8) raises ``PreprocessError`` naming the file and line (the command reports it in one line, exit
+code 2).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Tokenize text into a Megatron ``.bin``/``.idx`` pair.
+"""Tokenize text into a Megatron ``.bin``/``.idx`` pair::
 
-    cp-train-preprocess --input PATH... --tokenizer MODEL --output-prefix PREFIX \\
-        [--workers N] [--json-key text] [--glob '*.txt']
+    cp-train-preprocess --input PATH... --tokenizer MODEL --output-prefix PREFIX [--workers N] [--json-key text]
 
-Inputs: text files (one document per file, read as UTF-8 with undecodable bytes replaced),
-``.jsonl``/``.json`` files (one JSON object per line in UTF-8, the document is ``obj[json_key]``) and
-directories (searched recursively for ``--glob``, sorted). ``--tokenizer`` is a SentencePiece ``.model``
-or a Hugging Face ``tokenizer.json`` (or its directory; EOD = its eos). Every document gets the
-tokenizer's EOD id appended; empty documents are skipped. Writes ``PREFIX.bin`` and ``PREFIX.idx``,
-uint16 when the vocab fits, else int32, under temporary names renamed at the end (a failed run leaves
-no ``.bin`` without its ``.idx``).
-
-A bad input (a missing file, a JSON line that does not parse or lacks the key, bytes that are not
-UTF-8) stops the run with one line naming the file and line, exit code 2; an input that holds no
-document gets a warning (``--debug`` or ``CP_TRAIN_DEBUG=1`` adds tracebacks).
+(also ``python -m cp_train.cli.preprocess``). What is read and written: ``cp_train.data.preprocess``. A bad
+input ends with one line naming the file (and line) and exit code 2; nothing half-written is left.
 """
 
 from __future__ import annotations

@@ -33,17 +33,17 @@ from collections import Counter
 
 import torch
 
-from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads, VarlenSegments
+from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
 from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv
-from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments
+from cp_train.parallel.kernels.varlen import VarlenBySegments
 
 BACKENDS: tuple[str, ...] = ("fa3", "flash_attn", "torch", "torch_efficient", "math")
 HALF = (torch.float16, torch.bfloat16)
 KERNEL_CALLS: Counter[str] = Counter()  # "forward"/"backward" block calls of the ring in this process (tests)
 
 
-class MathKernel:
+class MathKernel(VarlenBySegments):
     """float64 attention that materialises the scores (the tests' reference; any device)."""
 
     name = "math"
@@ -62,14 +62,6 @@ class MathKernel:
             q64, k64, v64 = (t.detach().double().requires_grad_() for t in (rows.q, k, v))
             out64, _ = self.forward(q64, k64, v64, causal, scale)
             return torch.autograd.grad(out64, (q64, k64, v64), rows.dout.double())
-
-    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
-                       causal: bool, scale: float) -> OutLse:
-        return forward_by_segments(self, q, k, v, segments, causal, scale)
-
-    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
-                        causal: bool, scale: float) -> QKVGrads:
-        return backward_by_segments(self, rows, k, v, segments, causal, scale)
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:

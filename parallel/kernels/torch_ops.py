@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from cp_train.parallel.kernels.contract import BackwardRows, OutLse, QKVGrads, VarlenSegments
-from cp_train.parallel.kernels.varlen import backward_by_segments, forward_by_segments, lse_from_padded, lse_to_padded
+from cp_train.parallel.kernels.varlen import VarlenBySegments, lse_from_padded, lse_to_padded
 
 LSE_ROW_ALIGNMENT = 32  # the efficient kernels' lse rows are padded to this multiple
 CAUSAL_FROM_TOP_LEFT, CAUSAL_FROM_BOTTOM_RIGHT = 1, 2  # the efficient kernels' custom_mask_type values
@@ -51,7 +51,7 @@ def reduce_kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class TorchCpuFlash:
+class TorchCpuFlash(VarlenBySegments):
     """PyTorch's CPU flash attention (the ring's CPU kernel)."""
 
     name: str = "torch cpu flash"
@@ -73,14 +73,6 @@ class TorchCpuFlash:
             lse, 0.0, causal, scale=scale)
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
-
-    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
-                       causal: bool, scale: float) -> OutLse:
-        return forward_by_segments(self, q, k, v, segments, causal, scale)
-
-    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
-                        causal: bool, scale: float) -> QKVGrads:
-        return backward_by_segments(self, rows, k, v, segments, causal, scale)
 
 
 @contextlib.contextmanager

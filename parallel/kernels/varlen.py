@@ -96,3 +96,16 @@ def lse_to_padded(lse: torch.Tensor, cu_q: torch.Tensor, rows: int) -> torch.Ten
     flat = lse.new_zeros(heads, segments * rows)
     flat.index_copy_(1, padded_index(cu_q, rows, lse.shape[1]), lse)
     return flat.view(heads, segments, rows).transpose(0, 1).contiguous()
+
+
+class VarlenBySegments:
+    """The varlen calls of a kernel without a varlen entry of its own (the CPU flash kernel, the float64
+    reference): each segment as one dense ``forward``/``backward`` call of the kernel."""
+
+    def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                       causal: bool, scale: float) -> OutLse:
+        return forward_by_segments(self, q, k, v, segments, causal, scale)
+
+    def varlen_backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                        causal: bool, scale: float) -> QKVGrads:
+        return backward_by_segments(self, rows, k, v, segments, causal, scale)
