@@ -2,30 +2,52 @@
 
 from __future__ import annotations
 
+import importlib
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cp_train.config.schema import OptimizerConfig, ScheduleConfig
+from cp_train.errors import InputError, one_line
 from cp_train.model.shards import data_shards, local_tensor, tensor_parallel_dim
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over ``model``; no weight decay for 1-D parameters (norms, biases). ``fused`` on CUDA, ``foreach``
-    on CPU unless ``config.implementation`` says otherwise."""
+def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over ``model``; no weight decay for 1-D parameters (norms, biases).
+
+    ``config.impl`` ``auto`` or ``torch``: torch's AdamW, ``fused`` on CUDA, ``foreach`` on CPU unless
+    ``config.implementation`` says otherwise. ``apex``: ``apex.optimizers.FusedAdam(adam_w_mode=True)`` with the
+    same groups and hyperparameters (``InputError`` naming ``optimizer.impl`` when apex cannot be loaded); on
+    the meta device (the dry run) torch's AdamW stands in for it, as both keep the same two moments per parameter.
+    """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    hyper = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps}
+    if config.impl == "apex" and device.type != "meta":
+        return _apex_fused_adam(groups, hyper)
     implementation = config.implementation
     if implementation == "auto":
         implementation = "fused" if device.type == "cuda" else "foreach"
     flags = {"fused": True} if implementation == "fused" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **flags)
+    return torch.optim.AdamW(groups, **hyper, **flags)
+
+
+def _apex_fused_adam(groups: list[dict[str, Any]], hyper: dict[str, Any]) -> torch.optim.Optimizer:
+    """apex's ``FusedAdam`` in AdamW mode (decoupled weight decay, as torch's AdamW)."""
+    try:
+        fused_adam = importlib.import_module("apex.optimizers").FusedAdam
+        return fused_adam(groups, **hyper, adam_w_mode=True, weight_decay=0.0)
+    except (ImportError, AttributeError, RuntimeError) as error:
+        reason = one_line(str(error)) or type(error).__name__
+        raise InputError(f"optimizer.impl is apex but apex's FusedAdam cannot be loaded ({reason}); install NVIDIA "
+                         f"apex with its CUDA extensions or set optimizer.impl to auto or torch") from None
 
 
 class LRSchedule:

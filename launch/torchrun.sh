@@ -9,6 +9,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 export PYTHONPATH="${root}${PYTHONPATH:+:${PYTHONPATH}}"
+# CUDA's allocator grows segments in place instead of fragmenting (less reserved memory at long sequences);
+# a value the caller set wins. Ignored on CPU.
+: "${PYTORCH_CUDA_ALLOC_CONF:=expandable_segments:True}"; export PYTORCH_CUDA_ALLOC_CONF
 config="${1:?usage: launch/torchrun.sh CONFIG.yaml [train.py flags]}"
 shift
 if [[ -z "${NPROC:-}" ]]; then

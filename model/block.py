@@ -2,16 +2,51 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cp_train.model.attention import Attention
-from cp_train.model.config import ModelConfig
+from cp_train.model.config import NORMS, ModelConfig
 from cp_train.model.mlp import MLP
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.mesh.model_parallel import ModelParallel
+
+
+def _target_device(device: torch.device | str | None) -> torch.device:
+    """Where a module built now with ``device`` lives: that device, else the default (``with torch.device``)."""
+    return torch.device(device) if device is not None else torch.get_default_device()
+
+
+def rms_norm(hidden: int, eps: float, kind: str = "auto", dtype: torch.dtype | None = None,
+             device: torch.device | str | None = None) -> nn.Module:
+    """An RMSNorm over the last dimension ``hidden`` whose one parameter is ``weight`` (ones), of ``kind``:
+
+    - ``torch``: ``nn.RMSNorm`` (what the CPU runs, bitwise);
+    - ``apex``: ``apex.normalization.FusedRMSNorm`` on any device (apex itself falls back to a Python RMSNorm
+      off CUDA); ``ImportError`` naming ``model.norm`` when apex or its CUDA extension cannot be loaded;
+    - ``auto``: apex's when it loads and the module is built for CUDA (a ``cuda`` device, or ``meta`` on a
+      machine with CUDA: a meta build is allocated on the run's device), else torch's, silently.
+    """
+    if kind not in NORMS:
+        raise ValueError(f"unknown norm {kind!r}; choose one of {', '.join(NORMS)}")
+    target = _target_device(device)
+    use_apex = kind == "apex" or (kind == "auto" and (target.type == "cuda" or (
+        target.type == "meta" and torch.cuda.is_available())))
+    if use_apex:
+        try:
+            fused = importlib.import_module("apex.normalization").FusedRMSNorm(hidden, eps=eps)
+        except (ImportError, AttributeError) as error:
+            if kind == "apex":
+                raise ImportError(f"model.norm is apex but apex's FusedRMSNorm cannot be loaded ({error}); "
+                                  f"install NVIDIA apex with its CUDA extensions or set model.norm to auto or "
+                                  f"torch") from None
+        else:
+            return fused.to(device=device, dtype=dtype) if device is not None or dtype is not None else fused
+    return nn.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
 
 
 class BlockInputs:
@@ -41,9 +76,9 @@ class Block(nn.Module):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.checkpointing = config.activation_checkpointing
-        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
+        self.attention_norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, dtype, device)
         self.attention = Attention(config, layer, parallel, dtype=dtype, device=device)
-        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype, device=device)
+        self.mlp_norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, dtype, device)
         self.mlp = MLP(config, layer, parallel.tp_group if parallel else None, dtype=dtype, device=device)
 
     def _forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:

@@ -10,6 +10,8 @@ from cp_train.model.rope import resolve_rope_scaling
 from cp_train.parallel.cp.layout import check_layout, check_layout_name
 from cp_train.parallel.kernels.select import BACKENDS
 
+NORMS = ("auto", "torch", "apex")  # model.norm: which RMSNorm module the blocks and the final norm use
+
 
 @dataclass
 class ModelConfig:
@@ -22,7 +24,9 @@ class ModelConfig:
     ``cp_train.parallel.kernels.select``; also used without a CP group).
     ``seed`` alone fixes the initial weights, whatever the layout. ``rope_scaling``: RoPE scaling
     with Hugging Face's fields and semantics (``linear``, ``llama3``, ``yarn``; see ``rope.py``),
-    None for none; ``norm_eps`` is HF's ``rms_norm_eps``.
+    None for none; ``norm_eps`` is HF's ``rms_norm_eps``. ``norm``: the RMSNorm implementation
+    (``auto``: apex's ``FusedRMSNorm`` when importable and the model is built for CUDA, else torch's
+    ``nn.RMSNorm``; ``torch``; ``apex``: apex's, an error when it cannot be imported); see ``block.rms_norm``.
     """
 
     vocab_size: int = 32000
@@ -35,6 +39,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     norm_eps: float = 1e-5
+    norm: str = "auto"
     tie_embeddings: bool = False
     mlp_chunks: int = 1
     activation_checkpointing: bool = False
@@ -89,6 +94,8 @@ class ModelConfig:
                 raise ValueError(f"{name} {value} is not divisible by tp = {tp}; "
                                  f"choose a tp that divides {value} or make {name} a multiple of {tp}")
         check_layout_name(layout)
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of "
                              f"{', '.join(BACKENDS)} or None")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cp_train.model.attention import attention_spec
-from cp_train.model.block import Block, BlockInputs
+from cp_train.model.block import Block, BlockInputs, rms_norm
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.model.rope import rope_tables
 from cp_train.parallel.cp.algorithms import check_heads
@@ -69,7 +69,7 @@ class GPTModel(nn.Module):
         factory = {"dtype": dtype, "device": device}
         self.embedding = _embedding(config, parallel.tp_group, **factory)
         self.layers = nn.ModuleList(Block(config, i, parallel, **factory) for i in range(config.num_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps, **factory)
+        self.norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, **factory)
         self.lm_head = None if config.tie_embeddings else _lm_head(config, parallel.tp_group, **factory)
 
     def reference_units(self) -> Iterator[tuple[str, nn.Module]]:
@@ -79,7 +79,7 @@ class GPTModel(nn.Module):
         yield "embedding", _embedding(config, None)
         for i in range(config.num_layers):
             yield f"layers.{i}", Block(config, i)
-        yield "norm", nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        yield "norm", rms_norm(config.hidden_size, config.norm_eps, config.norm)
         if self.lm_head is not None:
             yield "lm_head", _lm_head(config, None)
 

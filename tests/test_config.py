@@ -149,6 +149,13 @@ VALIDATION_ERRORS = [
     ({"train.dtype": "fp8"}, 2, "train.dtype must be one of auto, bf16, fp32; got 'fp8'"),
     ({"schedule.decay": "step"}, 2, "schedule.decay must be one of cosine, linear, constant"),
     ({"optimizer.implementation": "apex"}, 2, "optimizer.implementation must be one of"),
+    ({"optimizer.impl": "deepspeed"}, 2, "optimizer.impl must be one of auto, torch, apex; got 'deepspeed'"),
+    ({"optimizer.impl": "apex", "optimizer.implementation": "fused"}, 2,
+     "optimizer.implementation fused chooses torch's AdamW kernels and optimizer.impl apex asks for apex's FusedAdam: "
+     "set optimizer.implementation=auto or optimizer.impl=torch"),
+    ({"optimizer.impl": "apex", "parallel.fsdp": True}, 2,
+     r"optimizer.impl apex: apex's FusedAdam cannot update FSDP2's sharded \(DTensor\) parameters"),
+    ({"model.norm": "fused"}, 2, "model.norm must be one of auto, torch, apex; got 'fused'"),
     ({"logging.wandb_mode": "cloud"}, 2, "logging.wandb_mode must be one of"),
     ({"data.prefix": "/x", "data.eod_id": None}, 2, "data.prefix without data.tokenizer needs data.eod_id"),
     ({"data.prefix": "/x", "data.eod_id": 2, "model.vocab_size": None}, 2,
@@ -194,6 +201,13 @@ def test_valid_layouts_resolve_dp() -> None:
     assert validate(small(), 2) == 1 and validate(small(), 4) == 2
     assert validate(small(**{"parallel.tp": 2}), 8) == 2
     assert validate(small(**{"parallel.cp": 1, "data.seq_len": 63, "train.global_batch_size": 2}), 1) == 1
+
+
+def test_apex_choices_validate_without_apex() -> None:
+    """The validator checks the names only: apex is loaded (or its absence reported) when the run builds them."""
+    config = small(**{"model.norm": "apex", "optimizer.impl": "apex"})
+    assert validate(config, 2) == 1 and (config.model.norm, config.optimizer.impl) == ("apex", "apex")
+    assert (small().model.norm, small().optimizer.impl) == ("auto", "auto")
 
 
 @pytest.mark.parametrize("name,world", [("cpu-tiny.yaml", 2), ("gpt-125m-cp8.yaml", 8), ("gpt-1b-128k-cp8.yaml", 8),

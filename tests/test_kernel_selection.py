@@ -1,11 +1,13 @@
 """Kernel choice by device and dtype, head_dim checks, and the CUDA ops' call forms against their schemas.
 
-No GPU is needed: selection never touches the device, the CUDA ops have meta kernels (shapes), and
-calling an op with CPU tensors gets past argument parsing before failing for want of a CPU kernel,
-so a call that does not bind to the op's schema fails differently.
+No GPU is needed: the fixture replaces the CUDA trial call (the tests here say what it does), the CUDA
+ops have meta kernels (shapes), and calling an op with CPU tensors gets past argument parsing before
+failing for want of a CPU kernel, so a call that does not bind to the op's schema fails differently.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -14,20 +16,32 @@ from cp_train.parallel.kernels import select as kernels
 from cp_train.parallel.kernels.contract import BackwardRows, VarlenSegments
 from cp_train.parallel.kernels.select import KernelUnavailable, select_kernel
 from cp_train.parallel.kernels.torch_ops import TorchCudaFlash, TorchEfficient, padded_lse
+from tests import fa3_standins
+from tests import flash_attn_standins as standins
 
 CUDA = torch.device("cuda", 0)
 
 
+def _clear(imports: bool = True) -> None:
+    for cached in (kernels.select_kernel, kernels._warn_once) + ((kernels._import_flash_attn, kernels._import_fa3)
+                                                                  if imports else ()):
+        cached.cache_clear()
+    kernels._TRIALS.clear()
+    kernels._CHOSEN.clear()
+
+
 @pytest.fixture(autouse=True)
 def no_packages(monkeypatch):
-    """As on a machine without flash-attn or FA3, with an sm80 GPU; caches cleared around each test."""
-    for cached in (kernels.select_kernel, kernels._import_flash_attn, kernels._import_fa3):
-        cached.cache_clear()
+    """As on a machine without flash-attn, FA3 or cuDNN, with an sm80 GPU where every trial call passes;
+    caches cleared around each test."""
+    _clear()
     monkeypatch.setattr(kernels, "_import_flash_attn", lambda: "flash_attn is not installed")
     monkeypatch.setattr(kernels, "_import_fa3", lambda: "flash_attn_interface is not installed")
+    monkeypatch.setattr(kernels, "_cudnn_unavailable", lambda: "torch 2.x was built without cuDNN")
     monkeypatch.setattr(kernels, "cuda_capability", lambda device: (8, 0))
+    monkeypatch.setattr(kernels, "_trial", lambda kernel, device, dtype, head_dim: None)
     yield
-    kernels.select_kernel.cache_clear()
+    _clear(imports=False)  # the import functions are still the stand-ins here
 
 
 @pytest.mark.parametrize("device,dtype,name", [
@@ -61,7 +75,10 @@ def test_head_dim_outside_the_flash_kernels_goes_to_efficient_attention() -> Non
     ("cpu", torch.bfloat16, 64, "flash_attn", r"needs CUDA tensors"),
     ("cuda", torch.bfloat16, 64, "flash_attn", r"flash_attn is not installed; install cp-train\[gpu\]"),
     ("cuda", torch.bfloat16, 64, "fa3", r"flash_attn_interface is not installed"),
-    ("cuda", torch.bfloat16, 64, "cudnn", r"unknown attention backend 'cudnn'"),
+    ("cuda", torch.bfloat16, 64, "cudnn", r"backend 'cudnn': torch 2.x was built without cuDNN; use backend"),
+    ("cpu", torch.bfloat16, 64, "cudnn", r"backend 'cudnn' needs CUDA tensors"),
+    ("cuda", torch.float32, 64, "cudnn", r"takes float16/bfloat16 on CUDA, got torch.float32"),
+    ("cuda", torch.bfloat16, 64, "xformers", r"unknown attention backend 'xformers'; choose one of fa3, cudnn"),
 ])
 def test_a_named_backend_that_cannot_run_says_what_to_change(device, dtype, head_dim, backend, message) -> None:
     with pytest.raises(KernelUnavailable, match=message):
@@ -107,9 +124,9 @@ def test_efficient_attention_calls_match_the_op_schemas(sq: int, sk: int, kv_hea
     with pytest.raises(NotImplementedError, match="_efficient_attention_backward' with arguments from the 'CPU'"):
         kernel.backward(BackwardRows(dout, q, torch.zeros_like(q), torch.zeros(2, 8, sq)), k, k, False, 0.125)
     with pytest.raises(NotImplementedError, match="_efficient_attention_forward' with arguments from the 'CPU'"):
-        kernel.forward(q, k, k, True, 0.125)
+        kernel.forward(q, k, k, sq == sk, 0.125)
     with pytest.raises(NotImplementedError, match="_flash_attention_backward' with arguments from the 'CPU'"):
-        TorchCudaFlash().backward(BackwardRows(dout, q, q, torch.zeros(2, 8, sq)), k, k, True, 0.125)
+        TorchCudaFlash().backward(BackwardRows(dout, q, q, torch.zeros(2, 8, sq)), k, k, sq == sk, 0.125)
 
 
 def test_efficient_lse_is_padded_densely_for_the_backward() -> None:
@@ -139,3 +156,110 @@ def test_varlen_calls_match_the_op_schemas() -> None:
     with pytest.raises(NotImplementedError, match="_efficient_attention_backward' with arguments from the 'CPU'"):
         efficient.varlen_backward(BackwardRows(q, q, q, torch.zeros(8, 300)), k, k,
                                   VarlenSegments(cpu_cu, cpu_cu, 200, 200), True, 0.125)
+
+
+def _with_packages(monkeypatch, fa3: bool, flash_attn: bool, cudnn: bool, capability: tuple[int, int]) -> None:
+    if fa3:
+        monkeypatch.setattr(kernels, "_import_fa3", lambda: fa3_standins.fa3_interface("plain"))
+    if flash_attn:
+        monkeypatch.setattr(kernels, "_import_flash_attn", lambda: (standins.flash_attn_interface("2.8.3"), "2.8.3"))
+    if cudnn:
+        monkeypatch.setattr(kernels, "_cudnn_unavailable", lambda: None)
+    monkeypatch.setattr(kernels, "cuda_capability", lambda device: capability)
+
+
+@pytest.mark.parametrize("capability,fa3,flash_attn,cudnn,half,fp32", [
+    ((9, 0), True, True, True, "fa3", "torch efficient"),
+    ((9, 0), False, True, True, "cudnn", "torch efficient"),
+    ((9, 0), False, False, True, "cudnn", "torch efficient"),
+    ((9, 0), True, True, False, "fa3", "torch efficient"),
+    ((9, 0), False, True, False, "flash_attn 2.8.3", "torch efficient"),
+    ((8, 0), True, True, True, "cudnn", "torch efficient"),  # FA3 is Hopper only
+    ((8, 0), True, True, False, "flash_attn 2.8.3", "torch efficient"),
+    ((8, 0), False, False, False, "torch cuda flash", "torch efficient"),
+    ((7, 5), False, False, True, "torch cuda flash", "torch efficient"),  # cuDNN attention needs sm80
+])
+def test_automatic_order_on_cuda(monkeypatch, capability, fa3, flash_attn, cudnn, half, fp32) -> None:
+    """fa3 (sm90) -> cudnn -> flash_attn -> torch flash -> torch_efficient; fp32 goes to efficient; CPU as ever."""
+    _with_packages(monkeypatch, fa3, flash_attn, cudnn, capability)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert select_kernel(CUDA, dtype, 64).name == half
+    assert select_kernel(CUDA, torch.float32, 64).name == fp32
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert select_kernel(torch.device("cpu"), dtype, 64).name == "torch cpu flash"
+
+
+def test_cudnn_limits_go_to_the_next_backend(monkeypatch) -> None:
+    _with_packages(monkeypatch, False, False, True, (9, 0))
+    assert select_kernel(CUDA, torch.bfloat16, 256).name == "torch cuda flash"  # cuDNN: head_dim up to 128
+    assert select_kernel(CUDA, torch.bfloat16, 64, None, True).name == "torch cuda flash"  # not deterministic
+    with pytest.raises(KernelUnavailable, match="'cudnn' has no deterministic backward"):
+        select_kernel(CUDA, torch.bfloat16, 64, "cudnn", True)
+
+
+def test_a_backend_whose_trial_fails_is_skipped_with_one_warning(monkeypatch) -> None:
+    """flash-attn imports but has no kernels for this GPU: the next backend runs, one warning names the error."""
+    _with_packages(monkeypatch, False, True, False, (10, 0))
+    trials = []
+
+    def trial(kernel, device, dtype, head_dim) -> None:
+        trials.append((kernel.name, device, dtype, head_dim))
+        if kernel.name.startswith("flash_attn"):
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore")
+
+    monkeypatch.setattr(kernels, "_trial", trial)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert select_kernel(CUDA, torch.bfloat16, 64).name == "torch cuda flash"
+    assert len(caught) == 1
+    assert str(caught[0].message) == (
+        "backend 'flash_attn' failed its trial call on cuda:0 with torch.bfloat16 and head_dim 64 (RuntimeError: "
+        "CUDA error: no kernel image is available for execution on the device); choose another backend or leave it "
+        "unset; using the next attention backend")
+    assert trials == [("flash_attn 2.8.3", CUDA, torch.bfloat16, 64), ("torch cuda flash", CUDA, torch.bfloat16, 64)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second trial of either backend
+        assert select_kernel(CUDA, torch.bfloat16, 64, None, True).name == "torch cuda flash"
+        with pytest.raises(KernelUnavailable, match=r"backend 'flash_attn' failed its trial call .*no kernel image"):
+            select_kernel(CUDA, torch.bfloat16, 64, "flash_attn")
+    assert len(trials) == 2
+    with pytest.warns(RuntimeWarning, match="head_dim 128"):
+        select_kernel(CUDA, torch.bfloat16, 128)  # another head_dim is another trial
+    assert len(trials) == 4
+    assert kernels.chosen_backends() == ("torch cuda flash",)
+
+
+def test_trials_run_on_cuda_only_and_are_cached(monkeypatch) -> None:
+    _with_packages(monkeypatch, False, False, True, (9, 0))
+    trials = []
+    monkeypatch.setattr(kernels, "_trial", lambda kernel, *key: trials.append((kernel.name, *key)))
+    assert select_kernel(CUDA, torch.bfloat16, 64).name == "cudnn"  # admitted
+    assert select_kernel(CUDA, torch.bfloat16, 64, "cudnn").name == "cudnn"
+    select_kernel(CUDA, torch.float32, 64)
+    select_kernel(CUDA, torch.float64, 64)  # math needs no trial
+    select_kernel(torch.device("cpu"), torch.float32, 64)  # nor does the CPU
+    assert trials == [("cudnn", CUDA, torch.bfloat16, 64), ("torch efficient", CUDA, torch.float32, 64)]
+    assert kernels.chosen_backends() == ("cudnn", "torch efficient", "math", "torch cpu flash")
+
+
+def test_the_real_trial_call_runs_the_kernel(monkeypatch) -> None:
+    """The trial itself (here on the CPU kernels): it calls the kernel's four entry points and raises their errors."""
+    from cp_train.parallel.kernels.trial import trial_call
+
+    cpu = torch.device("cpu")
+    trial_call(kernels.MathKernel(), cpu, torch.float32, 16)
+    trial_call(select_kernel(cpu, torch.bfloat16, 16), cpu, torch.bfloat16, 16)
+
+    class Broken(kernels.MathKernel):
+        def varlen_backward(self, *args):
+            raise RuntimeError("no varlen kernel")
+
+    with pytest.raises(RuntimeError, match="no varlen kernel"):
+        trial_call(Broken(), cpu, torch.float32, 16)
+
+    class NonFinite(kernels.MathKernel):
+        def forward(self, q, k, v, causal, scale):
+            out, lse = super().forward(q, k, v, causal, scale)
+            return out * float("nan"), lse
+
+    with pytest.raises(RuntimeError, match="non-finite"):
+        trial_call(NonFinite(), cpu, torch.float32, 16)

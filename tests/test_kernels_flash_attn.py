@@ -118,13 +118,18 @@ def test_ring_runs_through_the_flash_attn_call_forms(version: str) -> None:
 
 @pytest.fixture
 def fresh_selection(monkeypatch):
-    """Selection caches cleared before and after; FA3 absent and the GPU an sm80 unless a test says otherwise."""
+    """Selection caches cleared before and after; FA3 and cuDNN absent, the GPU an sm80 where every trial call
+    passes, unless a test says otherwise."""
     def clear() -> None:
         for cached in (kernels.select_kernel, kernels._import_flash_attn, kernels._import_fa3, kernels._warn_once):
             cached.cache_clear()
+        kernels._TRIALS.clear()
+        kernels._CHOSEN.clear()
 
     clear()
     monkeypatch.setattr(kernels, "cuda_capability", lambda device: (8, 0))
+    monkeypatch.setattr(kernels, "_cudnn_unavailable", lambda: "torch was built without cuDNN")
+    monkeypatch.setattr(kernels, "_trial", lambda kernel, device, dtype, head_dim: None)
     yield monkeypatch
     clear()
 

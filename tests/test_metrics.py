@@ -22,7 +22,9 @@ from cp_train.model import ModelConfig, matmul_params
 
 @pytest.mark.parametrize("name,peak", [
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0), ("NVIDIA GeForce RTX 4090", 165.2),
+    ("NVIDIA H200 NVL", 835.0), ("NVIDIA H200-NVL", 835.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0),
+    ("NVIDIA H100 SXM5 80GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0), ("NVIDIA GeForce RTX 4090", 165.2),
 ])
 def test_gpu_peak_table(name, peak) -> None:
     assert gpu_peak_tflops(name) == peak

@@ -28,7 +28,7 @@ from tests.numerics import rel_err
     ({"layout": "contiguous"}, 1, 4, 3, "sequence length 3 is shorter than cp = 4"),
     ({}, 1, 1, 128, "sequence length 128 exceeds max_position_embeddings 64"),
     ({"layout": "spiral"}, 1, 1, None, "unknown CP layout 'spiral'"),
-    ({"attention_backend": "cudnn"}, 1, 1, None, "unknown attention_backend 'cudnn'"),
+    ({"attention_backend": "xformers"}, 1, 1, None, "unknown attention_backend 'xformers'"),
     ({"mlp_chunks": 0}, 1, 1, None, "mlp_chunks must be an integer >= 1"),
     ({}, 0, 1, None, "tp must be an integer >= 1"),
 ])

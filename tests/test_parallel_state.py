@@ -106,6 +106,25 @@ def test_initialize_rejects_non_positive_timeout() -> None:
         initialize_parallel(timeout_minutes=0)
 
 
+@pytest.mark.parametrize("backend,cuda,device_id", [
+    ("nccl", True, torch.device("cuda", 3)), ("cpu:gloo,cuda:nccl", True, torch.device("cuda", 3)),
+    ("gloo", True, None), ("gloo", False, None), ("nccl", False, None),
+])
+def test_default_group_is_bound_to_the_local_gpu_under_nccl(monkeypatch, backend, cuda, device_id) -> None:
+    """nccl with CUDA passes ``device_id=cuda:LOCAL_RANK`` (and sets that device); gloo and CPU runs pass nothing."""
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                        "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(name, value)
+    calls, devices = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    process_groups.init_default_group(backend, timedelta(minutes=2))
+    expected = {"timeout": timedelta(minutes=2)} | ({"device_id": device_id} if device_id else {})
+    assert calls == [((backend,), expected)]
+    assert devices == ([device_id] if device_id else [])
+
+
 def test_initialize_without_launcher_says_how_to_launch(monkeypatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

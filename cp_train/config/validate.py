@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from cp_train.config.schema import Config, ConfigError, field_type
+from cp_train.model.config import NORMS
 from cp_train.parallel.cp.algorithms import canonical_algorithm, check_algorithm, check_heads
 from cp_train.parallel.cp.layout import LAYOUTS, check_layout
 from cp_train.parallel.mesh.rank_groups import check_ulysses
@@ -16,7 +17,8 @@ from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 
 DTYPES = ("auto", "bf16", "fp32")
 DECAYS = ("cosine", "linear", "constant")
-OPTIMIZERS = ("auto", "fused", "foreach")
+OPTIMIZERS = ("auto", "fused", "foreach")  # optimizer.implementation: torch's AdamW kernels
+OPTIMIZER_IMPLS = ("auto", "torch", "apex")  # optimizer.impl
 WANDB_MODES = (None, "online", "offline", "disabled")
 CUDA_ATTENTION = ("fa3", "flash_attn", "torch_efficient")  # attention backends that run on CUDA only
 FP32_MAX = 3.4028234663852886e38
@@ -86,6 +88,21 @@ def _check_device_settings(config: Config) -> None:
                           f"(parallel.backend {backend or 'gloo'}): use torch or math, or leave it unset")
 
 
+def _check_impls(config: Config) -> None:
+    """optimizer.implementation, optimizer.impl and model.norm name known choices that go together."""
+    optimizer = config.optimizer
+    _choice("optimizer.implementation", optimizer.implementation, OPTIMIZERS)
+    _choice("optimizer.impl", optimizer.impl, OPTIMIZER_IMPLS)
+    _choice("model.norm", config.model.norm, NORMS)
+    if optimizer.impl == "apex" and optimizer.implementation != "auto":
+        raise ConfigError(f"optimizer.implementation {optimizer.implementation} chooses torch's AdamW kernels and "
+                          f"optimizer.impl apex asks for apex's FusedAdam: set optimizer.implementation=auto or "
+                          f"optimizer.impl=torch")
+    if optimizer.impl == "apex" and config.parallel.fsdp:
+        raise ConfigError("optimizer.impl apex: apex's FusedAdam cannot update FSDP2's sharded (DTensor) parameters; "
+                          "set optimizer.impl=torch (torch's fused AdamW) or parallel.fsdp=false")
+
+
 def validate(config: Config, world_size: int) -> int:
     """Raise ConfigError unless ``config`` runs on ``world_size`` ranks; return the DP size."""
     dp = resolve_dp(config, world_size)
@@ -116,7 +133,7 @@ def validate(config: Config, world_size: int) -> int:
     _choice("train.dtype", train.dtype, DTYPES)
     _check_device_settings(config)
     _choice("schedule.decay", config.schedule.decay, DECAYS)
-    _choice("optimizer.implementation", config.optimizer.implementation, OPTIMIZERS)
+    _check_impls(config)
     _choice("logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
     per_micro_step = train.micro_batch_size * dp
     if train.global_batch_size % per_micro_step:

@@ -31,7 +31,7 @@ from cp_train.model.flops import attention_flops, matmul_params, model_flops_per
 
 # Dense bf16 tensor-core peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
 PEAK_TFLOPS: dict[str, float] = {
-    "H200": 989.0,
+    "H200 NVL": 835.0, "H200": 989.0,
     "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
     "GH200": 989.0, "B200": 2250.0, "B100": 1750.0,
     "A100": 312.0, "A800": 312.0, "A30": 165.0, "A10G": 70.0, "A10": 125.0,
@@ -43,9 +43,14 @@ PEAK_TFLOPS: dict[str, float] = {
 
 
 def gpu_peak_tflops(device_name: str) -> float | None:
-    """The table's entry whose name occurs in ``device_name`` (longest match first), or None."""
+    """The table's entry whose name occurs in ``device_name`` (case, ``-`` and ``_`` ignored), longest match
+    first: the NVL and PCIe parts get their own lower peaks (``NVIDIA H200 NVL`` 835, ``NVIDIA H200`` 989), or None."""
+    def words(text: str) -> str:
+        return " ".join(text.lower().replace("-", " ").replace("_", " ").split())
+
+    found = words(device_name)
     for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if name.lower() in device_name.lower():
+        if words(name) in found:
             return PEAK_TFLOPS[name]
     return None
 

@@ -9,7 +9,8 @@ Dense calls: q, out, dout ``[B, Sq, H, D]``; k, v ``[B, Sk, Hk, D]`` (flash-attn
 are fine); lse ``[B, H, Sq]``. Varlen calls: q, out, dout ``[Tq, H, D]``; k, v ``[Tk, Hk, D]``; lse ``[H, Tq]``;
 segment ``i`` of ``segments`` is query rows ``cu_q[i]:cu_q[i+1]`` against key rows ``cu_k[i]:cu_k[i+1]``.
 k and v may have fewer heads than q (GQA: ``H % Hk == 0``). lse is float32 (float64 for float64 inputs),
-natural log, scale included. Dense causal masks are only used on square blocks, where every backend agrees;
+natural log, scale included. Dense causal masks are only used on square blocks, where every backend agrees
+(the fused backends raise ``ValueError`` for a rectangular causal call: ``check_square_causal``);
 varlen causal masks are aligned bottom-right (query ``t`` of a segment of ``R`` rows and ``K`` keys sees the
 first ``K - R + t + 1`` keys), as flash-attn's. The backwards, given the *final* merged ``out``/``lse`` of
 the query rows, return this K/V block's exact share of dq and its exact dk/dv (dq like q, dk/dv like k/v).
@@ -44,6 +45,15 @@ class BackwardRows(NamedTuple):
     q: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
+
+
+def check_square_causal(name: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    """ValueError unless a dense causal call is square (q ``[B, Sq, ...]``, k ``[B, Sk, ...]``): the kernels
+    align a rectangular causal mask differently (top-left or bottom-right), so none is accepted."""
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"{name}: a dense causal block must be square, got {q.shape[1]} query rows and "
+                         f"{k.shape[1]} key rows; split it into a non-causal part and a square causal part "
+                         f"(as varlen.py's by-segment calls do) or use a varlen call")
 
 
 class AttentionKernel(Protocol):

@@ -25,7 +25,8 @@ custom-op schema (``causal``/``is_causal``, ``window_size``/``window_size_left``
 are built from them, passing None for the arguments it requires that the ring does not use.
 
 Both take ``[B, S, H, D]`` fp16/bf16 tensors, GQA natively, and return lse ``[B, H, S]`` fp32;
-both backwards want a dense lse and write into preallocated dq, dk, dv.
+both backwards want a dense lse and write into preallocated dq, dk, dv. Their dense causal mask is
+aligned bottom-right: dense causal calls must be square (``check_square_causal``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from cp_train.parallel.kernels.contract import BackwardRows, OutLse, QKVGrads, VarlenSegments
+from cp_train.parallel.kernels.contract import BackwardRows, OutLse, QKVGrads, VarlenSegments, check_square_causal
 from cp_train.parallel.kernels.varlen import lse_from_padded, lse_to_padded
 
 MIN_FLASH_ATTN = (2, 5)
@@ -120,11 +121,13 @@ class FlashAttn2:
                    1 if form == "2.7" else 5, form == "2.5", deterministic)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+        check_square_causal(self.name, q, k, causal)
         result = self.fwd(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False, **self.options)
         return result[0], result[self.lse_index]
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> QKVGrads:
+        check_square_causal(self.name, rows.q, k, causal)
         dout, q, out, lse = rows
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.bwd(dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv,
@@ -191,11 +194,13 @@ class FlashAttn3:
         return cls(fwd, bwd, fwd_fixed, bwd_fixed, causal_name)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+        check_square_causal(self.name, q, k, causal)
         result = self.fwd(**{**self.fwd_fixed, "q": q, "k": k, "v": v, "softmax_scale": scale, "causal": causal})
         return result[0], result[1]
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> QKVGrads:
+        check_square_causal(self.name, rows.q, k, causal)
         dout, q, out, lse = rows
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.bwd(**{**self.bwd_fixed, "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out,

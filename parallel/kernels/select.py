@@ -5,22 +5,28 @@ dense and varlen forward and backward calls, their shapes and masks).
 
 Backends (``backend=None`` picks the first that fits, in this order):
 
-============== ======================================================= ===================
-name           kernel                                                  device / dtypes
-============== ======================================================= ===================
-fa3            FA3 (``flash_attn_interface``, Hopper build)            sm90, fp16/bf16
-flash_attn     flash-attn 2.5-2.8 (``flash_attn.py``)                  CUDA, fp16/bf16
-torch          PyTorch's flash kernels (CPU: any float; CUDA: fp16/bf16) CPU, CUDA
+=============== ======================================================= ===================
+name            kernel                                                  device / dtypes
+=============== ======================================================= ===================
+fa3             FA3 (``flash_attn_interface``, Hopper build)            sm90, fp16/bf16
+cudnn           cuDNN SDPA (``cudnn.py``, PyTorch's cuDNN attention ops) sm80+, fp16/bf16
+flash_attn      flash-attn 2.5-2.8 (``flash_attn.py``)                  CUDA, fp16/bf16
+torch           PyTorch's flash kernels (CPU: any float; CUDA: fp16/bf16) CPU, CUDA
 torch_efficient PyTorch's memory-efficient kernels (the CUDA fp32 path)  CUDA, fp16/bf16/fp32
-math           float64 reference, materialises the scores (tests)       any
-============== ======================================================= ===================
+math            float64 reference, materialises the scores (tests)       any
+=============== ======================================================= ===================
 
-CUDA float64 has no fused kernel: it runs on ``math``. The flash-attn packages are imported when a
-backend is first chosen; an install that fails to import (a wheel built against another torch
-raises "undefined symbol") is skipped with one warning naming the error. ``deterministic=True``
-reaches flash-attn's and FA3's backward, turns the efficient kernel's key splitting off, and runs
-PyTorch's CUDA flash backward under ``torch.use_deterministic_algorithms``; the CPU and math
-kernels are deterministic anyway.
+CPU always runs ``torch``; CUDA float64 has no fused kernel: it runs on ``math``. The flash-attn
+packages are imported when a backend is first chosen; an install that fails to import (a wheel built
+against another torch raises "undefined symbol") is skipped with one warning naming the error.
+Importing is not enough on CUDA: every fused backend is admitted only after a trial call (a tiny
+causal forward and backward, GQA, on the device; once per (device, dtype, head_dim, backend)). In the
+automatic order a failed trial (a wheel without kernels for this GPU, a cuDNN build without this
+shape) skips the backend with one warning naming it and the error; a backend asked for by name that
+fails its trial raises ``KernelUnavailable``. ``chosen_backends()`` names the kernels chosen so far.
+``deterministic=True`` reaches flash-attn's and FA3's backward, turns the efficient kernel's key
+splitting off, runs PyTorch's CUDA flash backward under ``torch.use_deterministic_algorithms``, and
+rules cuDNN out (its backward is not deterministic); the CPU and math kernels are deterministic anyway.
 """
 
 from __future__ import annotations
@@ -29,18 +35,22 @@ import functools
 import importlib
 import importlib.util
 import warnings
-from collections import Counter
 
 import torch
 
+from cp_train.parallel.kernels import cudnn
 from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
 from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv
+from cp_train.parallel.kernels.trial import trial_call
 from cp_train.parallel.kernels.varlen import VarlenBySegments
 
-BACKENDS: tuple[str, ...] = ("fa3", "flash_attn", "torch", "torch_efficient", "math")
+BACKENDS: tuple[str, ...] = ("fa3", "cudnn", "flash_attn", "torch", "torch_efficient", "math")
 HALF = (torch.float16, torch.bfloat16)
-KERNEL_CALLS: Counter[str] = Counter()  # "forward"/"backward" block calls of the ring in this process (tests)
+TrialKey = tuple[torch.device, torch.dtype, int, str]  # (device, dtype, head_dim, backend)
+_TRIALS: dict[TrialKey, str | None] = {}  # each trial call's outcome: None (passed) or the error, one line
+_CHOSEN: dict[str, None] = {}  # the names of the kernels select_kernel returned, in order (a set)
+_trial = trial_call  # the admission trial (tests replace it)
 
 
 class MathKernel(VarlenBySegments):
@@ -118,9 +128,9 @@ def _build(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
     cuda = device.type == "cuda"
     if backend == "math":
         return MathKernel()
-    if backend in ("fa3", "flash_attn", "torch_efficient") and not cuda:
+    if backend in ("fa3", "cudnn", "flash_attn", "torch_efficient") and not cuda:
         raise KernelUnavailable(f"backend {backend!r} needs CUDA tensors, got {device.type}; use backend 'torch'")
-    if backend in ("fa3", "flash_attn") or (backend == "torch" and cuda):
+    if backend in ("fa3", "cudnn", "flash_attn") or (backend == "torch" and cuda):
         if dtype not in HALF:
             raise KernelUnavailable(f"backend {backend!r} takes float16/bfloat16 on CUDA, got {dtype}: use "
                                     f"backend 'torch_efficient' (float32) or 'math' (float64), or bf16 autocast")
@@ -134,6 +144,8 @@ def _build(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
         if head_dim % 4:
             raise KernelUnavailable(f"backend 'torch_efficient' needs head_dim a multiple of 4, got {head_dim}")
         return TorchEfficient(deterministic)
+    if backend == "cudnn":
+        return _build_cudnn(device, head_dim, deterministic)
     if backend == "flash_attn":
         found = _import_flash_attn()
         if isinstance(found, str):
@@ -158,11 +170,34 @@ def _build(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
     raise KernelUnavailable(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
+def _build_cudnn(device: torch.device, head_dim: int, deterministic: bool) -> AttentionKernel:
+    """The cuDNN kernel (dtype already checked); KernelUnavailable saying why not."""
+    why = _cudnn_unavailable()
+    if why is not None:
+        raise KernelUnavailable(f"backend 'cudnn': {why}; use backend 'flash_attn' or 'torch'")
+    major, minor = cuda_capability(device)
+    if major < 8:
+        raise KernelUnavailable(f"backend 'cudnn' needs an sm80 or newer GPU, this one is sm{major}{minor}; "
+                                f"use backend 'torch'")
+    if head_dim > cudnn.MAX_HEAD_DIM:
+        raise KernelUnavailable(f"backend 'cudnn' takes head_dim up to {cudnn.MAX_HEAD_DIM}, got {head_dim}; "
+                                f"use backend 'flash_attn' or 'torch'")
+    if deterministic:
+        raise KernelUnavailable("backend 'cudnn' has no deterministic backward; use backend 'fa3', 'flash_attn' "
+                                "or 'torch', or turn deterministic off")
+    return cudnn.CudnnAttention()
+
+
+def _cudnn_unavailable() -> str | None:
+    """Why this torch cannot run cuDNN attention, or None (tests replace it)."""
+    return cudnn.cudnn_unavailable()
+
+
 def _automatic_order(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     if device.type != "cuda":
         return ("torch",)
     if dtype in HALF:
-        return ("fa3", "flash_attn", "torch", "torch_efficient")
+        return ("fa3", "cudnn", "flash_attn", "torch", "torch_efficient")
     return ("torch_efficient",) if dtype == torch.float32 else ("math",)
 
 
@@ -171,26 +206,56 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _admit(backend: str, kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """KernelUnavailable unless ``kernel`` passes its trial call on this CUDA device (once per
+    (device, dtype, head_dim, backend); CPU kernels and ``math`` need none)."""
+    if device.type != "cuda" or backend == "math":
+        return
+    key = (device, dtype, head_dim, backend)
+    if key not in _TRIALS:
+        try:
+            _trial(kernel, device, dtype, head_dim)
+            _TRIALS[key] = None
+        except Exception as error:  # noqa: BLE001 - any failure (missing kernels, cuDNN refusals) means "not here"
+            _TRIALS[key] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    if _TRIALS[key] is not None:
+        raise KernelUnavailable(f"backend {backend!r} failed its trial call on {device} with {dtype} and head_dim "
+                                f"{head_dim} ({_TRIALS[key]}); choose another backend or leave it unset")
+
+
+def chosen_backends() -> tuple[str, ...]:
+    """The names of the kernels ``select_kernel`` has chosen in this process, in the order first chosen
+    (e.g. ``("cudnn", "torch efficient")``): for the run's setup record."""
+    return tuple(_CHOSEN)
+
+
 @functools.cache
 def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None,
                   deterministic: bool = False) -> AttentionKernel:
     """The kernel for q/k/v of ``dtype`` on ``device`` with ``head_dim`` (cached: decided once).
 
-    ``backend`` None picks the first backend of the table above that can run it; a package that is
-    installed but cannot be used is skipped with one warning. A named ``backend`` that cannot run
-    raises ``KernelUnavailable`` saying what to change.
+    ``backend`` None picks the first backend of the table above that can run it and, on CUDA, passes its
+    trial call; a package that is installed but cannot be used, or a backend whose trial fails, is skipped
+    with one warning. A named ``backend`` that cannot run raises ``KernelUnavailable`` saying what to change.
     """
     device = torch.device(device)
     if backend is not None:
-        return _build(backend, device, dtype, head_dim, deterministic)
+        kernel = _build(backend, device, dtype, head_dim, deterministic)
+        _admit(backend, kernel, device, dtype, head_dim)
+        _CHOSEN[kernel.name] = None
+        return kernel
     reasons = []
     for candidate in _automatic_order(device, dtype):
         try:
-            return _build(candidate, device, dtype, head_dim, deterministic)
+            kernel = _build(candidate, device, dtype, head_dim, deterministic)
+            _admit(candidate, kernel, device, dtype, head_dim)
         except KernelUnavailable as error:
             reasons.append(str(error))
-            if "failed to import" in str(error):
+            if "failed to import" in str(error) or "failed its trial call" in str(error):
                 _warn_once(f"{error}; using the next attention backend")
+            continue
+        _CHOSEN[kernel.name] = None
+        return kernel
     raise KernelUnavailable(f"no attention kernel runs {dtype} with head_dim {head_dim} on {device}: "
                             + "; ".join(reasons))
 

@@ -13,7 +13,8 @@
   turns the backward's key splitting off (``num_splits_key=1``), which makes it deterministic.
 
 Causal masks are aligned top-left by the CPU and efficient kernels and bottom-right by the CUDA
-flash kernel: the ring uses causal masks only on square blocks, where all agree.
+flash kernel: the ring uses causal masks only on square blocks, where all agree, and every dense call
+refuses a rectangular causal block (``check_square_causal``: a shape comparison).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cp_train.parallel.kernels.contract import BackwardRows, OutLse, QKVGrads, VarlenSegments
+from cp_train.parallel.kernels.contract import BackwardRows, OutLse, QKVGrads, VarlenSegments, check_square_causal
 from cp_train.parallel.kernels.varlen import VarlenBySegments, lse_from_padded, lse_to_padded
 
 LSE_ROW_ALIGNMENT = 32  # the efficient kernels' lse rows are padded to this multiple
@@ -57,6 +58,7 @@ class TorchCpuFlash(VarlenBySegments):
     name: str = "torch cpu flash"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+        check_square_causal(self.name, q, k, causal)
         heads = q.shape[2]
         k, v = expand_kv(k, heads), expand_kv(v, heads)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -65,6 +67,7 @@ class TorchCpuFlash(VarlenBySegments):
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> QKVGrads:
+        check_square_causal(self.name, rows.q, k, causal)
         dout, q, out, lse = rows
         heads, kv_heads = q.shape[2], k.shape[2]
         ke, ve = expand_kv(k, heads), expand_kv(v, heads)
@@ -98,12 +101,14 @@ class TorchCudaFlash:
     name: str = "torch cuda flash"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+        check_square_causal(self.name, q, k, causal)
         out, lse = torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal,
                                                            False, scale=scale)[:2]
         return out, lse
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> QKVGrads:
+        check_square_causal(self.name, rows.q, k, causal)
         return self._backward(rows, k, v, None, None, rows.q.shape[1], k.shape[1], causal, scale)
 
     def _backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor | None,
@@ -149,6 +154,7 @@ class TorchEfficient:
     name: str = "torch efficient"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+        check_square_causal(self.name, q, k, causal)
         heads = q.shape[2]
         out, lse = torch.ops.aten._efficient_attention_forward(
             q, expand_kv(k, heads), expand_kv(v, heads), None, None, None, None, None, 0.0,
@@ -157,6 +163,7 @@ class TorchEfficient:
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> QKVGrads:
+        check_square_causal(self.name, rows.q, k, causal)
         dout, q, out, lse = rows
         heads, kv_heads = q.shape[2], k.shape[2]
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read

@@ -97,13 +97,18 @@ def run_device(backend: str) -> torch.device:
 
 
 def init_default_group(backend: str, timeout: timedelta) -> None:
+    """The default group from torchrun's environment; under nccl with CUDA bound to ``cuda:LOCAL_RANK``
+    (``device_id``), elsewhere (gloo, CPU) as plain ``init_process_group(backend, timeout=...)``."""
     missing = [name for name in _LAUNCH_ENV if name not in os.environ]
     if missing:
         raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: "
                            f"launch with torchrun, or call torch.distributed.init_process_group first")
-    if backend == "nccl":
-        torch.cuda.set_device(run_device(backend))
-    dist.init_process_group(backend, timeout=timeout)
+    device = run_device(backend)
+    if device.type == "cuda":  # bind the group to this rank's GPU: NCCL connects eagerly and splits subgroups
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
 
 
 def _subgroups(groups: Groups, backend: str, timeout: timedelta) -> AxisGroup:

@@ -34,7 +34,7 @@ def _inputs(sq: int, sk: int, heads: int, kv_heads: int, head_dim: int, dtype: t
     return q, make(sk, kv_heads), make(sk, kv_heads), make(sq, heads)
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch_efficient", "flash_attn", "fa3"])
+@pytest.mark.parametrize("backend", ["torch", "torch_efficient", "cudnn", "flash_attn", "fa3"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("sq,sk,causal", SHAPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 128)])
@@ -80,11 +80,11 @@ def test_automatic_choice_on_this_gpu() -> None:
     cuda = torch.device("cuda")
     assert kernels.select_kernel(cuda, torch.float32, 64).name == "torch efficient"
     assert kernels.select_kernel(cuda, torch.float64, 64).name == "math"
-    assert kernels.select_kernel(cuda, torch.bfloat16, 64).name in ("fa3", "torch cuda flash") or \
+    assert kernels.select_kernel(cuda, torch.bfloat16, 64).name in ("fa3", "cudnn", "torch cuda flash") or \
         kernels.select_kernel(cuda, torch.bfloat16, 64).name.startswith("flash_attn")
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch_efficient", "flash_attn", "fa3"])
+@pytest.mark.parametrize("backend", ["torch", "torch_efficient", "cudnn", "flash_attn", "fa3"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_matches_float64(backend: str, dtype_name: str, causal: bool) -> None:

@@ -1,0 +1,71 @@
+"""cuDNN's fused attention (PyTorch's cuDNN SDPA ops) behind the kernel contract (``contract.py``).
+
+- forward: ``aten::_scaled_dot_product_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp,
+  dropout_p, is_causal, return_debug_mask, *, scale)`` -> (output, logsumexp ``[B, H, Sq, 1]`` fp32, ...);
+- backward: ``aten::_scaled_dot_product_cudnn_attention_backward(grad_out, query, key, value, out, logsumexp,
+  philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)``.
+
+Both take ``[B, H, S, D]``: the contract's ``[B, S, H, D]`` tensors go in as ``.transpose(1, 2)`` views. K/V
+heads are expanded for GQA (the dense op wants equal heads) and the gradients summed back. fp16/bf16,
+head_dim a multiple of 8 up to 128, sm80 or newer; whether a given cuDNN build runs a shape is only
+known by calling it, so ``select_kernel`` admits this backend after a trial call. The backward's
+dropout RNG tensors are never read at ``dropout_p = 0``; its ``attn_bias``/``cum_seq_q``/``cum_seq_k``
+get None (an undefined tensor: no bias, dense inputs), as PyTorch's own autograd passes them. The dense
+causal mask is used on square blocks only (``check_square_causal``).
+
+Varlen calls run segment by segment (``VarlenBySegments``: dense calls, causal parts square). The native
+ragged path (``aten::_cudnn_attention_forward`` with ``cum_seq_q``/``cum_seq_k``) is not used: its
+causal alignment for segments with more keys than queries differs between cuDNN frontend versions
+(top-left in some, bottom-right in others) and its backward is missing from some torch releases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cp_train.parallel.kernels.contract import BackwardRows, OutLse, QKVGrads, check_square_causal
+from cp_train.parallel.kernels.torch_ops import expand_kv, reduce_kv_grad
+from cp_train.parallel.kernels.varlen import VarlenBySegments
+
+# the ops, looked up when called (tests replace them with CPU stand-ins); None where torch has no cuDNN SDPA
+FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", None)
+MAX_HEAD_DIM = 128
+
+
+def cudnn_unavailable() -> str | None:
+    """Why this torch cannot run cuDNN attention (None when it can: the ops exist and cuDNN is usable)."""
+    if FORWARD is None or BACKWARD is None:
+        return f"torch {torch.__version__} has no cuDNN SDPA ops (aten::_scaled_dot_product_cudnn_attention)"
+    if not torch.backends.cudnn.is_available():
+        return f"torch {torch.__version__} was built without cuDNN"
+    return None
+
+
+@dataclass(frozen=True)
+class CudnnAttention(VarlenBySegments):
+    """cuDNN SDPA (fp16/bf16, CUDA sm80+); varlen by segments."""
+
+    name: str = "cudnn"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+        check_square_causal(self.name, q, k, causal)
+        heads = q.shape[2]
+        out, lse = FORWARD(q.transpose(1, 2), expand_kv(k, heads).transpose(1, 2),
+                           expand_kv(v, heads).transpose(1, 2), None, True, 0.0, causal, False, scale=scale)[:2]
+        return out.transpose(1, 2), lse[..., 0]
+
+    def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> QKVGrads:
+        dout, q, out, lse = rows
+        check_square_causal(self.name, q, k, causal)
+        heads, kv_heads = q.shape[2], k.shape[2]
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read
+        dq, dk, dv = BACKWARD(
+            dout.transpose(1, 2), q.transpose(1, 2), expand_kv(k, heads).transpose(1, 2),
+            expand_kv(v, heads).transpose(1, 2), out.transpose(1, 2), lse.contiguous().unsqueeze(-1), seed, seed,
+            None, None, None, q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
