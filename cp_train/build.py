@@ -180,10 +180,13 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
     parallel = config.parallel
     model_parallel = state.model_parallel(parallel.cp_layout, parallel.cp_algorithm)
     on_meta = BUILD_ON_META or hf_dir is not None
-    if on_meta:
-        model = meta_model(config.model, model_parallel)
-    else:
-        model = GPTModel(config.model, model_parallel, device=device)
+    try:
+        if on_meta:
+            model = meta_model(config.model, model_parallel)
+        else:
+            model = GPTModel(config.model, model_parallel, device=device)
+    except ImportError as error:  # an optional package the config asks for (model.norm apex) is missing
+        raise ConfigError(str(error)) from None
     if parallel.fsdp:
         shard_with_fsdp(model, state.dp_cp_mesh, parallel.fsdp_reshard_after_forward, param_dtype)
     if on_meta:
