@@ -31,6 +31,7 @@ from cp_train.metrics.throughput import (
 )
 from cp_train.optim import clip_gradients, global_grad_norm
 from cp_train.parallel.dp.ddp import gradient_sync
+from cp_train.parallel.kernels.select import chosen_backends
 from cp_train.results import BatchLoss, NonFiniteLossError, StepResult, TrainResult
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from cp_train.parallel.mesh.state import ParallelState
 
 MicroBatch = dict[str, Any]  # per-token tensors [B, local_seqlen], and the loader's CP_PLAN
+LOCAL_TOKENS = "local_loss_tokens"  # a moved micro-batch's loss tokens, counted from the CPU mask (``_to_device``)
 
 
 def _parts(group: str, *names: str) -> tuple[property, ...]:
@@ -82,8 +84,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ step
     def _to_device(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-        return [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
-                for mb in micro_batches]
+        """The micro-batches on the device: every tensor and the CP plan's index tensors (``CPPlan.to``) copied
+        with ``non_blocking=True`` (from pinned memory on a GPU: nothing waits), ahead of the forward. Each
+        also carries ``LOCAL_TOKENS``, its loss-token count read from the CPU mask before the copy."""
+        moved = []
+        for mb in micro_batches:
+            movable = (k for k, v in mb.items() if isinstance(v, torch.Tensor) or (k == CP_PLAN and v is not None))
+            out = {**mb, **{k: mb[k].to(self.device, non_blocking=True) for k in movable}}
+            mask = mb.get("loss_mask")
+            if isinstance(mask, torch.Tensor) and mask.device.type == "cpu":
+                out[LOCAL_TOKENS] = float(mask.sum())
+            moved.append(out)
+        return moved
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -121,7 +133,8 @@ class Trainer:
             local_sum += loss_sum.detach().double()
             if plan is not None:
                 areas, pairs = [a + b for a, b in zip(areas, plan.areas, strict=True)], pairs + plan.pairs
-        local_tokens = float(sum(float(m.sum()) for m in masks))
+        local_tokens = float(sum(mb[LOCAL_TOKENS] if LOCAL_TOKENS in mb else float(mb["loss_mask"].sum())
+                                 for mb in micro_batches))  # counted on the CPU by ``_to_device``
         imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
         return BatchLoss(loss=reduce_loss(local_sum, tokens, group), tokens=tokens, local_tokens=local_tokens,
                          local_loss_sum=float(local_sum), imbalance=imbalance, attention_pairs=pairs)
@@ -241,7 +254,8 @@ class Trainer:
         parallel = self.config.parallel
         return self.training.setup_record(sizes, {
             "step": step, **self.state.dims, "world_size": self.state.world_size, "fsdp": parallel.fsdp,
-            "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward})
+            "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward,
+            "attention_kernels": ", ".join(chosen_backends())})
 
     def _log_eval(self, sinks: MetricsSinks) -> None:
         loss = self.evaluate()

@@ -158,6 +158,34 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None
     return _yarn_inv_freq(base, head_dim, theta, scaling), float(scaling["attention_factor"])
 
 
+_FREQUENCIES: dict[tuple, tuple[torch.Tensor, float]] = {}  # device_frequencies' tables, made once per key
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a hashable key (dicts and lists of a ``rope_scaling`` made tuples; leaves keep their type,
+    so ``True`` and ``1`` differ)."""
+    if isinstance(value, dict):
+        return tuple(sorted((repr(key), _frozen(item)) for key, item in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(item) for item in value)
+    return type(value).__name__, repr(value)
+
+
+def device_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position_embeddings: int,
+                       device: torch.device) -> tuple[torch.Tensor, float]:
+    """``rope_frequencies`` with ``inv_freq`` on ``device``: computed (float64, on the CPU) and copied there once
+    per (head_dim, theta, scaling, max_position_embeddings, device), so a forward makes no host-to-device
+    copy. The same values as ``rope_frequencies``; fake tensors (tracing) are not kept."""
+    key = (head_dim, theta, _frozen(scaling), max_position_embeddings, str(device))
+    found = _FREQUENCIES.get(key)
+    if found is None:
+        inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, max_position_embeddings)
+        found = (inv_freq.to(device), attention_factor)
+        if type(found[0]) is torch.Tensor:
+            _FREQUENCIES[key] = found
+    return found
+
+
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32,
                 scaling: dict[str, Any] | None = None, max_position_embeddings: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,12 +193,14 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
 
     Angles are formed in float64 so that long sequences keep their precision. With ``scaling``
     (see the module docstring) the frequencies are scaled and cos/sin carry yarn's attention factor.
+    The frequencies come from ``device_frequencies`` (on ``positions``' device already after the first call).
     """
     if positions.dim() != 2 or positions.is_floating_point():
         raise ValueError(f"positions must be an integer tensor [batch, seqlen], got {positions.dtype} "
                          f"{tuple(positions.shape)}")
-    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, max_position_embeddings)
-    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)  # [B, n, D/2]
+    inv_freq, attention_factor = device_frequencies(head_dim, theta, scaling, max_position_embeddings,
+                                                    positions.device)
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # [B, n, D/2]
     cos, sin = angles.cos(), angles.sin()
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor

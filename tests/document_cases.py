@@ -19,6 +19,7 @@ from cp_train.parallel.cp.ring import comm as ring_comm
 from cp_train.parallel.kernels import select as kernels
 from cp_train.parallel.kernels.torch_ops import expand_kv
 from tests.numerics import rel_err
+from tests.ring_cases import counting_kernels
 
 SPECS = ("one", "random", "single_tokens", "chunk_bounds", "spanning", "short")
 
@@ -164,19 +165,19 @@ def count_work(layout: str, causal: bool, seqlen: int, spec: str, algorithm: str
     """This rank's kernel calls, computed query-key pairs and bytes sent for one forward and backward."""
     q, k, v, dout = inputs(seqlen, 4, 2, seed=3, dim=8)
     docs = documents(spec, 2, seqlen, dist.get_world_size(), seed=3)
-    kernels.KERNEL_CALLS.clear()
     ring_comm.BYTES_SENT.clear()
-    kernels.KERNEL_CALLS["area"] = 0
+    area = [0]
     original = kernels.TorchCpuFlash.forward
 
     def counting_forward(self, q, k, v, causal, scale):  # noqa: ANN001
         rows, keys = q.shape[1], k.shape[1]
-        kernels.KERNEL_CALLS["area"] += q.shape[0] * (rows * (rows + 1) // 2 if causal else rows * keys)
+        area[0] += q.shape[0] * (rows * (rows + 1) // 2 if causal else rows * keys)
         return original(self, q, k, v, causal, scale)
 
     kernels.TorchCpuFlash.forward = counting_forward
     try:
-        run_documents(q, k, v, dout, docs, layout, causal, head_chunks=2, algorithm=algorithm)
+        with counting_kernels() as counted:
+            run_documents(q, k, v, dout, docs, layout, causal, head_chunks=2, algorithm=algorithm)
     finally:
         kernels.TorchCpuFlash.forward = original
     steps = []
@@ -184,7 +185,7 @@ def count_work(layout: str, causal: bool, seqlen: int, spec: str, algorithm: str
         positions = layout_positions(layout, docs, dist.get_rank(), dist.get_world_size())
         steps = build_cp_plan(dist.group.WORLD, layout, causal, seqlen // dist.get_world_size(),
                                _take(docs, positions), positions).ring.steps
-    return {**kernels.KERNEL_CALLS, "kv_bytes": ring_comm.BYTES_SENT[0], "grad_bytes": ring_comm.BYTES_SENT[1],
+    return {**counted, "area": area[0], "kv_bytes": ring_comm.BYTES_SENT[0], "grad_bytes": ring_comm.BYTES_SENT[1],
             "local_calls": len(steps[0].calls) if steps else 0,
             "remote_calls": sum(len(step.calls) for step in steps[1:]),
             "all_to_all": ring_comm.BYTES_SENT["all_to_all"], "all_gather": ring_comm.BYTES_SENT["all_gather"],

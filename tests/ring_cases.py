@@ -7,14 +7,58 @@ errors against the float64 math reference on the full sequence.
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+from cp_train.parallel.cp import spec as spec_module
 from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.dropins import ring_flash_attn_func, stripe_flash_attn_func, zigzag_ring_flash_attn_func
 from cp_train.parallel.cp.layout import gather_sequence, shard_sequence
 from cp_train.parallel.kernels import select as kernels
 from tests.numerics import rel_err
+
+
+class CountingKernel:
+    """An attention kernel that counts its calls into ``calls`` (everything else delegated): a dense or a varlen
+    forward as one "forward", a backward as one "backward". The library keeps no counters."""
+
+    COUNTED = {"forward": "forward", "varlen_forward": "forward", "backward": "backward",
+               "varlen_backward": "backward"}
+
+    def __init__(self, kernel: Any, calls: Counter[str]) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.kernel, name)
+        if name not in self.COUNTED:
+            return attribute
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[self.COUNTED[name]] += 1
+            return attribute(*args, **kwargs)
+        return counted
+
+
+@contextlib.contextmanager
+def counting_kernels() -> Iterator[Counter[str]]:
+    """Inside: every kernel ``build_spec`` selects is a ``CountingKernel`` adding to the Counter yielded (the
+    test hook; outside it, and by default, kernels are the library's own)."""
+    calls: Counter[str] = Counter()
+    original = spec_module.select_kernel
+
+    def select(*args: Any, **kwargs: Any) -> CountingKernel:
+        return CountingKernel(original(*args, **kwargs), calls)
+
+    spec_module.select_kernel = select
+    try:
+        yield calls
+    finally:
+        spec_module.select_kernel = original
 
 API = {"contiguous": ring_flash_attn_func, "zigzag": zigzag_ring_flash_attn_func,
        "stripe": stripe_flash_attn_func}
@@ -75,11 +119,10 @@ def check_forward_chunks(seqlen: int, heads: int, kv_heads: int, layout: str, ca
     ref = reference(q, k, v, dout, causal)
     rank, world = dist.get_rank(), dist.get_world_size()
     ql, kl, vl = (shard_sequence(x, rank, world, layout) for x in (q, k, v))
-    kernels.KERNEL_CALLS.clear()
-    with torch.no_grad():
+    with torch.no_grad(), counting_kernels() as counted:
         out, lse = context_parallel_attention(ql, kl, vl, dist.group.WORLD, layout, causal, head_chunks=head_chunks,
                                               return_lse=True)
-    calls = kernels.KERNEL_CALLS["forward"]
+    calls = counted["forward"]
     out = gather_sequence(out, None, layout)
     lse = gather_sequence(lse.transpose(1, 2).contiguous(), None, layout).transpose(1, 2)
     return {"out": rel_err(out, ref["out"]), "lse": rel_err(lse, ref["lse"]), "calls": calls}
@@ -103,6 +146,6 @@ def count_kernel_calls(seqlen: int, heads: int, kv_heads: int, layout: str, caus
                        head_chunks: int) -> dict[str, int]:
     """Kernel calls this rank made for one forward and one backward."""
     q, k, v, dout = full_inputs(seqlen, heads, kv_heads, 8, seed=2, batch=1)
-    kernels.KERNEL_CALLS.clear()
-    run_ring(q, k, v, dout, layout, causal, use_api=False, head_chunks=head_chunks)
-    return dict(kernels.KERNEL_CALLS)
+    with counting_kernels() as counted:
+        run_ring(q, k, v, dout, layout, causal, use_api=False, head_chunks=head_chunks)
+    return dict(counted)

@@ -9,6 +9,7 @@ from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.dropins import zigzag_ring_flash_attn_func
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.rank_plan import plan_for_documents, plan_for_layout
+from cp_train.parallel.cp.plan.varlen_plan import batched, step_varlen
 from cp_train.parallel.cp.ring.backward import _accumulate
 from cp_train.parallel.cp.ring.blocks import BlockGrads
 from cp_train.parallel.cp.spec import AttentionSpec
@@ -125,7 +126,7 @@ def test_bad_inputs_raise_with_a_message() -> None:
     with pytest.raises(ValueError, match="unknown CP layout"):
         context_parallel_attention(q, q, q, None, layout="spiral")
     with pytest.raises(ValueError, match="unknown attention backend"):
-        context_parallel_attention(q, q, q, None, backend="cudnn")
+        context_parallel_attention(q, q, q, None, backend="nonesuch")
     for kwargs, word in (({"dropout_p": 0.1}, "dropout_p"), ({"window_size": (4, 0)}, "window_size"),
                          ({"alibi_slopes": torch.ones(4)}, "alibi_slopes")):
         with pytest.raises(NotImplementedError, match=word):
@@ -166,26 +167,78 @@ def test_transfers_carry_only_the_rows_still_needed() -> None:
     assert carried("contiguous", True, 0)[1] == 0  # block 3 is used by nobody after rank 3
 
 
-def test_plan_index_selectors_move_to_the_device_once() -> None:
-    """Packed documents give index selectors; the ring reads them from a per-device copy of the plan (no
-    host-to-device copy per hop), made once; on CPU the plan is itself."""
-    world, n = 4, 16
-    positions = torch.stack([sequence_positions(n * world, r, world, "zigzag") for r in range(world)])[:, None]
-    plan = plan_for_documents(torch.bucketize(positions, torch.tensor([5, 20, 23, 40, 51])), positions, 1, True)
-    selectors = [plan.home, *(s for step in plan.steps for s in (step.kv_send, step.grad_grow))]
-    assert any(isinstance(s, torch.Tensor) for s in selectors)
-    assert plan.on_device(torch.device("cpu")) is plan
-    moved = plan.on_device(torch.device("meta"))
-    assert moved is plan.on_device(torch.device("meta"))
-    moved_selectors = [moved.home, *(s for step in moved.steps for s in (step.kv_send, step.grad_grow))]
-    for before, after in zip(selectors, moved_selectors, strict=True):
-        if isinstance(before, torch.Tensor):
-            assert after.device.type == "meta" and after.shape == before.shape
-        else:
-            assert after == before
-    assert [step.calls for step in moved.steps] == [step.calls for step in plan.steps]
-    assert all(s.device.type == "cpu" for s in selectors if isinstance(s, torch.Tensor))  # the plan is untouched
+def _index_tensors(plan) -> list[torch.Tensor]:  # noqa: ANN001 - a RankPlan
+    found = [plan.home, plan.send_index]
+    for step in plan.steps:
+        found += [step.kv_send, step.grad_grow]
+        for call in step.varlen or ():
+            found += [call.q_index, call.kv_index, call.grad_index, call.segments.cu_q, call.segments.cu_k]
+    return [x for x in found if isinstance(x, torch.Tensor)]
 
+
+def _documents_plan(world: int = 4, n: int = 16, rank: int = 1, batch: int = 1):
+    positions = torch.stack([sequence_positions(n * world, r, world, "zigzag") for r in range(world)])[:, None]
+    positions = positions.expand(world, batch, n).contiguous()
+    return plan_for_documents(torch.bucketize(positions, torch.tensor([5, 20, 23, 40, 51])), positions, rank, True)
+
+
+def test_plan_moves_every_index_tensor_in_one_place() -> None:
+    """Packed documents give index selectors and steps of many calls; ``to`` moves every index tensor at once
+    (the varlen calls built first, for a GPU), ahead of the forward; on CPU the plan is itself, and a plan
+    that was not moved is moved once by ``on_device`` (the fallback)."""
+    plan = _documents_plan()
+    before = _index_tensors(plan)
+    assert before and any(step.many_calls for step in plan.steps)
+    assert plan.to("cpu") is plan and plan.on_device(torch.device("cpu")) is plan
+    moved = plan.to("meta", non_blocking=True)
+    assert moved.device == torch.device("meta") and moved.to("meta") is moved
+    assert moved.on_device(torch.device("meta")) is moved
+    assert all(step.varlen for step in moved.steps if step.many_calls)
+    assert all(x.device.type == "meta" for x in _index_tensors(moved))
+    assert [step.calls for step in moved.steps] == [step.calls for step in plan.steps]
+    fallback = plan.on_device(torch.device("meta"))
+    assert fallback is plan.on_device(torch.device("meta")) and fallback.device == torch.device("meta")
+    assert all(x.device.type == "cpu" for x in _index_tensors(plan)) and len(_index_tensors(plan)) == len(before)
+
+
+def test_varlen_indices_of_a_batch_are_derived_on_the_device() -> None:
+    """The varlen calls built for one sample give, for a batch of unpacked samples, exactly the indices a
+    build over the whole batch gives (sample after sample)."""
+    plan = _documents_plan(batch=3)
+    assert not plan.packed
+    for step in (s for s in plan.steps if s.many_calls):
+        got = batched(step_varlen(step.segments, step.grad_kv), 3, plan.rows, step.held_rows, step.acc_rows)
+        for call in got:
+            parts = [(seg, grad) for seg, grad in zip(step.segments, step.grad_kv, strict=True)
+                     if seg.causal == call.causal]
+            want_q = torch.cat([torch.arange(*seg.q) + b * plan.rows for b in range(3) for seg, _ in parts])
+            want_kv = torch.cat([torch.arange(*seg.kv) + b * step.held_rows for b in range(3) for seg, _ in parts])
+            want_grad = torch.cat([torch.arange(*grad) + b * step.acc_rows for b in range(3) for _, grad in parts])
+            lengths = [seg.rows for _ in range(3) for seg, _ in parts], [seg.keys for _ in range(3) for seg, _ in parts]
+            want_cu = [torch.tensor([0] + x).cumsum(0).to(torch.int32) for x in lengths]
+            assert torch.equal(call.q_index, want_q) and torch.equal(call.kv_index, want_kv)
+            assert torch.equal(call.grad_index, want_grad)
+            assert torch.equal(call.segments.cu_q, want_cu[0]) and torch.equal(call.segments.cu_k, want_cu[1])
+            assert call.segments.cu_q.dtype == torch.int32 and call.q_index.dtype == torch.int64
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_varlen_steps_match_dense_calls_on_cpu(uniform: bool) -> None:
+    """The varlen path (the GPU's, its calls emulated per segment on CPU) against the dense calls, with a batch
+    of equal samples (indices derived per batch) and of different ones (the batch folded)."""
+    world, seqlen = 4, 64
+    q, k, v, dout = ring_cases.full_inputs(seqlen, 4, 2, 16, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    starts = torch.rand(2, seqlen, generator=gen) < 0.1
+    starts[1] = starts[0] if uniform else starts[1]
+    docs = torch.cumsum(starts.long(), 1)
+    kernel = select_kernel(q.device, q.dtype, 16)
+    dense = run_threaded_ring(q, k, v, dout, world, AttentionSpec("ring", "zigzag", True, 0.25, kernel, 2, True),
+                              docs)
+    varlen = run_threaded_ring(q, k, v, dout, world,
+                               AttentionSpec("ring", "zigzag", True, 0.25, kernel, 2, True, varlen=True), docs)
+    for name, value in dense.items():
+        assert rel_err(varlen[name], value) <= TOL, name
 
 
 def test_a_strided_first_accumulator_travels_contiguous() -> None:

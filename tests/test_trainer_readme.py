@@ -33,6 +33,7 @@ def test_readme_training_command_with_cp2(tmp_path) -> None:
 
     setup, *records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert setup["kind"] == "setup" and setup["parameters"] == setup["parameters_per_rank"] > 0
+    assert setup["attention_kernels"] == "torch cpu flash"  # the kernel chosen for this run's attention
     assert setup["state_bytes_per_rank"] >= 16 * setup["parameters"] and not setup["fsdp"]  # DDP: replicated
     assert all("step" in r and "loss" in r for r in records)
     train = [r for r in records if r["kind"] == "train"]

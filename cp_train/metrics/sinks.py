@@ -167,6 +167,8 @@ class MetricsSinks:
                   flush=True)
         if self.wandb_run is not None and record.get("kind") == "setup":
             self.wandb_run.summary.update({f"setup/{k}": v for k, v in record.items() if isinstance(v, int | float)})
+            self.wandb_run.config.update({k: v for k, v in record.items() if isinstance(v, str)},
+                                         allow_val_change=True)  # the attention kernels, say
         elif self.wandb_run is not None:
             prefix = "eval/" if record.get("kind") == "eval" else "train/"
             self.wandb_run.log({prefix + k: v for k, v in record.items() if isinstance(v, int | float)

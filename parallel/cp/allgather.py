@@ -30,22 +30,15 @@ from cp_train.parallel.cp.spec import AttentionSpec
 Gather = tuple[list, list[torch.Tensor]]  # (works, [k, v] as they arrive)
 
 
-def _routes(plan: RankPlan, device: torch.device) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
-    """The all-to-all of used rows (cached): the index of the rows sent (in destination-rank order, as
-    ``all_to_all_single`` cuts its input), the rows sent to and received from each rank, and where each
-    source's rows start in what arrives. Step ``t`` sends to rank ``rank + t`` and holds rank ``rank - t``'s."""
-    key = ("routes", str(device))
-    if key not in plan.cache:
-        world, rank = plan.world, plan.rank
-        to = {(rank + t) % world: plan.steps[t] for t in range(1, world)}
-        sent = [to[d].kv_rows[0] if d in to else 0 for d in range(world)]
-        parts = [to[d].kv_send for d in range(world) if sent[d]]
-        index = torch.cat([torch.arange(p.start, p.stop) if isinstance(p, slice) else p for p in parts]) if parts \
-            else torch.zeros(0, dtype=torch.int64)
-        received = [0 if s == rank else plan.steps[(rank - s) % world].held_rows for s in range(world)]
-        starts = [sum(received[:source]) for source in range(world)]
-        plan.cache[key] = (index.to(device), sent, received, starts)
-    return plan.cache[key]
+def _routes(plan: RankPlan) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+    """The all-to-all of used rows: the index of the rows sent (``plan.send_index``, on the tensors' device
+    with the plan), the rows sent to and received from each rank, and where each source's rows start in
+    what arrives. Step ``t`` sends to rank ``rank + t`` and holds rank ``rank - t``'s."""
+    world, rank = plan.world, plan.rank
+    sent = [0 if d == rank else plan.steps[(d - rank) % world].kv_rows[0] for d in range(world)]
+    received = [0 if s == rank else plan.steps[(rank - s) % world].held_rows for s in range(world)]
+    starts = [sum(received[:source]) for source in range(world)]
+    return plan.send_index, sent, received, starts
 
 
 def _start_gather(k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int], group: dist.ProcessGroup,
@@ -62,7 +55,7 @@ def _start_gather(k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int], grou
             count_sent("all_gather", mine, world - 1)
             works.append(all_gather_single(every, mine, group=group, async_op=True))
         else:
-            index, sent, received, _ = _routes(plan, x.device)
+            index, sent, received, _ = _routes(plan)
             rows_first = mine.transpose(0, 1).index_select(0, index)  # [rows, b, h, D]: all_to_all cuts dim 0
             every = torch.empty((sum(received), *rows_first.shape[1:]), dtype=x.dtype, device=x.device)
             count_sent("all_to_all", rows_first, 1)
@@ -82,7 +75,7 @@ def _landed(gather: Gather, plan: RankPlan) -> list[list[torch.Tensor] | None]:
         for source in others:
             stores[source] = [x.view(plan.world, -1, *x.shape[1:])[source] for x in arriving]
         return stores
-    _, _, received, starts = _routes(plan, arriving[0].device)
+    _, _, received, starts = _routes(plan)
     for source in others:
         rows = slice(starts[source], starts[source] + received[source])
         stores[source] = [x[rows].transpose(0, 1) for x in arriving]
@@ -93,7 +86,7 @@ def _start_return(grads: list[list[torch.Tensor] | None], plan: RankPlan, group:
                   like: torch.Tensor) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
     """Post the all-to-alls carrying each source's [dk, dv] store (``grads[source]``) back to its owner: per
     tensor (work, what arrives ``[rows sent, b, h, D]`` in ``_routes``' index order, the buffer sent)."""
-    index, sent, received, _ = _routes(plan, like.device)
+    index, sent, received, _ = _routes(plan)
     posted = []
     for which in range(2):
         parts = [grads[source][which].transpose(0, 1) for source in range(plan.world) if grads[source] is not None]
@@ -146,7 +139,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dq = torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
         dk, dv = (torch.empty(k_rows.shape, dtype=acc, device=q.device) for _ in range(2))
         gathers = ring.whole_blocks  # else used rows by all-to-all (see the module docstring)
-        sent_rows = None if gathers else _routes(ring, q.device)[0]
+        sent_rows = None if gathers else ring.send_index
         pending, returning = _start_gather(k_rows, v_rows, chunks[0], group, ring), []
         for index, (h0, h1) in enumerate(chunks):
             qs = slice(h0 * group_size, h1 * group_size)
@@ -201,5 +194,6 @@ class _AllGatherAttention(torch.autograd.Function):
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                         spec: AttentionSpec, plan: CPPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, n, H, D] and lse [B, H, n] of this rank's queries against every rank's K/V."""
-    return _AllGatherAttention.apply(q, k, v, group, spec, plan)
+    """out [B, n, H, D] and lse [B, H, n] of this rank's queries against every rank's K/V. ``plan``'s index
+    tensors are read on q's device (moved ahead by ``CPPlan.to``; else moved once here)."""
+    return _AllGatherAttention.apply(q, k, v, group, spec, plan.on_device(q.device))

@@ -27,7 +27,7 @@ import torch
 
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.documents import gather_mask_inputs
-from cp_train.parallel.cp.plan.rank_plan import RankPlan, build_plan, gathered_plan
+from cp_train.parallel.cp.plan.rank_plan import CPU, Apply, RankPlan, build_plan, gathered_plan, plan_device
 from cp_train.parallel.cp.plan.segments import pack_keys, runs, visible_intervals
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
 from cp_train.parallel.mesh.model_parallel import CPGroups
@@ -45,12 +45,49 @@ class CPPlan:
     max_calls: int = 1  # the most dense kernel calls any rank makes in one step (the same on every rank)
     documents: UlyssesDocuments | None = None  # ulysses with documents: home rows and the cross blocks
     pairs: int = 0  # visible query-key pairs (per head) of the whole micro-batch, every sample and CP rank
-    cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # device copies of ``order``
+    inverse: torch.Tensor | None = field(default=None, compare=False)  # ``order``'s inverse permutation, flat
+    device: torch.device = field(default=CPU, compare=False)  # where every index tensor is
+    cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # a moved copy (``on_device``)
 
     @property
     def imbalance(self) -> float:
         mean = sum(self.areas) / len(self.areas)
         return max(self.areas) / mean if mean else 1.0
+
+    def _apply(self, fn: Apply, device: torch.device, varlen: bool) -> CPPlan:
+        def each(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else fn(x)
+
+        return dataclasses.replace(
+            self, ring=None if self.ring is None else self.ring.apply(fn, device, varlen), order=each(self.order),
+            inverse=each(self.inverse),
+            documents=None if self.documents is None else self.documents.apply(fn, device, varlen),
+            device=device, cache={})
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> CPPlan:
+        """This plan with every index tensor (the ring's selectors and varlen calls, the all-gather's routes,
+        Ulysses' order and cross rows) on ``device``: the one place a plan moves, ahead of the forward (the
+        trainer moves each micro-batch's with ``non_blocking=True``), so the attention copies nothing from
+        the host. The plan itself where it is already (on the CPU nothing moves)."""
+        device = plan_device(device)
+        if device == self.device:
+            return self
+        return self._apply(lambda x: x.to(device, non_blocking=non_blocking), device, device.type != "cpu")
+
+    def pin_memory(self) -> CPPlan:
+        """This plan with its GPU varlen calls built and every index tensor in page-locked memory (called by
+        the data loader with ``pin_memory``), so that ``to(device, non_blocking=True)`` does not wait."""
+        return self._apply(lambda x: x.pin_memory(), self.device, True)
+
+    def on_device(self, device: torch.device) -> CPPlan:
+        """The plan for tensors on ``device``: itself when moved there ahead (or on the CPU for CPU tensors);
+        else a copy moved once and cached, for callers that did not move it."""
+        if device == self.device:
+            return self
+        key = ("plan", str(device))
+        if key not in self.cache:
+            self.cache[key] = self.to(device)
+        return self.cache[key]
 
 
 @dataclass(frozen=True)
@@ -123,17 +160,28 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
     group = range(rank - rank % ulysses, rank - rank % ulysses + ulysses) if algorithm == "hybrid" else every
     order = torch.argsort(_gathered(tokens.keys, tokens, group), dim=1)
     identity = torch.equal(order, torch.arange(order.shape[1]).expand_as(order))
+    inverse = None if identity else _inverse(order)
     if algorithm == "ulysses":  # home documents stay; the cross rows: 1/world of the heads, block by block
         _check_sorted(tokens.keys)
         documents, areas, calls = ulysses_documents_plan(tokens.keys, tokens.docs, tokens.span, rank, causal,
                                                          tokens.packed)
-        return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, documents)
+        return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, documents,
+                      inverse=inverse)
     else:  # hybrid: the ring across the Ulysses groups on their tokens in sequence order
         groups = [range(g * ulysses, (g + 1) * ulysses) for g in range(world // ulysses)]
         keys = torch.stack([torch.sort(_gathered(tokens.keys, tokens, g).flatten()).values for g in groups])
         ring = build_plan(keys, keys // tokens.span, tokens.span, rank // ulysses, causal, tokens.packed)
         areas = tuple(area // ulysses for area in ring.areas for _ in range(ulysses))  # 1/ulysses of the heads
-    return CPPlan(algorithm, ring, None if identity else order, tokens.packed, areas, ring.max_calls)
+    return CPPlan(algorithm, ring, None if identity else order, tokens.packed, areas, ring.max_calls,
+                  inverse=inverse)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``order`` (flattened): sequence order -> rank order."""
+    flat = order.flatten()
+    inverse = torch.empty_like(flat)
+    inverse[flat] = torch.arange(flat.numel())
+    return inverse
 
 
 @functools.cache
@@ -141,7 +189,7 @@ def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses:
     positions = torch.stack([sequence_positions(n * world, r, world, layout) for r in range(world)])[:, None]
     plan = _plan(algorithm, _tokens(torch.zeros_like(positions), positions), rank, ulysses, causal)
     if algorithm == "ulysses":  # one document: the plain causal kernel on the sequence in order
-        plan = CPPlan(algorithm, None, plan.order, plan.packed, plan.areas, 1)
+        plan = CPPlan(algorithm, None, plan.order, plan.packed, plan.areas, 1, inverse=plan.inverse)
     return plan
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -34,8 +35,24 @@ from cp_train.parallel.cp.plan.segments import (
     union,
     visible_intervals,
 )
+from cp_train.parallel.cp.plan.varlen_plan import MANY_CALLS, VarlenCall, step_varlen
 
 Selector = slice | torch.Tensor | None  # rows picked from a compacted store (None: nothing)
+CPU = torch.device("cpu")
+Apply = Callable[[torch.Tensor], torch.Tensor]  # what a move or a pin does to one index tensor
+
+
+def apply_rows(rows: Selector, fn: Apply) -> Selector:
+    """``fn(rows)`` for an index tensor; a slice or None as it is."""
+    return fn(rows) if isinstance(rows, torch.Tensor) else rows
+
+
+def plan_device(device: torch.device | str) -> torch.device:
+    """``device`` as tensors moved there report it (``cuda`` -> ``cuda:0`` on device 0)."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta") or device.index is not None:
+        return device
+    return torch.empty(0, device=device).device
 
 
 class KernelCall(NamedTuple):
@@ -66,6 +83,21 @@ class StepPlan:
     kv_rows: tuple[int, int]
     grad_grow: Selector
     grad_rows: tuple[int, int]
+    varlen: tuple[VarlenCall, ...] | None = field(default=None, compare=False)  # one sample's (None: not built)
+
+    @property
+    def many_calls(self) -> bool:
+        """Whether the step is many dense calls (packed documents): varlen calls where the spec asks for them."""
+        return len(self.calls) >= MANY_CALLS
+
+    def apply(self, fn: Apply, varlen: bool) -> StepPlan:
+        """This step with ``fn`` applied to its index tensors; ``varlen``: its varlen calls built first (when
+        ``many_calls``)."""
+        calls = self.varlen
+        if calls is None and varlen and self.many_calls:
+            calls = step_varlen(self.segments, self.grad_kv)
+        return dataclasses.replace(self, kv_send=apply_rows(self.kv_send, fn), grad_grow=apply_rows(self.grad_grow, fn),
+                                   varlen=None if calls is None else tuple(call.apply(fn) for call in calls))
 
     @functools.cached_property
     def calls(self) -> list[KernelCall]:
@@ -98,6 +130,8 @@ class RankPlan:
     areas: tuple[int, ...]
     max_calls: int
     whole_blocks: bool = False  # gathered plans only (see ``gathered_plan``)
+    send_index: torch.Tensor | None = field(default=None, compare=False)  # gathered plans: rows sent by all-to-all
+    device: torch.device = field(default=CPU, compare=False)  # where the index tensors are
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # per-device index tensors
 
     @property
@@ -106,20 +140,34 @@ class RankPlan:
         mean = sum(self.areas) / len(self.areas)
         return max(self.areas) / mean if mean else 1.0
 
+    def apply(self, fn: Apply, device: torch.device, varlen: bool) -> RankPlan:
+        """This plan with ``fn`` applied to every index tensor (now on ``device``), varlen calls built first when
+        ``varlen``; a fresh cache."""
+        return dataclasses.replace(self, steps=tuple(step.apply(fn, varlen) for step in self.steps),
+                                   home=apply_rows(self.home, fn), send_index=apply_rows(self.send_index, fn),
+                                   device=device, cache={})
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RankPlan:
+        """This plan with every index tensor on ``device`` (the varlen calls of steps of many calls built for a
+        GPU first): the one place the plan moves, ahead of the forward. The plan itself where it is already."""
+        device = plan_device(device)
+        if device == self.device:
+            return self
+        return self.apply(lambda x: x.to(device, non_blocking=non_blocking), device, device.type != "cpu")
+
+    def pin_memory(self) -> RankPlan:
+        """This plan (on the CPU) with its varlen calls built and every index tensor in page-locked memory, so
+        ``to(device, non_blocking=True)`` copies without waiting (the data loader calls it with ``pin_memory``)."""
+        return self.apply(lambda x: x.pin_memory(), self.device, True)
+
     def on_device(self, device: torch.device) -> RankPlan:
-        """This plan with its index selectors (``kv_send``, ``grad_grow``, ``home``) on ``device``: made once per
-        device and cached, so the ring's hops index on the device without a host copy (on CUDA a copy from
-        host memory waits for the stream). On CPU the plan itself."""
-        if device.type == "cpu":
+        """The plan for tensors on ``device``: itself when its index tensors are there (moved ahead by ``to``; a
+        CPU plan on the CPU); else a copy moved once and cached (a caller that did not move the plan)."""
+        if device == self.device:
             return self
         key = ("plan", str(device))
         if key not in self.cache:
-            def move(rows: Selector) -> Selector:
-                return rows.to(device) if isinstance(rows, torch.Tensor) else rows
-
-            steps = tuple(dataclasses.replace(step, kv_send=move(step.kv_send), grad_grow=move(step.grad_grow))
-                          for step in self.steps)
-            self.cache[key] = dataclasses.replace(self, steps=steps, home=move(self.home))
+            self.cache[key] = self.to(device)
         return self.cache[key]
 
 
@@ -206,7 +254,20 @@ def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, 
                               kv_send=selector(sent, every) if step and sent else None,
                               kv_rows=(size(sent), size(held)) if step else (0, 0), grad_grow=None,
                               grad_rows=(0, 0)))
-    return RankPlan(world, rank, rows, packed, tuple(steps), None, areas, max_calls, whole)
+    index = None if whole else _send_index(steps, rank, world)
+    return RankPlan(world, rank, rows, packed, tuple(steps), None, areas, max_calls, whole, index)
+
+
+def _send_index(steps: list[StepPlan], rank: int, world: int) -> torch.Tensor:
+    """The rows of ``rank``'s block its all-to-all sends, destination rank after destination rank (as
+    ``all_to_all_single`` cuts its input): step ``t`` sends to rank ``(rank + t) % world``."""
+    parts = []
+    for destination in range(world):
+        step = steps[(destination - rank) % world]
+        if destination != rank and step.kv_rows[0]:
+            rows = step.kv_send
+            parts.append(torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cp_train.parallel.cp.plan.rank_plan import RankPlan, Selector, StepPlan
+from cp_train.parallel.cp.plan.rank_plan import Apply, RankPlan, Selector, StepPlan, apply_rows
 from cp_train.parallel.cp.plan.segments import Segment, runs, visible_intervals
 
 TOLERANCE = (102, 100)  # the busiest rank's work may exceed the mean by 2%
@@ -41,6 +41,12 @@ class UlyssesDocuments:
     cross: Selector
     counts: tuple[int, ...]
     blocks: tuple[RankPlan, ...]
+
+    def apply(self, fn: Apply, device: torch.device, varlen: bool) -> UlyssesDocuments:
+        """These plans with ``fn`` applied to every index tensor (``RankPlan.apply``)."""
+        home = None if self.home is None else self.home.apply(fn, device, varlen)
+        return UlyssesDocuments(home, apply_rows(self.cross, fn), self.counts,
+                                tuple(block.apply(fn, device, varlen) for block in self.blocks))
 
 
 def document_work(rows: int, causal: bool) -> int:

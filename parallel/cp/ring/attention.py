@@ -16,15 +16,14 @@ from cp_train.parallel.cp.ring.comm import RingComm
 from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels.contract import BackwardRows
-from cp_train.parallel.kernels.select import KERNEL_CALLS
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: RankPlan | None):
         comm = RingComm(group) if group is not None and dist.get_world_size(group) > 1 else None
+        plan = None if plan is None else plan.on_device(q.device)  # itself when moved ahead (``RankPlan.to``)
         if plan is None:
-            KERNEL_CALLS["forward"] += 1
             out, lse = spec.kernel.forward(q, k, v, spec.causal, spec.scale)  # lse [B, H, n]
         else:
             out, lse = ring_forward(q, k, v, comm, spec, plan)
@@ -40,7 +39,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         spec = ctx.spec
         if ctx.plan is None:
-            KERNEL_CALLS["backward"] += 1
             dq, dk, dv = spec.kernel.backward(BackwardRows(dout, q, out, lse), k, v, spec.causal, spec.scale)
         else:
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse.transpose(1, 2), ctx.comm, spec, ctx.plan)

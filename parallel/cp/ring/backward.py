@@ -40,7 +40,6 @@ from cp_train.parallel.cp.ring.forward import (
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels.contract import BackwardRows, QKVGrads
-from cp_train.parallel.kernels.select import KERNEL_CALLS
 
 
 def add_grad(total: torch.Tensor, part: torch.Tensor, target: Interval | torch.Tensor) -> None:
@@ -79,7 +78,6 @@ def call_backward(spec: AttentionSpec, segment: Segment, rows: SavedRows, held: 
     """One dense kernel call's dq (its query rows) and dk, dv (its key rows of the [k, v] store ``held``)."""
     part, keys = slice(*segment.q), slice(*segment.kv)
     grad = BackwardRows(rows.dout[:, part], rows.q[:, part], rows.out[:, part], rows.lse[:, part].transpose(1, 2))
-    KERNEL_CALLS["backward"] += 1
     return spec.kernel.backward(grad, held[0][:, keys], held[1][:, keys], segment.causal, spec.scale)
 
 

@@ -21,7 +21,6 @@ from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
 from cp_train.parallel.cp.ring.comm import RingComm, Transfer
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
 from cp_train.parallel.cp.spec import AttentionSpec
-from cp_train.parallel.kernels.select import KERNEL_CALLS
 from cp_train.parallel.kernels.varlen import merge_block
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -41,18 +40,18 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def pick(x: torch.Tensor, rows: Selector) -> torch.Tensor:
     """Rows ``rows`` (dim 1) of a compacted store: a view for a slice, a gathered copy for an index (on
-    ``x``'s device: ``RankPlan.on_device``; the ``to`` is then free)."""
+    ``x``'s device already: ``RankPlan.to`` / ``RankPlan.on_device``)."""
     if isinstance(rows, slice):
         return x[:, rows]
-    return x.index_select(1, rows.to(x.device))
+    return x.index_select(1, rows)
 
 
 def add_rows(total: torch.Tensor, rows: Selector, part: torch.Tensor) -> None:
-    """``total[:, rows] += part`` for a slice or an index tensor."""
+    """``total[:, rows] += part`` for a slice or an index tensor (on ``total``'s device)."""
     if isinstance(rows, slice):
         total[:, rows] += part
     else:
-        total.index_add_(1, rows.to(total.device), part)
+        total.index_add_(1, rows, part)
 
 
 def pass_kv(comm: RingComm, held: list[torch.Tensor], step: StepPlan, like: torch.Tensor) -> Transfer:
@@ -95,7 +94,6 @@ def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.T
 def call_forward(spec: AttentionSpec, call: Segment, q: torch.Tensor, held: list[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One dense kernel call of a step: out ``[B, m, h, D]`` and lse ``[B, m, h]`` of its ``m`` query rows."""
-    KERNEL_CALLS["forward"] += 1
     keys = slice(*call.kv)
     out, lse = spec.kernel.forward(q[:, slice(*call.q)], held[0][:, keys], held[1][:, keys], call.causal,
                                    spec.scale)
@@ -148,4 +146,4 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
 def uses_varlen(spec: AttentionSpec, step: StepPlan) -> bool:
     """Varlen calls for steps of many segments (packed documents); dense views where a step is one or two
     calls (the one-document layouts), which gathers nothing."""
-    return spec.varlen and len(step.calls) > 2
+    return spec.varlen and step.many_calls

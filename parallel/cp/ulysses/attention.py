@@ -62,29 +62,21 @@ def _land(back: list[tuple[int, list[Pending]]], targets: tuple[torch.Tensor, ..
             target[:, :, c * step:(c + 1) * step] = _done(pending)
 
 
-def _order(plan: CPPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(order, its inverse) on ``device``: rank-order rows -> sequence order (cached in the plan)."""
-    if plan.order is None:
-        return None
-    key = ("order", str(device))
-    if key not in plan.cache:
-        order = plan.order.flatten()
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
-        plan.cache[key] = (order.to(device), inverse.to(device))
-    return plan.cache[key]
+def _order(plan: CPPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(order, its inverse), flat: rank-order rows -> sequence order and back (the plan's, on its device)."""
+    return None if plan.order is None else (plan.order.flatten(), plan.inverse)
 
 
 def _in_order(x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
     """Rows of ``x`` [B, rows, ...] in sequence order (the folded batch when the plan is packed)."""
     if plan.packed:
         x = x.reshape(1, -1, *x.shape[2:])
-    order = _order(plan, x.device)
+    order = _order(plan)
     return x if order is None else x.index_select(1, order[0])
 
 
 def _in_rank_order(x: torch.Tensor, plan: CPPlan, batch: int) -> torch.Tensor:
-    order = _order(plan, x.device)
+    order = _order(plan)
     if order is not None:
         x = x.index_select(1, order[1])
     return x.reshape(batch, -1, *x.shape[2:])
@@ -164,6 +156,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     """out [B, n, H, D] and lse [B, H, n] of this rank's tokens (the hybrid form when ``spec.algorithm`` is
     hybrid). ``spec.head_chunks`` bounds the head chunks whose all-to-alls overlap the attention."""
     group = groups.ulysses if spec.algorithm == "hybrid" else groups.cp
+    plan = plan.on_device(q.device)  # itself when moved ahead (``CPPlan.to``): no host copy in the call
     u = dist.get_world_size(group)
     if k.shape[2] < u:  # every rank needs a kv head: repeat each just enough
         k, v = (x.repeat_interleave(u // k.shape[2], dim=2) for x in (k, v))

@@ -62,17 +62,6 @@ def _post_home(flat: torch.Tensor, shapes: list[tuple[int, ...]], rank: int, gro
     return work, lambda: recv.view(u, *own).movedim(0, 2).flatten(2, 3)
 
 
-def _cross_rows(plan: CPPlan, device: torch.device) -> Selector:
-    """This rank's cross rows for tensors on ``device`` (an index tensor is copied there once per plan)."""
-    rows = plan.documents.cross
-    if isinstance(rows, slice):
-        return rows
-    key = ("cross", str(device))
-    if key not in plan.cache:
-        plan.cache[key] = rows.to(device)
-    return plan.cache[key]
-
-
 def _put(target: torch.Tensor, rows: Selector, value: torch.Tensor) -> None:
     """``target[:, rows] = value`` for a slice or an index tensor of rows (on ``target``'s device)."""
     if isinstance(rows, slice):
@@ -110,7 +99,7 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
         q_step, kv_step = heads // chunks, k.shape[2] // chunks
         acc = accumulator_dtype(q.dtype)
         travels = sum(docs.counts) > 0
-        cross = _cross_rows(plan, q.device)
+        cross = docs.cross  # on q's device with the plan (``CPPlan.to``)
 
         def post(c: int) -> list[tuple[object, list[torch.Tensor]]]:
             return [_post_to_heads(x[:, :, c * w:(c + 1) * w], cross, docs, group)
@@ -167,7 +156,7 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
         dk = torch.empty(batch, rows, kv_heads, dim, dtype=dout.dtype, device=dout.device)
         dv = torch.empty_like(dk)
         travels = sum(docs.counts) > 0
-        cross = _cross_rows(plan, dout.device)
+        cross = docs.cross
 
         def post(c: int) -> tuple[object, list[torch.Tensor]]:
             return _post_to_heads(dout[:, :, c * q_step:(c + 1) * q_step], cross, docs, group)
