@@ -27,14 +27,14 @@ import torch
 
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.documents import gather_mask_inputs
-from cp_train.parallel.cp.plan.rank_plan import CPU, Apply, RankPlan, build_plan, gathered_plan, plan_device
+from cp_train.parallel.cp.plan.rank_plan import CPU, Apply, MovedOnce, RankPlan, build_plan, gathered_plan, plan_device
 from cp_train.parallel.cp.plan.segments import pack_keys, runs, visible_intervals
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
 from cp_train.parallel.mesh.model_parallel import CPGroups
 
 
 @dataclass(frozen=True)
-class CPPlan:
+class CPPlan(MovedOnce):
     """One batch's plan for ``algorithm`` (see the module docstring)."""
 
     algorithm: str
@@ -79,15 +79,6 @@ class CPPlan:
         the data loader with ``pin_memory``), so that ``to(device, non_blocking=True)`` does not wait."""
         return self._apply(lambda x: x.pin_memory(), self.device, True)
 
-    def on_device(self, device: torch.device) -> CPPlan:
-        """The plan for tensors on ``device``: itself when moved there ahead (or on the CPU for CPU tensors);
-        else a copy moved once and cached, for callers that did not move it."""
-        if device == self.device:
-            return self
-        key = ("plan", str(device))
-        if key not in self.cache:
-            self.cache[key] = self.to(device)
-        return self.cache[key]
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,22 @@ class StepPlan:
         return calls
 
 
+class MovedOnce:
+    """``on_device`` for a plan with ``device``, ``cache`` and ``to(device)``: the plan itself when its index
+    tensors are on ``device`` (moved ahead by ``to``, or a CPU plan on the CPU); else a copy moved once and
+    cached, for a caller that did not move the plan."""
+
+    def on_device(self, device: torch.device):  # noqa: ANN201 - the plan's own type
+        if device == self.device:
+            return self
+        key = ("plan", str(device))
+        if key not in self.cache:
+            self.cache[key] = self.to(device)
+        return self.cache[key]
+
+
 @dataclass(frozen=True)
-class RankPlan:
+class RankPlan(MovedOnce):
     """Everything rank ``rank`` of ``world`` does; ``rows`` per sample (or all samples when ``packed``).
     ``home`` places the accumulator of the rank's own block arriving after the last hop; ``areas`` is
     every rank's mask area (query-key pairs), for the load balance; ``max_calls`` the most dense kernel calls
@@ -160,15 +174,6 @@ class RankPlan:
         ``to(device, non_blocking=True)`` copies without waiting (the data loader calls it with ``pin_memory``)."""
         return self.apply(lambda x: x.pin_memory(), self.device, True)
 
-    def on_device(self, device: torch.device) -> RankPlan:
-        """The plan for tensors on ``device``: itself when its index tensors are there (moved ahead by ``to``; a
-        CPU plan on the CPU); else a copy moved once and cached (a caller that did not move the plan)."""
-        if device == self.device:
-            return self
-        key = ("plan", str(device))
-        if key not in self.cache:
-            self.cache[key] = self.to(device)
-        return self.cache[key]
 
 
 def _segments(keys: torch.Tensor, docs: torch.Tensor, span: int, causal: bool) -> list[list[list[Segment]]]:
