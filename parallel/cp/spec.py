@@ -45,6 +45,12 @@ def _many_small_calls(plan: CPPlan | None) -> bool:
     return plan is not None and plan.max_calls > 4
 
 
+@torch.compiler.assume_constant_result
+def _cpu_threads() -> int:
+    """The intra-op thread count; a constant to ``torch.compile`` (it sizes head chunks: speed, not results)."""
+    return torch.get_num_threads()
+
+
 def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None = None,
                         rows_per_kv_head: int = 1) -> int:
     """The ring backward's (and the all-gather's) kv-head chunks; the ring forward runs in one
@@ -58,7 +64,7 @@ def default_head_chunks(device: torch.device, kv_heads: int, plan: CPPlan | None
         return min(2, kv_heads)
     if _many_small_calls(plan) or (plan is not None and len(plan.areas) == 1):
         return 1
-    per_chunk = -(-torch.get_num_threads() // max(1, rows_per_kv_head))
+    per_chunk = -(-_cpu_threads() // max(1, rows_per_kv_head))
     return max(1, kv_heads // per_chunk)
 
 
