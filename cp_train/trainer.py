@@ -44,6 +44,11 @@ MicroBatch = dict[str, Any]  # per-token tensors [B, local_seqlen], and the load
 LOCAL_TOKENS = "local_loss_tokens"  # a moved micro-batch's loss tokens, counted from the CPU mask (``_to_device``)
 
 
+def _loss_tokens(mb: MicroBatch) -> float:
+    """A micro-batch's loss-token count: the one ``_to_device`` read from the CPU mask, else its mask's sum."""
+    return mb[LOCAL_TOKENS] if LOCAL_TOKENS in mb else float(mb["loss_mask"].sum())
+
+
 def _parts(group: str, *names: str) -> tuple[property, ...]:
     """Read-only ``Trainer`` attributes ``names``: those of its part ``group`` (``env``, ``training``, ``data``)."""
     return tuple(property(lambda self, name=name: getattr(getattr(self, group), name), doc=f"``{group}.{name}``")
@@ -133,8 +138,7 @@ class Trainer:
             local_sum += loss_sum.detach().double()
             if plan is not None:
                 areas, pairs = [a + b for a, b in zip(areas, plan.areas, strict=True)], pairs + plan.pairs
-        local_tokens = float(sum(mb[LOCAL_TOKENS] if LOCAL_TOKENS in mb else float(mb["loss_mask"].sum())
-                                 for mb in micro_batches))  # counted on the CPU by ``_to_device``
+        local_tokens = float(sum(_loss_tokens(mb) for mb in micro_batches))
         imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
         return BatchLoss(loss=reduce_loss(local_sum, tokens, group), tokens=tokens, local_tokens=local_tokens,
                          local_loss_sum=float(local_sum), imbalance=imbalance, attention_pairs=pairs)
@@ -177,7 +181,7 @@ class Trainer:
                 with self._autocast():
                     token_losses, _ = self._losses(mb)
                 local_sum += float(masked_loss_sum(token_losses, mb["loss_mask"]))
-                local_tokens += float(mb["loss_mask"].sum())
+                local_tokens += _loss_tokens(mb)
         self.module.train()
         total, tokens = reduce_sums([local_sum, local_tokens], self.state.dp_cp.group, self.device)
         return total / max(tokens, 1.0)
