@@ -12,8 +12,10 @@ path the model takes; ``ring_blocks`` is the ring's per-block machinery on one r
 fp32 accumulators, the merged-lse backward). ``ratio`` is TFLOP/s over the baseline's in the same run.
 
 Training (``--models``): one optimizer step of a shipped config at cp=1 on this GPU, ``--train-seq``
-tokens, micro batch 1, bf16 autocast, fused AdamW: tokens/s, model TFLOP/s (``model/flops.py``) and
-MFU against the GPU's dense bf16 peak (``cp_train/metrics/throughput.py``).
+tokens in two documents (a CP plan built on the CPU), micro batch 1, bf16 autocast, fused AdamW, eager and compiled
+(``--modes``; ``train.compile``): tokens/s, model TFLOP/s (``model/flops.py``), MFU against the GPU's dense bf16
+peak (``cp_train/metrics/throughput.py``), peak memory, and ``host syncs``: "none" when one more step runs under
+``torch.cuda.set_sync_debug_mode("error")``, else the first error.
 """
 
 from __future__ import annotations
@@ -119,8 +121,25 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> list[dict]:
     return records
 
 
-def training_step(name: str, args: argparse.Namespace, device: torch.device, peak: float | None) -> dict:
-    """Time one optimizer step of the shipped config ``name`` at cp=1 on ``device``."""
+def _sync_check(step: Callable[[], None], device: torch.device) -> str:
+    """"none" when one more ``step()`` runs under ``torch.cuda.set_sync_debug_mode("error")``, else the error."""
+    if device.type != "cuda":
+        return "n/a"
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError as error:
+        return str(error).splitlines()[0][:120]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return "none"
+
+
+def training_step(name: str, args: argparse.Namespace, device: torch.device, peak: float | None,
+                  compiled: bool) -> dict:
+    """Time one optimizer step of the shipped config ``name`` at cp=1 on ``device``, eager or with
+    ``GPTModel.compile_parts`` (``train.compile``), and check a further step for host syncs."""
     config = load_config(MODELS[name]).model
     config.vocab_size = 32768
     if args.tiny:
@@ -129,13 +148,19 @@ def training_step(name: str, args: argparse.Namespace, device: torch.device, pea
     config.activation_checkpointing = config.activation_checkpointing and not args.no_checkpointing
     config.max_position_embeddings = max(config.max_position_embeddings, args.train_seq)
     model = GPTModel(config, device=device)
+    if compiled:
+        model.compile_parts()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (1, args.train_seq + 1), generator=gen, device=device)
+    documents = torch.zeros(1, args.train_seq, dtype=torch.long)
+    documents[:, args.train_seq // 3:] = 1  # two documents: the varlen path
+    plan = model.build_cp_plan(args.train_seq, documents)  # on the CPU, as the loader's workers build it
+    plan = plan.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else plan
 
     def train_step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            losses = model(tokens[:, :-1], labels=tokens[:, 1:])
+            losses = model(tokens[:, :-1], labels=tokens[:, 1:], plan=plan)
         losses.mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -144,16 +169,18 @@ def training_step(name: str, args: argparse.Namespace, device: torch.device, pea
         torch.cuda.reset_peak_memory_stats(device)
     seconds = time_call(train_step, device, args.warmup, args.repeats)
     tflops = model_flops_per_token(config, args.train_seq) * args.train_seq / seconds / 1e12
-    return {"part": "training", "case": name, "seqlen": args.train_seq,
+    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+    return {"part": "training", "case": f"{name} {'compiled' if compiled else 'eager'}", "seqlen": args.train_seq,
             "parameters": sum(p.numel() for p in model.parameters()),
             "activation_checkpointing": config.activation_checkpointing, "ms": 1000 * seconds,
             "tokens_per_s": args.train_seq / seconds, "tflops": tflops, "mfu": tflops / peak if peak else math.nan,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan}
+            "peak_gib": peak_gib, "host_syncs": _sync_check(train_step, device)}
 
 
 def bench_training(args: argparse.Namespace, device: torch.device) -> list[dict]:
     peak = gpu_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    return [training_step(name, args, device, peak) for name in args.models]
+    return [training_step(name, args, device, peak, compiled) for name in args.models
+            for compiled in (False, True) if ("compiled" if compiled else "eager") in args.modes]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -166,6 +193,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--train-seq", type=int, default=8192)
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
+                        help="training steps eager and/or with train.compile")
     parser.add_argument("--no-checkpointing", action="store_true",
                         help="turn the configs' activation checkpointing off")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
@@ -189,7 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     emit(records, [("part", "part", text), ("case", "case", text), ("seqlen", "seqlen", text),
                    ("head_dim", "head_dim", text), ("ms", "ms", num(2)), ("tflops", "TFLOP/s", num(1)),
                    ("ratio", "vs sdpa_flash", num(3)), ("tokens_per_s", "tokens/s", num(0)),
-                   ("mfu", "MFU", num(3)), ("peak_gib", "peak GiB", num(1))])
+                   ("mfu", "MFU", num(3)), ("peak_gib", "peak GiB", num(1)),
+                   ("host_syncs", "host syncs", text)])
     return records
 
 

@@ -28,7 +28,9 @@ from cp_train.model.attention import attention_spec  # noqa: E402
 from cp_train.model.block import Block, BlockInputs  # noqa: E402
 from cp_train.model.config import ModelConfig  # noqa: E402
 from cp_train.model.rope import rope_tables  # noqa: E402
+from cp_train.parallel.cp.attention import build_cp_plan  # noqa: E402
 from cp_train.parallel.cp.layout import sequence_positions  # noqa: E402
+from cp_train.parallel.cp.op import plan_handle  # noqa: E402
 from cp_train.parallel.mesh.model_parallel import ModelParallel  # noqa: E402
 from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
 
@@ -44,7 +46,9 @@ def measure_block(config: ModelConfig, layout: str, seq: int, batch: int, repeat
     cos, sin = rope_tables(positions.expand(batch, local), config.head_dim, config.rope_theta)
     x = torch.randn(batch, local, config.hidden_size, requires_grad=True)
     dout = torch.randn(batch, local, config.hidden_size)
-    inputs = BlockInputs(cos, sin, attention_spec(config, parallel, x.device, x.dtype, batch, None), None)
+    plan = build_cp_plan(parallel.cp, parallel.attention_layout, True, local, algorithm=parallel.algorithm)
+    spec = attention_spec(config, parallel, x.device, x.dtype, batch, plan)
+    inputs = BlockInputs(cos, sin, plan_handle(parallel.cp, spec, plan))
     added, seconds = [], []
     for index in range(1 + repeats):
         dist.barrier()

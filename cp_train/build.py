@@ -175,8 +175,9 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
     for its local shards only, filled from the seeded initialisation or, with ``hf_dir``, from this rank's
     blocks of the Hugging Face weights there. Without FSDP the model is wrapped in DDP over DP x CP. Both
     SUM the gradients over DP x CP (``cp_train.parallel.dp.ddp``, ``model/parallelize.py``). ``param_dtype``
-    (bf16 runs): the dtype FSDP gathers the parameters in. Returns ``(model, module)``: ``module`` is the DDP
-    wrapper or the model."""
+    (bf16 runs): the dtype FSDP gathers the parameters in. ``train.compile``: each block and the head with its
+    loss are compiled (``GPTModel.compile_parts``) before FSDP wraps them. Returns ``(model, module)``:
+    ``module`` is the DDP wrapper or the model."""
     parallel = config.parallel
     model_parallel = state.model_parallel(parallel.cp_layout, parallel.cp_algorithm)
     on_meta = BUILD_ON_META or hf_dir is not None
@@ -187,6 +188,8 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
             model = GPTModel(config.model, model_parallel, device=device)
     except ImportError as error:  # an optional package the config asks for (model.norm apex) is missing
         raise ConfigError(str(error)) from None
+    if config.train.compile:
+        model.compile_parts()
     if parallel.fsdp:
         shard_with_fsdp(model, state.dp_cp_mesh, parallel.fsdp_reshard_after_forward, param_dtype)
     if on_meta:

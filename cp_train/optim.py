@@ -114,9 +114,19 @@ def global_grad_norm(parameters: list[nn.Parameter], tp_group: dist.ProcessGroup
 
 
 def clip_gradients(parameters: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (``max_norm`` 0: off)."""
+    """Scale every gradient by ``min(1, max_norm / (total_norm + 1e-6))`` (``max_norm`` 0: off).
+
+    The coefficient is computed on ``total_norm``'s device (fp64, then the gradients' dtype) and multiplied
+    in unconditionally, so nothing is read to the host; a factor of exactly 1 leaves a gradient bitwise
+    unchanged. A non-finite ``total_norm`` gives a NaN factor (the caller must stop the run)."""
     if max_norm <= 0:
         return
-    coefficient = max_norm / (float(total_norm) + 1e-6)
-    if coefficient < 1.0:
-        torch._foreach_mul_([local_tensor(p.grad) for p in parameters if p.grad is not None], coefficient)
+    norm = total_norm.detach().double()
+    coefficient = torch.clamp(torch.full_like(norm, max_norm) / (norm + 1e-6), max=1.0)  # as Python's division
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            grad = local_tensor(param.grad)
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coefficient.to(dtype))

@@ -12,18 +12,6 @@ class NonFiniteLossError(RunFailure, FloatingPointError):
     resume from."""
 
 
-@dataclass(frozen=True)
-class BatchLoss:
-    """What ``Trainer.forward_backward`` measured on one global batch (read by name, never unpacked)."""
-
-    loss: float  # global mean over the loss tokens of the global batch
-    tokens: float  # loss tokens of the global batch
-    local_tokens: float  # loss tokens of this rank's micro-batches
-    local_loss_sum: float  # this rank's summed token losses
-    imbalance: float  # attention work of the busiest CP rank over the mean (1.0: balanced)
-    attention_pairs: int = 0  # visible query-key pairs of this replica's micro-batches (per-document masks)
-
-
 @dataclass
 class StepResult:
     loss: float

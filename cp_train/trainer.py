@@ -6,6 +6,11 @@ evaluation, checkpoints and metrics.
 ``checkpoint.save``'s ``latest``); ``train()`` runs to ``train.steps``. Collectives use the groups of
 ``state``: the loss token count, the loss and the gradients are summed over DP x CP (by FSDP2 with
 ``parallel.fsdp``, else by DDP), the gradient norm over TP (and over DP x CP for FSDP's sharded gradients).
+
+No step reads the device (a read stalls the GPU's launch queue): the step scalars (``metrics.step_scalars``)
+are read in one go, before the update, at log (``logging.interval``), evaluation and checkpoint steps. A
+non-finite loss or gradient norm stops the run when read; a step that diverged in between is not skipped (that
+would take a read per step), but neither evaluated nor saved.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 from cp_train import run_parts
 from cp_train.checkpoint.dcp import save_checkpoint
 from cp_train.data.loader import CP_PLAN
-from cp_train.loss import global_loss_tokens, masked_loss_sum, reduce_loss, reduce_sums
+from cp_train.loss import device_sums, global_loss_tokens, host_sum, masked_loss_sum, reduce_loss, reduce_sums
+from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
 from cp_train.metrics.throughput import (
     IntervalMeter,
     peak_memory_gib,
@@ -32,7 +38,7 @@ from cp_train.metrics.throughput import (
 from cp_train.optim import clip_gradients, global_grad_norm
 from cp_train.parallel.dp.ddp import gradient_sync
 from cp_train.parallel.kernels.select import chosen_backends
-from cp_train.results import BatchLoss, NonFiniteLossError, StepResult, TrainResult
+from cp_train.results import NonFiniteLossError, StepResult, TrainResult
 
 if TYPE_CHECKING:
     from cp_train.config.schema import Config
@@ -74,6 +80,7 @@ class Trainer:
                 self._note(note)
         self.data = run_parts.build_run_data(self.env, self.model, consumed)  # datasets, planner, loader
         self.grad_callback: Callable[[int], None] | None = None  # called after the gradient sum (tests)
+        self._unread = UnreadSteps()  # steps whose scalars are still on the device
         self._last_saved = self.step if self.env.resumed_from is not None else -1
 
     # the parts' attributes under their own names
@@ -98,7 +105,7 @@ class Trainer:
             out = {**mb, **{k: mb[k].to(self.device, non_blocking=True) for k in movable}}
             mask = mb.get("loss_mask")
             if isinstance(mask, torch.Tensor) and mask.device.type == "cpu":
-                out[LOCAL_TOKENS] = float(mask.sum())
+                out[LOCAL_TOKENS] = host_sum(mask)
             moved.append(out)
         return moved
 
@@ -117,15 +124,16 @@ class Trainer:
         losses = self.module(mb["tokens"], mb["position_ids"], labels=mb["labels"], document_ids=documents, plan=plan)
         return losses, plan
 
-    def forward_backward(self, micro_batches: list[MicroBatch]) -> BatchLoss:
-        """Accumulate the gradients of one global batch (this rank's micro-batches).
+    def forward_backward(self, micro_batches: list[MicroBatch]) -> DeviceBatch:
+        """Accumulate the gradients of one global batch (this rank's micro-batches); reads nothing to the host.
 
         Each micro-batch backpropagates ``sum(masked token losses) / global loss tokens``; only the last
         backward reduces, so on return every gradient is summed over DP x CP (FSDP: this rank's shard of it)."""
         group = self.state.dp_cp.group
         self.optimizer.zero_grad(set_to_none=True)
         masks = [mb["loss_mask"] for mb in micro_batches]
-        tokens = global_loss_tokens(masks, group)
+        tokens = torch.as_tensor(global_loss_tokens(masks, group), dtype=torch.float64, device=self.device)
+        divisor = tokens.float()  # what dividing by the count as a Python number computed
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         areas, pairs = [0] * self.state.cp.size, 0  # attention work per CP rank, visible pairs in all
         for index, mb in enumerate(micro_batches):
@@ -134,38 +142,48 @@ class Trainer:
                 with self._autocast():
                     token_losses, plan = self._losses(mb)
                 loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])
-                (loss_sum / tokens).backward()
+                (loss_sum / divisor).backward()
             local_sum += loss_sum.detach().double()
             if plan is not None:
                 areas, pairs = [a + b for a, b in zip(areas, plan.areas, strict=True)], pairs + plan.pairs
         local_tokens = float(sum(_loss_tokens(mb) for mb in micro_batches))
         imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
-        return BatchLoss(loss=reduce_loss(local_sum, tokens, group), tokens=tokens, local_tokens=local_tokens,
-                         local_loss_sum=float(local_sum), imbalance=imbalance, attention_pairs=pairs)
+        return DeviceBatch(loss=reduce_loss(local_sum, tokens, group), tokens=tokens, local_tokens=local_tokens,
+                           local_loss_sum=local_sum, imbalance=imbalance, attention_pairs=pairs)
 
-    def _diverged(self, what: str, detail: str = "") -> NonFiniteLossError:
-        return NonFiniteLossError(f"{what} at step {self.step + 1}{detail}: stopping the run before the update; "
-                                  f"{self.env.where_to_resume()} (and a lower optimizer.lr), or check the data")
+    def read_steps(self) -> list[tuple[int, StepResult]]:
+        """The steps not read yet, read to the host (one read of the device; none if none) and returned in order;
+        each is recorded in ``result`` (losses, gradient norms), or stops the run if it diverged."""
+        read = self._unread.read()
+        for step, out in read:
+            found = divergence(step, out, self.step, self.config.logging.interval)
+            if found is not None:
+                raise NonFiniteLossError(f"{found}; {self.env.where_to_resume()} (and a lower optimizer.lr), or "
+                                         f"check the data")
+            self.result.losses[step], self.result.grad_norms[step] = out.loss, out.grad_norm
+        return read
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """One optimizer step on one global batch (this rank's micro-batches, already CP-sliced)."""
+    def _step(self, micro_batches: list[MicroBatch], read: bool) -> list[tuple[int, StepResult]]:
+        """One optimizer step; its scalars stay on the device unless ``read``: then every unread step is read
+        (``read_steps``, returned) before the update, which a diverged step never gets."""
         lr = self.schedule.apply(self.optimizer, self.step)
         batch = self.forward_backward(self._to_device(micro_batches))
-        if not math.isfinite(batch.loss):
-            raise self._diverged(f"loss is {batch.loss}")
         if self.grad_callback is not None:
             self.grad_callback(self.step + 1)
         norm = global_grad_norm(self.params, self.state.tp.group, self.state.dp_cp.group)
-        if not math.isfinite(float(norm)):
-            raise self._diverged(f"gradient norm is {float(norm)}", f" (loss {batch.loss:.4f})")
+        pairs = None  # every CP rank's plan counts its replica's pairs: the sum over DP
+        if self.planner is not None:
+            pairs = device_sums([batch.attention_pairs / self.state.cp.size], self.state.dp_cp.group, self.device)[0]
+        self._unread.add(DeviceStep.of(self.step + 1, lr, batch, norm, pairs))
+        steps = self.read_steps() if read else []
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
         self.optimizer.step()
         self.step += 1
-        pairs = None
-        if self.planner is not None:  # every CP rank's plan counts its replica's pairs: the sum over DP
-            pairs = reduce_sums([batch.attention_pairs / self.state.cp.size], self.state.dp_cp.group, self.device)[0]
-        return StepResult(loss=batch.loss, grad_norm=float(norm), lr=lr, loss_tokens=batch.tokens,
-                          local_loss_tokens=batch.local_tokens, imbalance=batch.imbalance, attention_pairs=pairs)
+        return steps
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """One optimizer step on one global batch (this rank's micro-batches, CP-sliced), read before its update."""
+        return self._step(micro_batches, read=True)[-1][1]
 
     # ------------------------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -173,14 +191,15 @@ class Trainer:
         """Mean loss over the validation batches (exact over DP x CP), or NaN without a validation split."""
         if self.valid_data is None:
             return float("nan")
+        self.read_steps()  # a diverged model is not evaluated
         loader = self.data.valid_loader(self.env)
         self.module.eval()
-        local_sum, local_tokens = 0.0, 0.0
+        local_sum, local_tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0.0
         for micro_batches in loader:
             for mb in self._to_device(micro_batches):
                 with self._autocast():
                     token_losses, _ = self._losses(mb)
-                local_sum += float(masked_loss_sum(token_losses, mb["loss_mask"]))
+                local_sum += masked_loss_sum(token_losses, mb["loss_mask"]).double()
                 local_tokens += _loss_tokens(mb)
         self.module.train()
         total, tokens = reduce_sums([local_sum, local_tokens], self.state.dp_cp.group, self.device)
@@ -191,6 +210,7 @@ class Trainer:
         ckpt = self.config.checkpoint
         if not ckpt.save or self._last_saved == self.step:
             return
+        self.read_steps()  # a diverged model is not saved
         meta = {"step": self.step, "consumed_samples": self.loader.consumed_samples,
                 "scheduler": {"step": self.step, **self.schedule.state_dict()},
                 "layout": {**self.state.dims, "world_size": self.state.world_size,
@@ -216,25 +236,27 @@ class Trainer:
         reset_peak_memory(self.device)
         batches = iter(self.loader)
         first = self.step
+        times: dict[int, tuple[float, float]] = {}  # step -> (step time, data time), until the meter has it
         try:
             while self.step < last:
                 started = time.perf_counter()
                 micro_batches = next(batches)
                 loaded = time.perf_counter()
-                out = self.train_step(micro_batches)
+                log, evaluate, save = self._due(self.step + 1, last)
+                read = self._step(micro_batches, read=log or evaluate or save)  # checked before the update
                 if self.step == first + 1:  # gradients and optimizer state exist now: measure them
                     sinks.log(self._setup_record(sizes, first))
-                meter.add(out.loss, time.perf_counter() - started, loaded - started, out.imbalance, out.attention_pairs)
-                self.result.losses[self.step] = out.loss
-                self.result.grad_norms[self.step] = out.grad_norm
-                if self.step % config.logging.interval == 0 or self.step == last:
+                times[self.step] = (time.perf_counter() - started, loaded - started)
+                meter.add_steps(read, times)
+                if log:
+                    out = read[-1][1]
                     sinks.log(meter.record(self.step, out.lr, out.grad_norm, self.loader.consumed_samples,
                                            config.data.seq_len, peak_memory_gib(self.device),
                                            peak_memory_reserved_gib(self.device)))
                 paused = time.perf_counter()
-                if config.train.eval_interval and (self.step % config.train.eval_interval == 0 or self.step == last):
+                if evaluate:
                     self._log_eval(sinks)
-                if config.checkpoint.interval and self.step % config.checkpoint.interval == 0:
+                if save:
                     self.save()
                     self._flush(sinks)
                 meter.exclude(time.perf_counter() - paused)
@@ -246,6 +268,12 @@ class Trainer:
             sinks.close()
         self.result.final_step = self.step
         return self.result
+
+    def _due(self, step: int, last: int) -> tuple[bool, bool, bool]:
+        """Whether step ``step`` (1-based) of a run ending at ``last`` logs, evaluates, saves a checkpoint."""
+        every = self.config.logging.interval, self.config.train.eval_interval, self.config.checkpoint.interval
+        return (step % every[0] == 0 or step == last, bool(every[1]) and (step % every[1] == 0 or step == last),
+                bool(every[2]) and step % every[2] == 0)
 
     def _start_line(self, sizes: dict[str, int], peak: float, peak_source: str) -> str:
         state, sharding = self.state, "FSDP over dp x cp" if self.config.parallel.fsdp else "DDP"
@@ -259,7 +287,8 @@ class Trainer:
         return self.training.setup_record(sizes, {
             "step": step, **self.state.dims, "world_size": self.state.world_size, "fsdp": parallel.fsdp,
             "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward,
-            "attention_kernels": ", ".join(chosen_backends())})
+            "attention_kernels": ", ".join(chosen_backends()),
+            "compiled": ", ".join(self.model.compiled_parts) or "nothing"})
 
     def _log_eval(self, sinks: MetricsSinks) -> None:
         loss = self.evaluate()

@@ -16,7 +16,7 @@ from torch import nn
 
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.model.rope import apply_rope
-from cp_train.parallel.cp.attention import attend
+from cp_train.parallel.cp.op import cp_attention
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.spec import AttentionSpec, build_spec
 from cp_train.parallel.mesh.model_parallel import ModelParallel
@@ -53,17 +53,16 @@ class Attention(nn.Module):
                                       init_std=config.init_std / math.sqrt(2 * config.num_layers),
                                       dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec,
-                plan: CPPlan | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, n, hidden]``; ``cos``/``sin`` from ``rope_tables`` of this rank's global positions;
-        ``spec`` and ``plan`` this forward's (``attention_spec``, ``GPTModel.build_cp_plan``), shared by
-        every layer and trusted: no checks here."""
+        ``handle`` names this forward's spec and plan (``cp_train.parallel.cp.op.plan_handle`` of
+        ``attention_spec`` and ``GPTModel.build_cp_plan``), shared by every layer and trusted: no checks here."""
         batch, n, _ = x.shape
         qkv = self.qkv(x).view(batch, n, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, : self.group_size].reshape(batch, n, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, self.group_size], qkv[:, :, :, self.group_size + 1].contiguous()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, _ = attend(q, k, v, self.cp_groups, spec, plan)
+        out = cp_attention(q, k, v, handle)
         return self.proj(out.reshape(batch, n, self.local_heads * self.head_dim))
 
 

@@ -11,8 +11,6 @@ from torch.utils.checkpoint import checkpoint
 from cp_train.model.attention import Attention
 from cp_train.model.config import NORMS, ModelConfig
 from cp_train.model.mlp import MLP
-from cp_train.parallel.cp.plan.batch_plan import CPPlan
-from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 
 
@@ -51,17 +49,18 @@ def rms_norm(hidden: int, eps: float, kind: str = "auto", dtype: torch.dtype | N
 
 class BlockInputs:
     """What every block of one forward shares, built once by ``GPTModel.forward``: the RoPE tables
-    ``cos``/``sin`` of this rank's global positions (``model.rope.rope_tables``), the attention ``spec``
-    (``attention.attention_spec``) and the batch's CP ``plan`` (None: the plain local kernel).
+    ``cos``/``sin`` of this rank's global positions (``model.rope.rope_tables``) and the attention ``handle``
+    (``cp_train.parallel.cp.op.plan_handle``: a CPU scalar naming the attention spec and the batch's CP plan).
+    Tensors only, so a compiled block sees a new plan as a new value, not a new graph.
 
     A plain class on purpose: FSDP2 searches each sharded module's arguments for tensors that need gradients,
     through dataclasses too, and searching the plan (index tensors, none needing gradients) took 150-450 us
     per block call at cp 2-8."""
 
-    __slots__ = ("cos", "sin", "spec", "plan")
+    __slots__ = ("cos", "sin", "handle")
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec, plan: CPPlan | None) -> None:
-        self.cos, self.sin, self.spec, self.plan = cos, sin, spec, plan
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, handle: torch.Tensor) -> None:
+        self.cos, self.sin, self.handle = cos, sin, handle
 
 
 class Block(nn.Module):
@@ -82,11 +81,19 @@ class Block(nn.Module):
         self.mlp = MLP(config, layer, parallel.tp_group if parallel else None, dtype=dtype, device=device)
 
     def _forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), inputs.cos, inputs.sin, inputs.spec, inputs.plan)
+        x = x + self.attention(self.attention_norm(x), inputs.cos, inputs.sin, inputs.handle)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        """``inputs``: the RoPE tables, the attention spec and the CP plan of this forward (``BlockInputs``)."""
+    def _checkpointed(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         if self.checkpointing and torch.is_grad_enabled():
             return checkpoint(self._forward, x, inputs, use_reentrant=False)
         return self._forward(x, inputs)
+
+    def compile_forward(self, fullgraph: bool = True) -> None:
+        """``torch.compile`` the block's computation with its activation checkpoint (traced: the compiler
+        recomputes the block in the backward); its hooks (FSDP2) stay outside."""
+        self._checkpointed = torch.compile(self._checkpointed, fullgraph=fullgraph)
+
+    def forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        """``inputs``: the RoPE tables and the attention handle of this forward (``BlockInputs``)."""
+        return self._checkpointed(x, inputs)

@@ -26,6 +26,7 @@ from cp_train.model.rope import rope_tables
 from cp_train.parallel.cp.algorithms import check_heads
 from cp_train.parallel.cp.attention import build_cp_plan
 from cp_train.parallel.cp.layout import sequence_positions
+from cp_train.parallel.cp.op import plan_handle
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, SamplePlanner
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 from cp_train.parallel.tp.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -71,6 +72,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, parallel, **factory) for i in range(config.num_layers))
         self.norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, **factory)
         self.lm_head = None if config.tie_embeddings else _lm_head(config, parallel.tp_group, **factory)
+        self.compiled_parts: list[str] = []  # what ``compile_parts`` compiled
 
     def reference_units(self) -> Iterator[tuple[str, nn.Module]]:
         """``(name, module)`` for each child (the embedding, every block, the norm, the head), built one at a
@@ -139,12 +141,29 @@ class GPTModel(nn.Module):
                                max_position_embeddings=config.max_position_embeddings)
         x = self.embedding(tokens)
         spec = attention_spec(config, self.parallel, x.device, _compute_dtype(x), batch, plan)
-        inputs = BlockInputs(cos, sin, spec, plan)
+        inputs = BlockInputs(cos, sin, plan_handle(self.parallel.cp, spec, plan))
         for layer in self.layers:
             x = layer(x, inputs)
-        x = copy_to_tensor_parallel_region(self.norm(x), self.parallel.tp_group)
-        weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, weight)
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.parallel.tp_group)
+            return self._logits(x)
+        return self._head_loss(x, labels)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel_region(self.norm(x), self.parallel.tp_group)
+        return F.linear(x, self.embedding.weight if self.lm_head is None else self.lm_head.weight)
+
+    def _head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(self._logits(x), labels, self.parallel.tp_group)
+
+    def compile_parts(self, fullgraph: bool = True) -> list[str]:
+        """``torch.compile`` each block's computation (inside its FSDP hooks and its activation checkpoint) and
+        the head with its loss, in place; the embedding, the RoPE tables and the CP plan stay eager. Returns
+        the names of what was compiled. A new CP plan is a new value of the attention handle (``BlockInputs``),
+        not a recompile."""
+        # each compiled part is smaller than a DDP bucket: Dynamo's DDP graph splitting would only add breaks
+        torch._dynamo.config.optimize_ddp = False
+        for layer in self.layers:
+            layer.compile_forward(fullgraph)
+        self._head_loss = torch.compile(self._head_loss, fullgraph=fullgraph)
+        self.compiled_parts = [f"blocks 0-{len(self.layers) - 1}", "head+loss"]
+        return self.compiled_parts

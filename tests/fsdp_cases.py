@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+from cp_train.parallel.cp.op import handle_contents
 from cp_train.parallel.dp import ddp as data_parallel
 from cp_train.parallel.mesh.state import ParallelState
 from cp_train.trainer import Trainer
@@ -82,7 +83,7 @@ def bf16_step(state: ParallelState, prefix: str, run_dir: str) -> dict[str, Any]
     given, plans = [], []  # the plan the model is given, and what each block receives (casting would copy it)
     handles += [trainer.model.register_forward_pre_hook(lambda module, args, kwargs: given.append(kwargs["plan"]),
                                                         with_kwargs=True)]
-    handles += [layer.register_forward_pre_hook(lambda module, args: plans.append(args[1].plan))
+    handles += [layer.register_forward_pre_hook(lambda module, args: plans.append(handle_contents(args[1].handle)[2]))
                 for layer in trainer.model.layers]
     result = trainer.train_step(next(iter(trainer.loader)))
     for handle in handles:

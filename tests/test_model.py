@@ -203,7 +203,7 @@ def test_fsdp_does_not_search_the_cp_plan(monkeypatch) -> None:
         return walk(output, out, _depth)
 
     monkeypatch.setattr(fsdp_utils, "_collect_grad_tensors", counted)
-    assert fsdp_utils.collect_grad_tensors(((x, BlockInputs(cos, sin, None, plan)), {})) == (x,)
+    assert fsdp_utils.collect_grad_tensors(((x, BlockInputs(cos, sin, torch.tensor(1))), {})) == (x,)
     searched = len(visited)
     visited.clear()
     fsdp_utils.collect_grad_tensors(((x, cos, sin, plan), {}))  # the plan as an argument of its own

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fsdp", dest="parallel.fsdp", action=argparse.BooleanOptionalAction, default=None,
                         help="shard parameters, gradients and optimizer state over DP x CP with FSDP2 "
                              "[parallel.fsdp]")
+    parser.add_argument("--compile", dest="train.compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile each block and the head with its loss [train.compile]")
     parser.add_argument("--dry-run", action="store_true",
                         help="build on the meta device and print each rank's parameter, gradient, optimizer and "
                              "activation memory; train nothing (no torchrun needed)")

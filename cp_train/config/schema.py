@@ -89,6 +89,7 @@ class TrainConfig:
     grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size (DDP, without parallel.fsdp)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (memory/cpu_memory.py)
+    compile: bool = False  # torch.compile each block and the head with its loss (fullgraph; GPT.compile_parts)
 
 
 @dataclass

@@ -28,6 +28,7 @@ import torch
 
 from cp_train.model.config import ModelConfig
 from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
+from cp_train.results import StepResult
 
 # Dense bf16 tensor-core peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
 PEAK_TFLOPS: dict[str, float] = {
@@ -136,6 +137,12 @@ class IntervalMeter:
         if attention_pairs is not None:
             self.flops_sum += self.dense_flops_per_token * self.tokens_per_step + self.flops_per_pair * attention_pairs
             self.flops_steps += 1
+
+    def add_steps(self, steps: list[tuple[int, StepResult]], times: dict[int, tuple[float, float]]) -> None:
+        """``add`` each of ``steps`` (``(step, scalars read to the host)``, in order) with its (step time, data
+        time) popped from ``times``."""
+        for step, out in steps:
+            self.add(out.loss, *times.pop(step), out.imbalance, out.attention_pairs)
 
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` (evaluation, checkpointing) out of the interval's wall time."""

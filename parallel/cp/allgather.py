@@ -192,8 +192,9 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq.view(q.shape).to(q.dtype), dk, dv, None, None, None
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                        spec: AttentionSpec, plan: CPPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, n, H, D] and lse [B, H, n] of this rank's queries against every rank's K/V. ``plan``'s index
-    tensors are read on q's device (moved ahead by ``CPPlan.to``; else moved once here)."""
-    return _AllGatherAttention.apply(q, k, v, group, spec, plan.on_device(q.device))
+def allgather_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                   spec: AttentionSpec, plan: CPPlan) -> tuple[type[torch.autograd.Function], tuple]:
+    """The autograd Function of the all-gather algorithm and its ``apply`` arguments. ``plan``'s index tensors
+    are read on q's device (moved ahead by ``CPPlan.to``; else moved once here)."""
+    return _AllGatherAttention, (q, k, v, group, spec, plan.on_device(q.device))
+

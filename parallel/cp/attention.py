@@ -5,8 +5,8 @@ this rank's slice of the sequence, ``[batch, local_seqlen, heads, head_dim]`` in
 (``layout.py``), checks it, builds the batch's ``CPPlan`` (``build_cp_plan``; or takes ``plan=``, built once
 for all layers) and the call's frozen ``AttentionSpec`` (``spec.build_spec``), and returns this rank's output
 slice. ``attend`` is the internal entry behind it, for callers that validated once and hold a spec and a plan
-already (the model's layers): no checks, a dispatch on ``spec.algorithm`` to ``ring_attention``,
-``allgather_attention`` or ``ulysses_attention`` (hybrid included). ``group`` is the CP process group, or
+already (the model's layers): no checks, a dispatch on ``spec.algorithm`` to ``ring_call``,
+``allgather_call`` or ``ulysses_call`` (hybrid included). ``group`` is the CP process group, or
 ``CPGroups`` with the Ulysses and ring subgroups for ``hybrid``.
 """
 
@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from cp_train.parallel.cp.algorithms import canonical_algorithm, check_heads
-from cp_train.parallel.cp.allgather import allgather_attention
+from cp_train.parallel.cp.allgather import allgather_call
 from cp_train.parallel.cp.layout import check_layout_name
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, plan_batch
-from cp_train.parallel.cp.ring.attention import ring_attention
+from cp_train.parallel.cp.ring.attention import ring_call
 from cp_train.parallel.cp.spec import AttentionSpec, build_spec
-from cp_train.parallel.cp.ulysses.attention import ulysses_attention
+from cp_train.parallel.cp.ulysses.attention import ulysses_call
 from cp_train.parallel.mesh.model_parallel import CPGroups
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -68,16 +68,23 @@ def build_cp_plan(group: dist.ProcessGroup | CPGroups | None, layout: str, causa
     return plan_batch(algorithm, groups, layout, causal, local_len, document_ids, position_ids)
 
 
+def attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
+                   plan: CPPlan | None) -> tuple[type[torch.autograd.Function], tuple]:
+    """The autograd Function that computes ``spec.algorithm``'s attention, and its ``apply`` arguments (the k and
+    v among them are repeated along heads where Ulysses needs it: ``ulysses_call``)."""
+    if spec.algorithm == "ring":
+        return ring_call(q, k, v, groups.cp if groups.size > 1 else None, spec, None if plan is None else plan.ring)
+    if spec.algorithm == "allgather":
+        return allgather_call(q, k, v, groups.cp, spec, plan)
+    return ulysses_call(q, k, v, groups, spec, plan)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
            plan: CPPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of inputs that were validated once, with the call's ``spec`` and the batch's ``plan``
     prebuilt (``spec.algorithm`` is "ring" at cp 1). No checks: the caller vouches for the shapes."""
-    if spec.algorithm == "ring":
-        return ring_attention(q, k, v, groups.cp if groups.size > 1 else None, spec,
-                              None if plan is None else plan.ring)
-    if spec.algorithm == "allgather":
-        return allgather_attention(q, k, v, groups.cp, spec, plan)
-    return ulysses_attention(q, k, v, groups, spec, plan)
+    function, args = attention_call(q, k, v, groups, spec, plan)
+    return function.apply(*args)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

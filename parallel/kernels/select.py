@@ -41,7 +41,7 @@ import torch
 from cp_train.parallel.kernels import cudnn
 from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
-from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv
+from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv, reduce_kv_grad
 from cp_train.parallel.kernels.trial import trial_call
 from cp_train.parallel.kernels.varlen import VarlenBySegments
 
@@ -67,11 +67,21 @@ class MathKernel(VarlenBySegments):
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> QKVGrads:
-        """Recomputes the forward under autograd: ``rows.out`` and ``rows.lse`` are not read."""
-        with torch.enable_grad():
-            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (rows.q, k, v))
-            out64, _ = self.forward(q64, k64, v64, causal, scale)
-            return torch.autograd.grad(out64, (q64, k64, v64), rows.dout.double())
+        """The contract's backward in float64: this block's share of the gradient of the softmax whose final
+        ``rows.out`` and ``rows.lse`` are given (they span every block of the rows' keys, as in a ring step);
+        None for both: this block holds all the keys (its own forward supplies them)."""
+        if rows.out is None or rows.lse is None:
+            rows = rows._replace(**dict(zip(("out", "lse"), self.forward(rows.q, k, v, causal, scale), strict=True)))
+        dout, q, out, lse = (t.double() for t in rows)
+        heads = q.shape[2]
+        k64, v64 = expand_kv(k, heads).double(), expand_kv(v, heads).double()
+        probs = torch.exp(_math_scores(q, k, causal, scale) - lse[..., None])  # [B, H, Sq, Sk]
+        delta = (dout * out).sum(-1).transpose(1, 2)  # [B, H, Sq]
+        dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout, v64) - delta[..., None])
+        dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k64) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q) * scale
+        dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout)
+        return dq, reduce_kv_grad(dk, k.shape[2]), reduce_kv_grad(dv, k.shape[2])
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -185,7 +195,7 @@ def _build_cudnn(device: torch.device, head_dim: int, deterministic: bool) -> At
     if deterministic:
         raise KernelUnavailable("backend 'cudnn' has no deterministic backward; use backend 'fa3', 'flash_attn' "
                                 "or 'torch', or turn deterministic off")
-    return cudnn.CudnnAttention()
+    return cudnn.CudnnAttention(varlen_kernel=TorchCudaFlash())  # one varlen call, not one per document
 
 
 def _cudnn_unavailable() -> str | None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cp_train.parallel.tp.mappings import (
+    all_reduce_,
     check_divisible,
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -164,7 +165,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         row_max = logits.detach().amax(dim=-1).to(compute_dtype)
         if size > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_(row_max, group, "max")
         shifted = logits.to(compute_dtype) - row_max.unsqueeze(-1)  # a new tensor: the input is untouched
         ignored = targets == ignore_index
         local_target = targets - rank * local_vocab
@@ -174,7 +175,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp_()
         sums = torch.stack([target_logit, exp.sum(dim=-1)])  # one all-reduce for both
         if size > 1:
-            dist.all_reduce(sums, group=group)
+            all_reduce_(sums, group)
         target_logit, sum_exp = sums.unbind(0)
         loss = torch.where(ignored, 0.0, torch.log(sum_exp) - target_logit)
         softmax = exp.div_(sum_exp.unsqueeze(-1))

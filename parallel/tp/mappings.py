@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -32,15 +33,24 @@ def _split_last_dim(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
 
 
 def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # the traceable form: one gather along dim 0, then the parts side by side
+        return torch.cat(funcol.all_gather_tensor(x.contiguous(), 0, group).chunk(size), dim=-1)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 
+def all_reduce_(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum") -> torch.Tensor:
+    """``x`` reduced over ``group`` in place (``op``: sum or max) and returned; under ``torch.compile`` through
+    the functional collectives, which the compiler traces (the in-place ``dist`` calls break the graph)."""
+    if torch.compiler.is_compiling():
+        return x.copy_(funcol.all_reduce(x, op, group))
+    dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return x
+
+
 def _all_reduced(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
+    return all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
 
 
 class _CopyToRegion(torch.autograd.Function):

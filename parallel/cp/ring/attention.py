@@ -1,8 +1,8 @@
 """Ring attention with autograd: this rank's queries against every K/V block of the ring.
 
-``ring_attention(q, k, v, group, spec, plan)`` runs ``forward.py``'s forward and ``backward.py``'s backward over
-``group`` with ``plan`` (a ``RankPlan``; None: no ring and one document, a single kernel call each
-way). The public entry point is ``cp_train.parallel.cp.attention.context_parallel_attention``.
+``ring_call(q, k, v, group, spec, plan)`` gives the Function that runs ``forward.py``'s forward and
+``backward.py``'s backward over ``group`` with ``plan`` (a ``RankPlan``; None: no ring and one document, a
+single kernel call each way). The public entry point is ``cp_train.parallel.cp.attention.context_parallel_attention``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                   spec: AttentionSpec, plan: RankPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, n, H, D] (q's dtype) and lse [B, H, n] (not differentiable) over the ring of ``group``."""
-    return _RingAttention.apply(q, k, v, group, spec, plan)
+def ring_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+              spec: AttentionSpec, plan: RankPlan | None) -> tuple[type[torch.autograd.Function], tuple]:
+    """The autograd Function of the ring and its ``apply`` arguments (``cp_train.parallel.cp.attention_call``)."""
+    return _RingAttention, (q, k, v, group, spec, plan)
+

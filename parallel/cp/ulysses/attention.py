@@ -151,10 +151,12 @@ class _UlyssesAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
-                      plan: CPPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, n, H, D] and lse [B, H, n] of this rank's tokens (the hybrid form when ``spec.algorithm`` is
-    hybrid). ``spec.head_chunks`` bounds the head chunks whose all-to-alls overlap the attention."""
+def ulysses_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
+                 plan: CPPlan) -> tuple[type[torch.autograd.Function], tuple]:
+    """The autograd Function of Ulysses (the hybrid form when ``spec.algorithm`` is hybrid) and its ``apply``
+    arguments. With fewer kv heads than the group's ranks, the k and v passed on are ``repeat_interleave``d
+    along dim 2 (differentiably here; a caller running the Function's backward itself sums their gradients
+    back). ``spec.head_chunks`` bounds the head chunks whose all-to-alls overlap the attention."""
     group = groups.ulysses if spec.algorithm == "hybrid" else groups.cp
     plan = plan.on_device(q.device)  # itself when moved ahead (``CPPlan.to``): no host copy in the call
     u = dist.get_world_size(group)
@@ -162,6 +164,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
         k, v = (x.repeat_interleave(u // k.shape[2], dim=2) for x in (k, v))
     chunks = chunk_count(q.shape[2], k.shape[2], u, max(1, spec.head_chunks))
     if plan.documents is not None:
-        return UlyssesDocumentsAttention.apply(q, k, v, group, spec, plan, chunks)
+        return UlyssesDocumentsAttention, (q, k, v, group, spec, plan, chunks)
     ring_group = groups.ring if spec.algorithm == "hybrid" else None
-    return _UlyssesAttention.apply(q, k, v, group, ring_group, spec, plan, chunks)
+    return _UlyssesAttention, (q, k, v, group, ring_group, spec, plan, chunks)
+
