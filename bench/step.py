@@ -3,7 +3,7 @@
     python -m bench.step [--hidden 512 --layers 6 --heads 8 --kv-heads 2 --vocab 32000 --seq 2048] [--rounds 5]
     python -m bench.step --tiny          # a small shape, for a smoke test
 
-Variants: this model eager and compiled (``torch.compile`` of the whole ``GPTModel``), and transformers'
+Variants: this model eager and compiled (``GPTModel.compile_parts``, as ``train.compile``), and transformers'
 ``LlamaForCausalLM`` (sdpa attention) eager and compiled, built from the same ``ModelConfig``
 (``cp_train.model.hf.config.hf_config``). The variants take turns step by step after ``--warmup`` steps each
 (compilation happens there), so drift on a shared machine hits them alike; a variant's time is the median
@@ -45,10 +45,11 @@ def _ffn(hidden: int) -> int:
 def ours(config: ModelConfig, tokens: torch.Tensor, labels: torch.Tensor, compiled: bool) -> Step:
     model = GPTModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    call = torch.compile(model) if compiled else model
+    if compiled:
+        model.compile_parts()  # what train.compile does: each block and the head with its loss
 
     def step() -> None:
-        loss = call(tokens, labels=labels).mean()
+        loss = model(tokens, labels=labels).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ def _fa3_plain_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_
                        scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
     assert all(x is None for x in (k_new, v_new, qv, out, page_table, q_descale))
     _check_window(window_size)
-    CALLS.append({"fn": "fwd"})
+    CALLS.append({"fn": "fwd", "sm_margin": sm_margin})
     if cu_seqlens_q is not None:
         out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
     else:
@@ -41,7 +41,8 @@ def _fa3_plain_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlen
                         max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
                         softcap=0.0, deterministic=False, sm_margin=0):
     _check_window(window_size)
-    CALLS.append({"fn": "bwd", "deterministic": deterministic, "lse_contiguous": softmax_lse.is_contiguous()})
+    CALLS.append({"fn": "bwd", "deterministic": deterministic, "lse_contiguous": softmax_lse.is_contiguous(),
+                  "sm_margin": sm_margin})
     if cu_seqlens_q is not None:
         _varlen_grads(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, dq, dk, dv)
     else:

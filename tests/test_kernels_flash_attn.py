@@ -18,7 +18,7 @@ import torch
 from cp_train.parallel.cp.plan.rank_plan import plan_for_layout
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.forward import ring_forward
-from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.cp.spec import RING_SM_MARGIN, AttentionSpec, transfer_kernel
 from cp_train.parallel.kernels import select as kernels
 from cp_train.parallel.kernels.contract import BackwardRows, VarlenSegments
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3, flash_attn_call_form, parameter_names
@@ -90,6 +90,20 @@ def test_fa3_flash_attn_interface_calls_bind_and_unpack(form: str) -> None:
     standins.CALLS.clear()
     _check_kernel(kernel)
     assert all(c["deterministic"] for c in standins.CALLS if c["fn"] == "bwd")
+
+
+def test_fa3_leaves_sms_to_cp_communication() -> None:
+    """With more than one CP rank computing, FA3 runs with ``sm_margin`` (both ways); alone, or another kernel,
+    unchanged."""
+    kernel = FlashAttn3.load(fa3_standins.fa3_interface("plain"))
+    one_rank, two_ranks = types.SimpleNamespace(areas=(10,)), types.SimpleNamespace(areas=(10, 10))
+    assert transfer_kernel(kernel, None) is kernel and transfer_kernel(kernel, one_rank) is kernel
+    cpu = kernels.select_kernel(torch.device("cpu"), torch.float32, 16)
+    assert transfer_kernel(cpu, two_ranks) is cpu
+    standins.CALLS.clear()
+    _check_kernel(transfer_kernel(kernel, two_ranks))
+    margins = [c["sm_margin"] for c in standins.CALLS]
+    assert {c["fn"] for c in standins.CALLS} == {"fwd", "bwd"} and set(margins) == {RING_SM_MARGIN}
 
 
 def test_fa3_flash_attn_interface_beta_is_refused() -> None:

@@ -77,6 +77,18 @@ def default_overlap(device: torch.device, plan: CPPlan | None = None) -> bool:
     return device.type != "cpu" or _many_small_calls(plan)
 
 
+RING_SM_MARGIN = 8  # SMs FA3 leaves to NCCL while CP traffic is in flight (TransformerEngine's CP does the same)
+
+
+def transfer_kernel(kernel: AttentionKernel, plan: CPPlan | None) -> AttentionKernel:
+    """``kernel`` as a call site whose kernel calls overlap CP communication runs it: FA3 with
+    ``RING_SM_MARGIN`` SMs left free when more than one rank computes (a ring step's transfer, the
+    all-gather's and Ulysses' collectives); any other kernel, or one rank, as it is."""
+    if plan is None or len(plan.areas) < 2 or not hasattr(kernel, "with_sm_margin"):
+        return kernel
+    return kernel.with_sm_margin(RING_SM_MARGIN)
+
+
 def build_spec(device: torch.device, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, head_dim: int, *,
                algorithm: str = "ring", layout: str = "zigzag", causal: bool = True,
                softmax_scale: float | None = None, backend: str | None = None, head_chunks: int | None = None,
@@ -96,7 +108,7 @@ def build_spec(device: torch.device, dtype: torch.dtype, batch: int, heads: int,
     return AttentionSpec(
         algorithm=canonical_algorithm(algorithm), layout=layout, causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim),
-        kernel=select_kernel(device, dtype, head_dim, backend, deterministic),
+        kernel=transfer_kernel(select_kernel(device, dtype, head_dim, backend, deterministic), plan),
         head_chunks=head_chunks,
         overlap=default_overlap(device, plan) if overlap is None else overlap, varlen=device.type == "cuda",
         forward_head_chunks=forward_head_chunks)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -192,6 +192,12 @@ class FlashAttn3:
                                                  **_window(bwd_names)})
         causal_name = "is_causal" if "is_causal" in bwd_names else "causal"
         return cls(fwd, bwd, fwd_fixed, bwd_fixed, causal_name)
+
+    def with_sm_margin(self, margin: int) -> FlashAttn3:
+        """This kernel leaving ``margin`` SMs to others (FA3's ``sm_margin``): its persistent kernels would
+        otherwise occupy every SM and starve the CP communication in flight during a ring step."""
+        return replace(self, fwd_fixed={**self.fwd_fixed, "sm_margin": margin},
+                       bwd_fixed={**self.bwd_fixed, "sm_margin": margin})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         check_square_causal(self.name, q, k, causal)
