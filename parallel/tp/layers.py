@@ -157,6 +157,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Eager, the forward saves the fp32 softmax and the backward turns it into the gradient in place (fewest
+    passes over the logits; one backward per forward). Compiled, it saves the logits as given (bf16 under
+    autocast) with the row max and the shifted row's log-sum-exp, and the backward recomputes the softmax:
+    the compiler fuses each direction into one pass, and the saved tensor is the logits, not a copy."""
+
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
                 ignore_index: int) -> torch.Tensor:
@@ -177,10 +182,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if size > 1:
             all_reduce_(sums, group)
         target_logit, sum_exp = sums.unbind(0)
-        loss = torch.where(ignored, 0.0, torch.log(sum_exp) - target_logit)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, index, in_shard, ignored)
-        ctx.logits_dtype, ctx.used = logits.dtype, False
+        log_sum_exp = torch.log(sum_exp)
+        loss = torch.where(ignored, 0.0, log_sum_exp - target_logit)
+        ctx.logits_dtype, ctx.used, ctx.recompute = logits.dtype, False, torch.compiler.is_compiling()
+        if ctx.recompute:
+            ctx.save_for_backward(logits.detach(), row_max, log_sum_exp, index, in_shard, ignored)
+        else:
+            ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), None, None, index, in_shard, ignored)
         return loss
 
     @staticmethod
@@ -188,8 +196,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.used:
             raise RuntimeError("vocab_parallel_cross_entropy supports one backward pass per forward "
                                "(the saved softmax becomes the gradient in place); run the forward again")
-        ctx.used = True
-        grad, index, in_shard, ignored = ctx.saved_tensors
+        saved, row_max, log_sum_exp, index, in_shard, ignored = ctx.saved_tensors
+        if not ctx.recompute:  # eager: the saved softmax becomes the gradient
+            ctx.used, grad = True, saved
+        else:  # the max first, as in the forward: exact for large logits, where their sum is not
+            grad = torch.exp(saved.to(row_max.dtype) - row_max.unsqueeze(-1) - log_sum_exp.unsqueeze(-1))
         grad.scatter_add_(-1, index, -in_shard.to(grad.dtype).unsqueeze(-1))
         grad.mul_(torch.where(ignored, 0.0, grad_loss.to(grad.dtype)).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None
@@ -204,7 +215,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     The full logits are never gathered: only the row max and two per-token sums are
     all-reduced over ``group``. Computed in fp32 (fp64 for fp64 logits); the loss has that
     dtype, the gradient the logits' dtype. Tokens whose target is ``ignore_index`` get loss 0
-    and no gradient. Targets must lie in ``[0, V)`` (not checked). One backward per forward.
+    and no gradient. Targets must lie in ``[0, V)`` (not checked). One backward per forward (eager).
     """
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         raise ValueError(f"targets must be an integer tensor of class ids, got {targets.dtype}")
