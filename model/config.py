@@ -18,7 +18,9 @@ class ModelConfig:
     """Shape and options of a Llama-style GPT decoder (RMSNorm, RoPE, GQA, SwiGLU, no biases).
 
     ``mlp_chunks``: the MLP runs over this many slices of the local sequence, each under
-    activation checkpointing (1: one plain pass). ``activation_checkpointing``: recompute
+    activation checkpointing (1: one plain pass). ``loss_chunk_tokens``: the LM head and its cross entropy
+    run fused this many tokens at a time, never holding the ``[tokens, vocab]`` logits
+    (``cp_train.parallel.tp.fused_loss``); 0: the full logits. ``activation_checkpointing``: recompute
     each block in the backward (the CP layout and algorithm are parallelism settings: ``ModelParallel``).
     ``attention_backend``: kernel for the attention (None: the best available, see
     ``cp_train.parallel.kernels.select``; also used without a CP group).
@@ -42,6 +44,7 @@ class ModelConfig:
     norm: str = "auto"
     tie_embeddings: bool = False
     mlp_chunks: int = 1
+    loss_chunk_tokens: int = 1024  # the head and its loss this many tokens at a time (0: full logits)
     activation_checkpointing: bool = False
     attention_backend: str | None = None
     init_std: float = 0.02
@@ -75,6 +78,10 @@ class ModelConfig:
         for name, size in (("tp", tp), ("cp", cp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+        if isinstance(self.loss_chunk_tokens, bool) or not isinstance(self.loss_chunk_tokens, int) \
+                or self.loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens must be an integer >= 0 (0: full logits), got "
+                             f"{self.loss_chunk_tokens!r}")
         if not self.rope_theta > 1:
             raise ValueError(f"rope_theta must be > 1, got {self.rope_theta}")
         resolve_rope_scaling(self.rope_scaling, self.max_position_embeddings)

@@ -29,6 +29,7 @@ from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.op import plan_handle
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, SamplePlanner
 from cp_train.parallel.mesh.model_parallel import ModelParallel
+from cp_train.parallel.tp.fused_loss import linear_cross_entropy
 from cp_train.parallel.tp.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region
 
@@ -153,7 +154,13 @@ class GPTModel(nn.Module):
         return F.linear(x, self.embedding.weight if self.lm_head is None else self.lm_head.weight)
 
     def _head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(self._logits(x), labels, self.parallel.tp_group)
+        chunk = self.config.loss_chunk_tokens
+        if not chunk:
+            return vocab_parallel_cross_entropy(self._logits(x), labels, self.parallel.tp_group)
+        x = copy_to_tensor_parallel_region(self.norm(x), self.parallel.tp_group)
+        weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), self.parallel.tp_group, chunk)
+        return losses.view(labels.shape)
 
     def compile_parts(self, fullgraph: bool = True) -> list[str]:
         """``torch.compile`` each block's computation (inside its FSDP hooks and its activation checkpoint) and

@@ -11,6 +11,7 @@ from torch import nn
 from cp_train.parallel.mesh import state as ps
 from cp_train.parallel.tp import layers as tpl
 from cp_train.parallel.tp import mappings as tpm
+from cp_train.parallel.tp.fused_loss import linear_cross_entropy
 from tests.numerics import rel_err
 
 TOL = 1e-6  # relative error of fp32 TP layers against float64 references
@@ -177,6 +178,30 @@ def check_cross_entropy(group: dist.ProcessGroup | None, tp: int, rank: int, err
     assert not logits.grad[1, 2].any(), "an ignored target must get no gradient"
 
 
+def check_fused_loss(group: dist.ProcessGroup | None, tp: int, rank: int, errors: dict[str, float]) -> None:
+    """``linear_cross_entropy`` (the head and the loss fused, by chunks of 1, 7 and all 18 tokens) against the
+    full float64 logits and cross entropy: the loss, dx and this rank's rows of dweight."""
+    vocab, hidden = 12 * tp, 16
+    rows = slice(rank * 12, (rank + 1) * 12)
+    x_ref = randn(18, hidden, seed=9).double().requires_grad_()
+    w_ref = (randn(vocab, hidden, seed=10) * 0.5).double().requires_grad_()
+    targets = torch.randint(0, vocab, (18,), generator=torch.Generator().manual_seed(11))
+    targets[:3] = torch.tensor([0, vocab - 1, -100])
+    weights = randn(18, seed=12)
+    loss_ref = F.cross_entropy(x_ref @ w_ref.t(), targets, reduction="none")
+    (loss_ref * weights).sum().backward()
+    for chunk in (1, 7, 18):
+        x = x_ref.detach().float().requires_grad_()
+        w = w_ref.detach()[rows].float().requires_grad_()
+        loss = linear_cross_entropy(x, w, targets, group, chunk)
+        check_close(errors, f"fused loss (chunk {chunk}) loss", loss, loss_ref)
+        (loss * weights).sum().backward()
+        dx = tpm.reduce_from_tensor_parallel_region(x.grad, group) if tp > 1 else x.grad
+        check_close(errors, f"fused loss (chunk {chunk}) dx", dx, x_ref.grad)
+        check_close(errors, f"fused loss (chunk {chunk}) dweight", w.grad, w_ref.grad[rows])
+        assert loss[2].item() == 0.0, "an ignored target must give loss 0"
+
+
 def check_bad_input(group: dist.ProcessGroup, tp: int) -> None:
     with pytest.raises(ValueError, match=f"out_features = 7 is not divisible by the tensor-parallel size {tp}"):
         tpl.ColumnParallelLinear(8, 7, group=group)
@@ -206,6 +231,7 @@ def check_tp_on_rank(tp: int, cp: int) -> dict[str, float]:
         check_embedding(group, tp, rank, errors)
         check_cross_entropy(group, tp, rank, errors)
         check_cross_entropy(group, tp, rank, errors, scale=40.0, offset=1e4, tag=" (large logits)")
+        check_fused_loss(group, tp, rank, errors)
         check_bad_input(group, tp)
     return errors
 
@@ -248,6 +274,7 @@ def test_cross_entropy_without_group_matches_torch() -> None:
     errors: dict[str, float] = {}
     check_cross_entropy(None, 1, 0, errors)
     check_cross_entropy(None, 1, 0, errors, scale=40.0, offset=-1e4, tag=" (large logits)")
+    check_fused_loss(None, 1, 0, errors)
     logits = (randn(3, 20, seed=1) * 4).to(torch.bfloat16).requires_grad_()
     targets = torch.tensor([1, 19, 7])
     loss = tpl.vocab_parallel_cross_entropy(logits, targets)

@@ -9,9 +9,10 @@ inputs (compute; under autocast each linear casts its own copy), the fused QKV o
 views of it), roped q and k, v, the attention output and its fp32 log-sum-exp, and the SwiGLU's gate,
 up, silu and product ``[n, ffn/tp]`` (unless ``mlp_chunks`` > 1, which keeps only the MLP's input and
 recomputes one slice at a time). With activation checkpointing a block keeps its input only and one
-block is recomputed during the backward. The head keeps the final norm's input, its matmul input and
-the fp32 softmax ``[n, vocab/tp]`` of the cross entropy; its peak (the logits in the compute dtype
-plus the fp32 softmax) and the backward's working buffers (one block's, or the head's) come on top.
+block is recomputed during the backward. The head keeps the final norm's input, its matmul input and,
+with full logits (``model.loss_chunk_tokens`` 0), the fp32 softmax ``[n, vocab/tp]`` of the cross entropy
+(fused by chunks: two fp32 numbers per token); its peak (the logits, or one chunk of them) and the
+backward's working buffers (one block's, or the head's) come on top.
 
 The peak is ``blocks + max(head peak, recomputed block + its backward buffers)``: an estimate, good to
 the tens of percent (``bench/activations.py`` compares it with the measured peak of one block).
@@ -78,15 +79,21 @@ def block_backward_buffers(s: Shapes, chunks: int) -> int:
     return max(mlp, attention)
 
 
-def head_saved(s: Shapes) -> int:
-    """Bytes the final norm, the head's matmul and the cross entropy keep (the fp32 softmax)."""
-    return s.n * s.hidden * s.residual + s.n * s.hidden * s.compute + s.n * s.vocab * 4
+def head_saved(s: Shapes, chunk: int = 0) -> int:
+    """Bytes the final norm, the head's matmul and the cross entropy keep: with the full logits (``chunk``
+    0) the fp32 softmax ``[n, vocab/tp]``; fused by chunks, the row max and log-sum-exp, fp32 ``[n]`` each."""
+    inputs = s.n * s.hidden * s.residual + s.n * s.hidden * s.compute
+    return inputs + (2 * s.n * 4 if chunk else s.n * s.vocab * 4)
 
 
-def head_peak(s: Shapes) -> int:
-    """The head's transient on top of what it keeps: the logits in the compute dtype (forward), or the
-    gradient's copy in that dtype (backward)."""
-    return s.n * s.vocab * s.compute
+def head_peak(s: Shapes, chunk: int = 0) -> int:
+    """The head's transient on top of what it keeps. Full logits: the logits in the compute dtype (forward),
+    or the gradient's copy in that dtype (backward). Fused by chunks (``fused_loss.py``): one chunk's logits
+    in fp32 and the compute dtype, plus the backward's fp32 ``dx`` ``[n, hidden]`` and ``dweight``
+    ``[vocab/tp, hidden]``."""
+    if not chunk:
+        return s.n * s.vocab * s.compute
+    return min(chunk, s.n) * s.vocab * (4 + s.compute) + 4 * s.hidden * (s.n + s.vocab)
 
 
 def block_peak(s: Shapes, chunks: int) -> int:
@@ -104,7 +111,8 @@ def activation_estimate(model: ModelConfig, tokens: int, tp: int, cp: int, compu
     block = attention_saved(s) + mlp_saved(s, model.mlp_chunks)
     kept = s.n * s.hidden * s.residual if model.activation_checkpointing else block
     recompute = block if model.activation_checkpointing else 0
-    backward = max(head_peak(s), recompute + block_backward_buffers(s, model.mlp_chunks))
-    out = {"blocks": model.num_layers * kept, "head": head_saved(s), "backward": backward, "block": block}
+    chunk = model.loss_chunk_tokens
+    backward = max(head_peak(s, chunk), recompute + block_backward_buffers(s, model.mlp_chunks))
+    out = {"blocks": model.num_layers * kept, "head": head_saved(s, chunk), "backward": backward, "block": block}
     out["peak"] = out["blocks"] + out["head"] + out["backward"]
     return out
