@@ -4,7 +4,8 @@ With ``mlp_chunks = c > 1`` the local sequence is cut into c slices and each sli
 whole MLP under activation checkpointing, so its ``[tokens, ffn/tp]`` intermediates exist for
 one slice at a time, in the forward and in the backward. The TP communication (identity /
 all-reduce) happens once, outside the slices, so the recomputation never communicates.
-Every token's result is computed by the same operations either way: chunked equals unchunked.
+Every token's result is computed by the same operations either way: chunked equals unchunked. Inside a
+block under activation checkpointing the slices run plainly (the block's recompute is the only one).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class MLP(nn.Module):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.tp_group, self.chunks = tp_group, config.mlp_chunks
+        # inside a checkpointed block the block's recompute already bounds what the slices keep: checkpointing
+        # them again would only run each slice's forward a third time
+        self.checkpoint_chunks = not config.activation_checkpointing
         hidden, ffn, name = config.hidden_size, config.ffn_hidden_size, f"layers.{layer}.mlp"
         common = {"bias": False, "group": tp_group, "dtype": dtype, "device": device}
         self.gate = ColumnParallelLinear(hidden, ffn, seed=param_seed(config.seed, f"{name}.gate"),
@@ -54,7 +58,7 @@ class MLP(nn.Module):
         chunks = min(self.chunks, x.shape[1])
         if chunks <= 1:
             partial = self.local_mlp(x)
-        elif not torch.is_grad_enabled():
+        elif not (torch.is_grad_enabled() and self.checkpoint_chunks):
             partial = torch.cat([self.local_mlp(piece) for piece in x.tensor_split(chunks, dim=1)], dim=1)
         else:
             partial = torch.cat([checkpoint(self.local_mlp, piece, use_reentrant=False)

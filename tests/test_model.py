@@ -117,6 +117,19 @@ def test_chunking_and_checkpointing_change_nothing(overrides) -> None:
     assert max(errors.values()) < 1e-6, errors
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_mlp_slices_run_twice_per_step(monkeypatch, checkpointing: bool) -> None:
+    """mlp_chunks 4, one forward and backward of a 1-layer model: 8 slice forwards, the slices' own recompute
+    or, inside a checkpointed block, the block's (nested checkpoints ran 11)."""
+    calls = []
+    original = MLP.local_mlp
+    monkeypatch.setattr(MLP, "local_mlp", lambda self, x: calls.append(1) or original(self, x))
+    model = GPTModel(tiny_config(num_layers=1, mlp_chunks=4, activation_checkpointing=checkpointing))
+    data = global_batch(model.config)
+    model(data["tokens"], labels=data["labels"]).sum().backward()
+    assert len(calls) == 8, len(calls)
+
+
 def test_chunked_mlp_keeps_only_its_input_for_backward() -> None:
     """Unchunked, the MLP saves its [tokens, ffn] intermediates; chunked, only the input slices."""
     config = tiny_config(ffn_hidden_size=256)

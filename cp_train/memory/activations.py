@@ -1,21 +1,21 @@
 """An estimate of the activation memory of one training micro-batch per rank (``train.py --dry-run``).
 
-The estimate counts the tensors autograd keeps for the backward, term by term, for the model's shapes
-on one rank: ``n = micro_batch * seq_len / cp`` tokens, ``heads / tp`` query and ``kv_heads / tp`` kv
-heads, ``ffn / tp`` and ``vocab / tp`` columns. ``compute`` is the matmul input dtype's size (2 in
-bf16), ``residual`` the residual stream's (4 under autocast with fp32 weights, 2 with FSDP's bf16
-weights). Per block without activation checkpointing: the two RMSNorm inputs (residual), the matmul
-inputs (compute; under autocast each linear casts its own copy), the fused QKV output (RoPE keeps
-views of it), roped q and k, v, the attention output and its fp32 log-sum-exp, and the SwiGLU's gate,
-up, silu and product ``[n, ffn/tp]`` (unless ``mlp_chunks`` > 1, which keeps only the MLP's input and
-recomputes one slice at a time). With activation checkpointing a block keeps its input only and one
-block is recomputed during the backward. The head keeps the final norm's input, its matmul input and,
-with full logits (``model.loss_chunk_tokens`` 0), the fp32 softmax ``[n, vocab/tp]`` of the cross entropy
-(fused by chunks: two fp32 numbers per token); its peak (the logits, or one chunk of them) and the
+The estimate counts the tensors autograd keeps for the backward, term by term, for the model's shapes on one
+rank: ``n = micro_batch * seq_len / cp`` tokens, ``heads / tp`` query and ``kv_heads / tp`` kv heads, ``ffn /
+tp`` and ``vocab / tp`` columns. ``compute`` is the matmul input dtype's size (2 in bf16), ``residual`` the
+residual stream's (4 under autocast with fp32 weights, 2 with FSDP's bf16 weights). Per block without
+activation checkpointing: the two RMSNorm inputs (residual), the matmul inputs (compute; under autocast each
+linear casts its own copy), the fused QKV output (RoPE keeps views of it), roped q and k, v, the attention
+output and its fp32 log-sum-exp, and the SwiGLU's gate, up, silu and product ``[n, ffn/tp]`` (unless
+``mlp_chunks`` > 1, which keeps only the MLP's input and recomputes one slice at a time; not inside a
+checkpointed block, whose recompute keeps every slice's). With activation checkpointing a block keeps its
+input only and one block is recomputed during the backward. The head keeps the final norm's input, its matmul
+input and, with full logits (``model.loss_chunk_tokens`` 0), the fp32 softmax ``[n, vocab/tp]`` of the cross
+entropy (fused by chunks: two fp32 numbers per token); its peak (the logits, or one chunk of them) and the
 backward's working buffers (one block's, or the head's) come on top.
 
-The peak is ``blocks + max(head peak, recomputed block + its backward buffers)``: an estimate, good to
-the tens of percent (``bench/activations.py`` compares it with the measured peak of one block).
+The peak is ``blocks + max(head peak, recomputed block + its backward buffers)``: an estimate, good to the
+tens of percent (``bench/activations.py`` compares it with the measured peak of one block).
 """
 
 from __future__ import annotations
@@ -108,7 +108,9 @@ def activation_estimate(model: ModelConfig, tokens: int, tp: int, cp: int, compu
     activation checkpointing plus a block's backward buffers, or the head's peak) and their sum ``peak``;
     ``tokens`` is this rank's (micro batch x seq_len / cp)."""
     s = shapes_of(model, tokens, tp, cp, compute, residual, autocast)
-    block = attention_saved(s) + mlp_saved(s, model.mlp_chunks)
+    # inside a checkpointed block the MLP slices are not checkpointed again (``model/mlp.py``): the recompute
+    # keeps every slice's intermediates
+    block = attention_saved(s) + mlp_saved(s, 1 if model.activation_checkpointing else model.mlp_chunks)
     kept = s.n * s.hidden * s.residual if model.activation_checkpointing else block
     recompute = block if model.activation_checkpointing else 0
     chunk = model.loss_chunk_tokens
