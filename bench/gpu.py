@@ -145,7 +145,7 @@ def training_step(name: str, args: argparse.Namespace, device: torch.device, pea
     if args.tiny:
         config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads = 2, 64, 4, 2
         config.ffn_hidden_size, config.vocab_size = 128, 512
-    config.activation_checkpointing = config.activation_checkpointing and not args.no_checkpointing
+    config.activation_checkpointing = "none" if args.no_checkpointing else config.activation_checkpointing
     config.max_position_embeddings = max(config.max_position_embeddings, args.train_seq)
     model = GPTModel(config, device=device)
     if compiled:

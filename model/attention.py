@@ -53,17 +53,24 @@ class Attention(nn.Module):
                                       init_std=config.init_std / math.sqrt(2 * config.num_layers),
                                       dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, n, hidden]``; ``cos``/``sin`` from ``rope_tables`` of this rank's global positions;
-        ``handle`` names this forward's spec and plan (``cp_train.parallel.cp.op.plan_handle`` of
-        ``attention_spec`` and ``GPTModel.build_cp_plan``), shared by every layer and trusted: no checks here."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The roped q ``[B, n, heads/tp, D]`` and k, v ``[B, n, kv_heads/tp, D]`` of ``x`` ``[B, n, hidden]``."""
         batch, n, _ = x.shape
         qkv = self.qkv(x).view(batch, n, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, : self.group_size].reshape(batch, n, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, self.group_size], qkv[:, :, :, self.group_size + 1].contiguous()
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = cp_attention(q, k, v, handle)
-        return self.proj(out.reshape(batch, n, self.local_heads * self.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The row-parallel output projection of the attention output ``[B, n, heads/tp, D]``."""
+        return self.proj(out.flatten(2))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, n, hidden]``; ``cos``/``sin`` from ``rope_tables`` of this rank's global positions;
+        ``handle`` names this forward's spec and plan (``cp_train.parallel.cp.op.plan_handle`` of
+        ``attention_spec`` and ``GPTModel.build_cp_plan``), shared by every layer and trusted: no checks here."""
+        return self.output(cp_attention(*self.project(x, cos, sin), handle))
 
 
 def attention_spec(config: ModelConfig, parallel: ModelParallel, device: torch.device, dtype: torch.dtype,

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from cp_train.model.attention import Attention
 from cp_train.model.config import NORMS, ModelConfig
 from cp_train.model.mlp import MLP
+from cp_train.parallel.cp.op import cp_attention
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 
 
@@ -66,9 +67,10 @@ class BlockInputs:
 class Block(nn.Module):
     """Input and output ``[B, n, hidden]`` (this rank's tokens, replicated over the TP group of ``parallel``).
 
-    The RMSNorm weights are replicated over TP (and CP); with ``config.activation_checkpointing``
-    only the block's input is kept for the backward and the block is recomputed there (the
-    ring attention's communication included).
+    The RMSNorm weights are replicated over TP (and CP). ``config.activation_checkpointing``: ``full`` keeps
+    only the block's input for the backward and recomputes the block there (the CP attention's communication
+    included); ``selective`` recomputes all but the CP attention, which keeps its inputs and outputs;
+    ``none`` keeps everything.
     """
 
     def __init__(self, config: ModelConfig, layer: int, parallel: ModelParallel | None = None,
@@ -84,10 +86,27 @@ class Block(nn.Module):
         x = x + self.attention(self.attention_norm(x), inputs.cos, inputs.sin, inputs.handle)
         return x + self.mlp(self.mlp_norm(x))
 
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.attention.project(self.attention_norm(x), cos, sin)
+
+    def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention.output(out)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def _selective(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        """Checkpoints around the attention: the norms, projections, RoPE and MLP are recomputed in the
+        backward, the CP attention (and its communication) is not: it keeps q, k, v, its output and lse."""
+        q, k, v = checkpoint(self._project, x, inputs.cos, inputs.sin, use_reentrant=False)
+        out = cp_attention(q, k, v, inputs.handle)
+        return checkpoint(self._after_attention, x, out, use_reentrant=False)
+
     def _checkpointed(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, inputs, use_reentrant=False)
-        return self._forward(x, inputs)
+        if self.checkpointing == "none" or not torch.is_grad_enabled():
+            return self._forward(x, inputs)
+        if self.checkpointing == "selective":
+            return self._selective(x, inputs)
+        return checkpoint(self._forward, x, inputs, use_reentrant=False)
 
     def compile_forward(self, fullgraph: bool = True) -> None:
         """``torch.compile`` the block's computation with its activation checkpoint (traced: the compiler

@@ -10,6 +10,7 @@ from cp_train.model.rope import resolve_rope_scaling
 from cp_train.parallel.cp.layout import check_layout, check_layout_name
 from cp_train.parallel.kernels.select import BACKENDS
 
+CHECKPOINTING = ("none", "selective", "full")  # model.activation_checkpointing: what a block recomputes
 NORMS = ("auto", "torch", "apex")  # model.norm: which RMSNorm module the blocks and the final norm use
 
 
@@ -20,8 +21,9 @@ class ModelConfig:
     ``mlp_chunks``: the MLP runs over this many slices of the local sequence, each under
     activation checkpointing (1: one plain pass). ``loss_chunk_tokens``: the LM head and its cross entropy
     run fused this many tokens at a time, never holding the ``[tokens, vocab]`` logits
-    (``cp_train.parallel.tp.fused_loss``); 0: the full logits. ``activation_checkpointing``: recompute
-    each block in the backward (the CP layout and algorithm are parallelism settings: ``ModelParallel``).
+    (``cp_train.parallel.tp.fused_loss``); 0: the full logits. ``activation_checkpointing``: ``full``
+    recomputes each block in the backward, ``selective`` all of it but the CP attention, ``none`` nothing
+    (the CP layout and algorithm are parallelism settings: ``ModelParallel``).
     ``attention_backend``: kernel for the attention (None: the best available, see
     ``cp_train.parallel.kernels.select``; also used without a CP group).
     ``seed`` alone fixes the initial weights, whatever the layout. ``rope_scaling``: RoPE scaling
@@ -45,7 +47,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     mlp_chunks: int = 1
     loss_chunk_tokens: int = 1024  # the head and its loss this many tokens at a time (0: full logits)
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | selective | full (true: full, false: none)
     attention_backend: str | None = None
     init_std: float = 0.02
     seed: int = 1234
@@ -54,7 +56,11 @@ class ModelConfig:
         self.resolve()
 
     def resolve(self) -> None:
-        """Fill the derived defaults left as None (``num_kv_heads``, ``ffn_hidden_size``); idempotent."""
+        """Fill the derived defaults left as None (``num_kv_heads``, ``ffn_hidden_size``) and spell
+        ``activation_checkpointing`` as a mode (true: full, false: none); idempotent."""
+        mode = str(self.activation_checkpointing).lower()
+        if mode in ("true", "false"):
+            self.activation_checkpointing = "full" if mode == "true" else "none"
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
@@ -78,6 +84,9 @@ class ModelConfig:
         for name, size in (("tp", tp), ("cp", cp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTING)} (or true/false), "
+                             f"got {self.activation_checkpointing!r}")
         if isinstance(self.loss_chunk_tokens, bool) or not isinstance(self.loss_chunk_tokens, int) \
                 or self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens must be an integer >= 0 (0: full logits), got "

@@ -37,7 +37,7 @@ class MLP(nn.Module):
         self.tp_group, self.chunks = tp_group, config.mlp_chunks
         # inside a checkpointed block the block's recompute already bounds what the slices keep: checkpointing
         # them again would only run each slice's forward a third time
-        self.checkpoint_chunks = not config.activation_checkpointing
+        self.checkpoint_chunks = config.activation_checkpointing == "none"
         hidden, ffn, name = config.hidden_size, config.ffn_hidden_size, f"layers.{layer}.mlp"
         common = {"bias": False, "group": tp_group, "dtype": dtype, "device": device}
         self.gate = ColumnParallelLinear(hidden, ffn, seed=param_seed(config.seed, f"{name}.gate"),

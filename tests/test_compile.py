@@ -1,5 +1,6 @@
 """``train.compile``: each block and the head with its loss compiled with ``fullgraph=True`` (the CP attention
-is one operator, ``cp_train.parallel.cp.op``) train like eager, in six layouts.
+is one operator, ``cp_train.parallel.cp.op``) train like eager, in six layouts and under selective
+checkpointing.
 
 20 steps of the tiny fp32 run with packed documents (``tests/trainer_cases.py``), eager then compiled on the
 same ranks: every step's loss within 1e-5 relative of eager's; no graph break (``fullgraph`` would raise,
@@ -23,6 +24,7 @@ LAYOUTS = {  # name -> ((tp, cp, dp), overrides)
     "tp1-cp2-allgather": ((1, 2, 1), {"parallel.cp_algorithm": "allgather"}),
     "tp2-cp2": ((2, 2, 1), {}),
     "tp1-cp2-dp2-fsdp-checkpointing": ((1, 2, 2), {**FSDP, "model.activation_checkpointing": True}),
+    "tp1-cp2-selective-checkpointing": ((1, 2, 1), {"model.activation_checkpointing": "selective"}),
 }
 TOL = 1e-5
 

@@ -199,6 +199,8 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         if is_null:
             return None
         kind = next(a for a in args if a is not type(None))
+    if kind is str and isinstance(value, str) and value.strip():
+        return value.strip()  # a required string is itself, "none" included (a mode's name)
     if is_null:
         raise ConfigError(f"{key} must not be null (expects {kind.__name__})")
     if typing.get_origin(kind) is dict:

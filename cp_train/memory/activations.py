@@ -108,11 +108,19 @@ def activation_estimate(model: ModelConfig, tokens: int, tp: int, cp: int, compu
     activation checkpointing plus a block's backward buffers, or the head's peak) and their sum ``peak``;
     ``tokens`` is this rank's (micro batch x seq_len / cp)."""
     s = shapes_of(model, tokens, tp, cp, compute, residual, autocast)
+    mode = model.activation_checkpointing
     # inside a checkpointed block the MLP slices are not checkpointed again (``model/mlp.py``): the recompute
     # keeps every slice's intermediates
-    block = attention_saved(s) + mlp_saved(s, 1 if model.activation_checkpointing else model.mlp_chunks)
-    kept = s.n * s.hidden * s.residual if model.activation_checkpointing else block
-    recompute = block if model.activation_checkpointing else 0
+    block = attention_saved(s) + mlp_saved(s, model.mlp_chunks if mode == "none" else 1)
+    block_input = s.n * s.hidden * s.residual
+    if mode == "none":
+        kept, recompute = block, 0
+    elif mode == "full":
+        kept, recompute = block_input, block
+    else:  # selective: the CP attention keeps q, k, v, its output and lse; either side of it is recomputed
+        attention_kept = s.n * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.compute + s.n * s.heads * 4
+        kept = block_input + attention_kept
+        recompute = max(attention_saved(s) - attention_kept, mlp_saved(s, 1) + block_input)
     chunk = model.loss_chunk_tokens
     backward = max(head_peak(s, chunk), recompute + block_backward_buffers(s, model.mlp_chunks))
     out = {"blocks": model.num_layers * kept, "head": head_saved(s, chunk), "backward": backward, "block": block}

@@ -170,7 +170,7 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
              f"{assumed['tokens_per_rank']:,} tokens per rank per micro-batch, "
              f"{assumed['accumulation']} micro-batch(es) per step",
              f"activations per rank (estimate): blocks {activations['blocks'] / GIB:.2f} GiB ({model.num_layers} "
-             f"blocks, activation checkpointing {'on' if model.activation_checkpointing else 'off'}, mlp_chunks "
+             f"blocks, activation checkpointing {model.activation_checkpointing}, mlp_chunks "
              f"{model.mlp_chunks}), head and loss {activations['head'] / GIB:.2f} GiB, backward working set "
              f"{activations['backward'] / GIB:.2f} GiB: peak {activations['peak'] / GIB:.2f} GiB"]
     header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
@@ -200,9 +200,12 @@ def shrink_hint(config: Config, worst: RankMemory) -> str:
         state = ([] if parallel.fsdp_reshard_after_forward else
                  ["parallel.fsdp_reshard_after_forward=true (gathers one block at a time)"])
         state += ["a larger parallel.tp (splits the weights)", "more ranks in dp (FSDP shards over dp x cp)"]
-    acts = [] if model.activation_checkpointing else ["model.activation_checkpointing=true"]
-    acts += [f"model.mlp_chunks={2 * model.mlp_chunks}", "a larger parallel.cp (fewer tokens per rank)",
-             "a smaller train.micro_batch_size or data.seq_len"]
+    acts = {"none": ["model.activation_checkpointing=selective (or full)"],
+            "selective": ["model.activation_checkpointing=full"], "full": []}[model.activation_checkpointing]
+    acts += [] if model.loss_chunk_tokens else ["model.loss_chunk_tokens=1024 (no [tokens, vocab] logits)"]
+    if model.activation_checkpointing == "none":  # checkpointed slices: only outside a checkpointed block
+        acts.append(f"model.mlp_chunks={2 * model.mlp_chunks}")
+    acts += ["a larger parallel.cp (fewer tokens per rank)", "a smaller train.micro_batch_size or data.seq_len"]
     parts = [state, acts] if worst.state_bytes + worst.gathered_bytes >= worst.activation_bytes else [acts, state]
     return "; ".join(parts[0] + parts[1][:2])
 

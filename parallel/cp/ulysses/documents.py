@@ -88,6 +88,18 @@ def _land(back: list[tuple[tuple[slice, ...], list[Pending]]], targets: tuple[to
             _put(target[:, :, heads_of], rows, result())
 
 
+def _unflatten(flat: list[torch.Tensor], layout: list[list[int]]) -> list[list[list[torch.Tensor]]]:
+    """Per chunk, its (q, k, v, out, lse) block lists, cut from ``flat`` by ``layout``'s list lengths."""
+    out, at = [], 0
+    for chunk in layout:
+        parts = []
+        for length in chunk:
+            parts.append(flat[at:at + length])
+            at += length
+        out.append(parts)
+    return out
+
+
 class UlyssesDocumentsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: CPPlan, chunks: int):
@@ -132,8 +144,9 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
                          [_post_home(out_flat, shapes, rank, group),
                           _post_home(lse_flat, [s[:3] for s in shapes], rank, group)]))
         _land(back, (out, lse), cross)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.received = saved
+        # the received blocks go through save_for_backward too, so that checkpointing frees them with the rest
+        ctx.layout = [[len(part) for part in chunk] for chunk in saved]
+        ctx.save_for_backward(q, k, v, out, lse, *(x for chunk in saved for part in chunk for x in part))
         ctx.group, ctx.spec, ctx.plan, ctx.chunks, ctx.shapes = group, spec, plan, chunks, (shape, kv_shape)
         lse = lse.view(*shape[:3]).transpose(1, 2)
         ctx.mark_non_differentiable(lse)
@@ -144,7 +157,8 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
         group, spec, plan, chunks = ctx.group, ctx.spec, ctx.plan, ctx.chunks
         docs: UlyssesDocuments = plan.documents
         u, rank = len(docs.counts), dist.get_rank(group)
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *flat = ctx.saved_tensors
+        received = _unflatten(flat, ctx.layout)
         q_shape, kv_shape = ctx.shapes
         dout = plan_rows(dout, plan)
         batch, rows, heads, dim = q.shape
@@ -169,7 +183,7 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
             pending[0].wait()
             dout_b = pending[1]
             pending = post(c + 1) if c + 1 < chunks else None
-            q_b, k_b, v_b, out_b, lse_b = ctx.received[c]
+            q_b, k_b, v_b, out_b, lse_b = received[c]
             dq_flat, dq_b = _flat_blocks(docs.counts, batch, (q_step // u, dim), acc, dout.device)
             dk_flat, dk_b = _flat_blocks(docs.counts, batch, (kv_step // u, dim), acc, dout.device, zero=True)
             dv_flat, dv_b = _flat_blocks(docs.counts, batch, (kv_step // u, dim), acc, dout.device, zero=True)
@@ -189,5 +203,4 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
                           _post_home(dk_flat.to(dout.dtype), kv_shapes, rank, group),
                           _post_home(dv_flat.to(dout.dtype), kv_shapes, rank, group)]))
         _land(back, (dq, dk, dv), cross)
-        ctx.received = None
         return dq.view(q_shape), dk.view(kv_shape), dv.view(kv_shape), None, None, None, None
