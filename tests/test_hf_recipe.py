@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -59,3 +60,24 @@ def test_readme_cpu_recipe(tmp_path) -> None:
         expected = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(tokens).logits
         got = load_llama(out)(tokens)
     assert rel_err(got, expected) < 1e-5
+
+
+def test_the_gpu_recipe_fits_8_x_80_gb_with_llama_2_7b(tmp_path, monkeypatch, capsys) -> None:
+    """docs/huggingface.md's recipe command, dry-run on a Llama-2-7B config.json (8 ranks, cp 4): it fits inside
+    the reserve with its --fsdp, and without it does not."""
+    from cp_train.cli.train import main as train_main
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False}))
+    recipe = (ROOT / "docs" / "huggingface.md").read_text()
+    command = recipe[recipe.index("torchrun --nproc-per-node 8 train.py"):]
+    command = command[:command.index("\ncp-train-export-hf")].replace("\\\n", " ")
+    assert " --fsdp " in command
+    args = shlex.split(command.split("train.py", 1)[1].replace("DIR", str(tmp_path)))
+    at = args.index("--tokenizer-model")  # no tokenizer files here: the vocabulary is config.json's, EOD given
+    argv = [*args[:at], *args[at + 2:], "--set", "data.eod_id=2"]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert train_main([*argv, "--dry-run", "--device-memory-gib", "80"]) == 0, capsys.readouterr().out
+    assert train_main([a for a in argv if a != "--fsdp"] + ["--dry-run", "--device-memory-gib", "80"]) == 1

@@ -38,7 +38,8 @@ def dry_run(config: Config, args: Namespace) -> int:
     device_gib = args.device_memory_gib
     if device_gib is None:
         device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    planned = report(config, dry_run_world(config), device_gib, args.config or "the command line")
+    reserve_gib = args.reserve_gib + args.reserve_fraction * device_gib
+    planned = report(config, dry_run_world(config), device_gib, args.config or "the command line", reserve_gib)
     if this_rank() == 0:
         print(planned.text)
     return 0 if planned.fits else 1

@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "activation memory; train nothing (no torchrun needed)")
     parser.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
                         help="--dry-run: memory per device (default: this GPU's, else 80)")
+    parser.add_argument("--reserve-gib", type=float, default=3.0, metavar="GIB",
+                        help="--dry-run: memory per device kept for the CUDA context, NCCL and fragmentation, "
+                             "plus --reserve-fraction of the device (default 3)")
+    parser.add_argument("--reserve-fraction", type=float, default=0.05, metavar="F",
+                        help="--dry-run: the share of the device kept on top of --reserve-gib (default 0.05)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="any config key, e.g. --set model.hidden_size=512 (repeatable; wins over flags)")
     parser.add_argument(DEBUG_FLAG, action="store_true",
@@ -79,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-NOT_CONFIG = ("config", "overrides", "debug", "dry_run", "device_memory_gib")  # options of the command itself
+# options of the command itself
+NOT_CONFIG = ("config", "overrides", "debug", "dry_run", "device_memory_gib", "reserve_gib", "reserve_fraction")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:

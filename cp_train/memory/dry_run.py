@@ -157,9 +157,18 @@ class DryRunReport(NamedTuple):
     fits: bool  # the largest rank's total within the device memory
 
 
-def report(config: Config, world: int, device_gib: float, source: str = "the config") -> DryRunReport:
-    """The dry run's text (the layout and assumptions, the activation terms, one line per rank, the verdict and,
-    when the largest rank does not fit, what to change) and whether it fits."""
+def sig3(value: float) -> str:
+    """``value`` with three significant figures (``0.00123``, ``0.250``, ``4.00``, ``30.5``, ``123``)."""
+    if value == 0:
+        return "0"
+    return f"{value:.{max(0, 2 - math.floor(math.log10(abs(value))))}f}"
+
+
+def report(config: Config, world: int, device_gib: float, source: str = "the config",
+           reserve_gib: float = 0.0) -> DryRunReport:
+    """The dry run's text (the layout and assumptions, the activation terms, one line per rank, the reserve, the
+    verdict and, when the largest rank does not fit, what to change) and whether it fits: the largest rank
+    within ``device_gib`` less ``reserve_gib`` (the CUDA context, NCCL's buffers, allocator fragmentation)."""
     dims, ranks, activations, assumed = plan(config, world)
     parallel, model = config.parallel, config.model
     mode = (f"FSDP over dp x cp ({'ZeRO-3' if parallel.fsdp_reshard_after_forward else 'ZeRO-2'})"
@@ -169,22 +178,25 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
              f"{' (--set parallel.backend=gloo: CPU)' if assumed['device'] == 'cuda' else ''}, "
              f"{assumed['tokens_per_rank']:,} tokens per rank per micro-batch, "
              f"{assumed['accumulation']} micro-batch(es) per step",
-             f"activations per rank (estimate): blocks {activations['blocks'] / GIB:.2f} GiB ({model.num_layers} "
+             f"activations per rank (estimate): blocks {sig3(activations['blocks'] / GIB)} GiB ({model.num_layers} "
              f"blocks, activation checkpointing {model.activation_checkpointing}, mlp_chunks "
-             f"{model.mlp_chunks}), head and loss {activations['head'] / GIB:.2f} GiB, backward working set "
-             f"{activations['backward'] / GIB:.2f} GiB: peak {activations['peak'] / GIB:.2f} GiB"]
+             f"{model.mlp_chunks}), head and loss {sig3(activations['head'] / GIB)} GiB, backward working set "
+             f"{sig3(activations['backward'] / GIB)} GiB: peak {sig3(activations['peak'] / GIB)} GiB"]
     header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
-    rows = [header] + [(str(r.rank), *(f"{b / GIB:.2f}" for b in (
+    rows = [header] + [(str(r.rank), *(sig3(b / GIB) for b in (
         r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes, r.state_bytes, r.gathered_bytes,
         r.activation_bytes, r.total_bytes))) for r in ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines.append("GiB per rank:")
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     worst = max(ranks, key=lambda r: r.total_bytes)
-    fits = worst.total_bytes <= device_gib * GIB
+    usable = device_gib - reserve_gib
+    fits = worst.total_bytes <= usable * GIB
+    lines.append(f"reserve: {sig3(reserve_gib)} GiB per device for the runtime (CUDA context, NCCL) and fragmentation "
+                 f"(--reserve-gib, --reserve-fraction): {sig3(usable)} of {device_gib:g} GiB usable")
     lines.append(f"{'fits' if fits else 'does NOT fit'}: the largest rank ({worst.rank}) needs "
-                 f"{worst.total_bytes / GIB:.1f} GiB of {device_gib:g} GiB per device "
-                 f"({100 * worst.total_bytes / (device_gib * GIB):.0f}%)")
+                 f"{sig3(worst.total_bytes / GIB)} GiB of {sig3(usable)} GiB usable per device "
+                 f"({100 * worst.total_bytes / (usable * GIB):.0f}%)")
     if not fits:
         lines.append(f"to fit: {shrink_hint(config, worst)}")
     return DryRunReport("\n".join(lines), fits)
