@@ -128,7 +128,8 @@ class Trainer:
         """Accumulate the gradients of one global batch (this rank's micro-batches); reads nothing to the host.
 
         Each micro-batch backpropagates ``sum(masked token losses) / global loss tokens``; only the last
-        backward reduces, so on return every gradient is summed over DP x CP (FSDP: this rank's shard of it)."""
+        backward reduces (FSDP with ``parallel.fsdp_reduce: per_microbatch``: every one), so on return every
+        gradient is summed over DP x CP (FSDP: this rank's shard of it)."""
         group = self.state.dp_cp.group
         self.optimizer.zero_grad(set_to_none=True)
         masks = [mb["loss_mask"] for mb in micro_batches]
@@ -137,8 +138,9 @@ class Trainer:
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         areas, pairs = [0] * self.state.cp.size, 0  # attention work per CP rank, visible pairs in all
         for index, mb in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            with gradient_sync(self.module, last, keep_gathered=not self.config.parallel.fsdp_reshard_after_forward):
+            parallel = self.config.parallel
+            reduce = index == len(micro_batches) - 1 or (parallel.fsdp and parallel.fsdp_reduce == "per_microbatch")
+            with gradient_sync(self.module, reduce, keep_gathered=not parallel.fsdp_reshard_after_forward):
                 with self._autocast():
                     token_losses, plan = self._losses(mb)
                 loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])

@@ -3,7 +3,8 @@
 20 steps on the same global batches of EOD-masked data (CP ranks hold unequal numbers of loss
 tokens), with document masks: the step-1 loss and gradients must match the unsharded (1, 1, 1) run
 within 1e-6 relative and the loss curve within 1e-5, with DDP and with FSDP (there with one sample
-per micro-batch, so every rank accumulates gradients over 2-4 micro-batches; also ZeRO-2, and with
+per micro-batch, so every rank accumulates gradients over 2-4 micro-batches; also ZeRO-2, reducing after
+every micro-batch (``parallel.fsdp_reduce: per_microbatch``), and with
 activation checkpointing and a chunked MLP). A run with the
 per-rank-mean loss reduction (the usual bug), and FSDP left to average its gradients, must fail the
 same comparison. The FSDP runs' state bytes per rank fall as 1 / (dp x cp) and by tp, and a run built
@@ -27,14 +28,17 @@ VARIANTS = {"balanced": {"parallel.cp_layout": "balanced"}, "allgather": {"paral
             "hybrid": {"parallel.cp_algorithm": "hybrid", "parallel.ulysses_size": 2},
             "fsdp": (FSDP_ON := {"parallel.fsdp": True, "train.micro_batch_size": 1}),
             "fsdp-zero2": {**FSDP_ON, "parallel.fsdp_reshard_after_forward": False},
+            "fsdp-per-microbatch": {**FSDP_ON, "parallel.fsdp_reduce": "per_microbatch"},
             "fsdp-ac": {**FSDP_ON, "model.activation_checkpointing": True, "model.mlp_chunks": 2},
             "fsdp-full-build": FSDP_ON}  # built in full, then sharded
-FSDP = ("fsdp", "fsdp-zero2", "fsdp-ac")  # the variants that shard with FSDP (and are built on the meta device)
+# the variants that shard with FSDP (and are built on the meta device)
+FSDP = ("fsdp", "fsdp-zero2", "fsdp-ac", "fsdp-per-microbatch")
 LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1), (1, 2, 1, "balanced"), (1, 2, 1, "allgather"), (1, 2, 1, "ulysses"),
                         (1, 2, 1, "fsdp-zero2")],
                     4: [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 2, 1, "allgather"), (1, 2, 2, "allgather"),
                         (2, 2, 1, "ulysses"), (1, 2, 2, "ulysses"), (1, 4, 1, "hybrid"), (1, 2, 2, "fsdp"),
-                        (2, 2, 1, "fsdp"), (1, 4, 1, "fsdp-ac"), (2, 2, 1, "fsdp-full-build")],
+                        (1, 2, 2, "fsdp-per-microbatch"), (2, 2, 1, "fsdp"), (1, 4, 1, "fsdp-ac"),
+                        (2, 2, 1, "fsdp-full-build")],
                     8: [(2, 2, 2), (2, 4, 1, "hybrid"), (1, 4, 2, "hybrid"), (2, 2, 2, "fsdp")]}
 LAYOUTS = [layout for layouts in LAYOUTS_BY_WORLD.values() for layout in layouts if layout != REFERENCE]
 STEP1_TOL, CURVE_TOL = 1e-6, 1e-5

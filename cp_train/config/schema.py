@@ -40,6 +40,9 @@ class ParallelConfig:
     ulysses_size: int = 1  # hybrid: adjacent CP ranks per Ulysses group (cp = ulysses_size x ring size)
     fsdp: bool = False  # shard parameters, gradients and optimizer state over DP x CP (FSDP2); false: DDP
     fsdp_reshard_after_forward: bool = True  # free the gathered parameters after forward (ZeRO-3); false: ZeRO-2
+    # FSDP under gradient accumulation: reduce-scatter once per step (unsharded fp32 gradients of every parameter
+    # kept between micro-batches) or after every micro-batch (sharded gradients only, more communication)
+    fsdp_reduce: str = "per_step"  # per_step | per_microbatch
 
 
 @dataclass

@@ -16,6 +16,7 @@ from cp_train.parallel.mesh.rank_groups import resolve_dp as resolve_layout_dp
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 
 DTYPES = ("auto", "bf16", "fp32")
+FSDP_REDUCE = ("per_step", "per_microbatch")
 DECAYS = ("cosine", "linear", "constant")
 OPTIMIZERS = ("auto", "fused", "foreach")  # optimizer.implementation: torch's AdamW kernels
 OPTIMIZER_IMPLS = ("auto", "torch", "apex")  # optimizer.impl
@@ -145,6 +146,7 @@ def validate(config: Config, world_size: int) -> int:
                           f"model.hidden_size {model.hidden_size}, which must be divisible by dp*cp = {dp}*{cp} = "
                           f"{dp * cp}; change the layout or set parallel.fsdp=false")
     _choice("parallel.cp_layout", config.parallel.cp_layout, LAYOUTS)
+    _choice("parallel.fsdp_reduce", config.parallel.fsdp_reduce, FSDP_REDUCE)
     _check_cp_algorithm(config)
     if cp > 1:
         try:

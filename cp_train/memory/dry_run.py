@@ -8,7 +8,8 @@ transient copies: the parameters FSDP gathers in the compute dtype (the root's a
 current block and the prefetched one; every block without resharding after forward) or the bf16 weights
 autocast caches without FSDP; the unsharded fp32 gradients (the root's until the end of the backward and
 one block's; every parameter's while gradients accumulate over micro-batches, as nothing is reduced
-before the last); and the activation estimate of ``activations.py``.
+before the last, unless ``parallel.fsdp_reduce`` is per_microbatch); and the activation estimate of
+``activations.py``.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def transient_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: P
     if not config.parallel.fsdp:
         return compute * sum(tp_local.values()) if compute == 2 else 0  # autocast's cache of bf16 weights
     gathered = root + (sum(blocks) if not config.parallel.fsdp_reshard_after_forward else 3 * max(blocks))
-    unsharded_grads = sum(tp_local.values()) if accumulation > 1 else root + max(blocks)
+    every_parameter = accumulation > 1 and config.parallel.fsdp_reduce == "per_step"
+    unsharded_grads = sum(tp_local.values()) if every_parameter else root + max(blocks)
     return compute * gathered + 4 * unsharded_grads
 
 
@@ -212,6 +214,9 @@ def shrink_hint(config: Config, worst: RankMemory) -> str:
         state = ([] if parallel.fsdp_reshard_after_forward else
                  ["parallel.fsdp_reshard_after_forward=true (gathers one block at a time)"])
         state += ["a larger parallel.tp (splits the weights)", "more ranks in dp (FSDP shards over dp x cp)"]
+        accumulating = config.train.global_batch_size > config.train.micro_batch_size * (parallel.dp or 1)
+        if accumulating and parallel.fsdp_reduce == "per_step":  # the unsharded gradients of every parameter
+            state.insert(0, "parallel.fsdp_reduce=per_microbatch (no unsharded gradients between micro-batches)")
     acts = {"none": ["model.activation_checkpointing=selective (or full)"],
             "selective": ["model.activation_checkpointing=full"], "full": []}[model.activation_checkpointing]
     acts += [] if model.loss_chunk_tokens else ["model.loss_chunk_tokens=1024 (no [tokens, vocab] logits)"]
