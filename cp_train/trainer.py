@@ -137,9 +137,10 @@ class Trainer:
         divisor = tokens.float()  # what dividing by the count as a Python number computed
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         areas, pairs = [0] * self.state.cp.size, 0  # attention work per CP rank, visible pairs in all
+        parallel = self.config.parallel
+        every = parallel.fsdp and parallel.fsdp_reduce == "per_microbatch"  # else only the last backward reduces
         for index, mb in enumerate(micro_batches):
-            parallel = self.config.parallel
-            reduce = index == len(micro_batches) - 1 or (parallel.fsdp and parallel.fsdp_reduce == "per_microbatch")
+            reduce = every or index == len(micro_batches) - 1
             with gradient_sync(self.module, reduce, keep_gathered=not parallel.fsdp_reshard_after_forward):
                 with self._autocast():
                     token_losses, plan = self._losses(mb)

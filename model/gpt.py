@@ -149,16 +149,19 @@ class GPTModel(nn.Module):
             return self._logits(x)
         return self._head_loss(x, labels)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _head_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final norm's output (in the TP region) and the head's weight (the embedding's when tied)."""
         x = copy_to_tensor_parallel_region(self.norm(x), self.parallel.tp_group)
-        return F.linear(x, self.embedding.weight if self.lm_head is None else self.lm_head.weight)
+        return x, self.embedding.weight if self.lm_head is None else self.lm_head.weight
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(*self._head_input(x))
 
     def _head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         chunk = self.config.loss_chunk_tokens
         if not chunk:
             return vocab_parallel_cross_entropy(self._logits(x), labels, self.parallel.tp_group)
-        x = copy_to_tensor_parallel_region(self.norm(x), self.parallel.tp_group)
-        weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        x, weight = self._head_input(x)
         losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), self.parallel.tp_group, chunk)
         return losses.view(labels.shape)
 

@@ -32,6 +32,7 @@ import torch
 
 from cp_train.parallel.cp.attention import attention_call
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.cp.ring.forward import accumulator_dtype
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.mesh.model_parallel import CPGroups
 
@@ -75,10 +76,6 @@ def handle_contents(handle: torch.Tensor) -> tuple[CPGroups, AttentionSpec, CPPl
     return _lookup(_PLANS, handle)
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -117,7 +114,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     function, args = attention_call(q, k, v, groups, spec, plan)
     call = _SavedCall()
     out, lse = function.forward(call, *args)
-    out, lse = out.contiguous(), lse.to(_accumulator(q.dtype)).contiguous()
+    out, lse = out.contiguous(), lse.to(accumulator_dtype(q.dtype)).contiguous()
     _refer_to_visible(call, (q, k, v, out, lse))
     call.function = function
     return out, lse, _register(_SAVED, call)
@@ -127,7 +124,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, n, heads, _ = q.shape
-    return (q.new_empty(q.shape), q.new_empty(batch, heads, n, dtype=_accumulator(q.dtype)),
+    return (q.new_empty(q.shape), q.new_empty(batch, heads, n, dtype=accumulator_dtype(q.dtype)),
             torch.empty((), dtype=torch.int64, device="cpu"))
 
 
