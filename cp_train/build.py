@@ -179,7 +179,7 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
     loss are compiled (``GPTModel.compile_parts``) before FSDP wraps them. Returns ``(model, module)``:
     ``module`` is the DDP wrapper or the model."""
     parallel = config.parallel
-    model_parallel = state.model_parallel(parallel.cp_layout, parallel.cp_algorithm)
+    model_parallel = state.model_parallel(parallel.cp_layout, parallel.cp_algorithm, parallel.sequence_parallel_on)
     on_meta = BUILD_ON_META or hf_dir is not None
     try:
         if on_meta:

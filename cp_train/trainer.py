@@ -290,6 +290,7 @@ class Trainer:
         return self.training.setup_record(sizes, {
             "step": step, **self.state.dims, "world_size": self.state.world_size, "fsdp": parallel.fsdp,
             "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward,
+            "sequence_parallel": self.model.parallel.sequence_parallel,
             "attention_kernels": ", ".join(chosen_backends()),
             "compiled": ", ".join(self.model.compiled_parts) or "nothing"})
 

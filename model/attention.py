@@ -25,7 +25,9 @@ from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 class Attention(nn.Module):
     """Self-attention of one block. Input and output ``[B, n, hidden]``: this rank's ``n`` tokens
-    of the sequence in ``parallel.layout``, replicated over the TP group.
+    of the sequence in ``parallel.layout``, replicated over the TP group; with ``parallel.sequence_parallel``
+    ``[B, n/tp, hidden]``, this TP rank's shard of them (gathered before the QKV projection, reduce-scattered
+    after the output projection).
 
     Local heads: ``num_heads / tp`` query heads and ``num_kv_heads / tp`` kv heads. ``parallel`` (validated
     once, ``ModelParallel.build``; None: no TP or CP) holds the groups, the layout and the CP algorithm.
@@ -43,21 +45,23 @@ class Attention(nn.Module):
         self.local_heads = self.local_kv_heads * self.group_size
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * self.head_dim
         name = f"layers.{layer}.attention"
-        tp_group = parallel.tp_group
+        tp_group, sp = parallel.tp_group, parallel.sequence_parallel
         self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, bias=False, group=tp_group,
                                         seed=param_seed(config.seed, f"{name}.qkv"), init_std=config.init_std,
-                                        dtype=dtype, device=device)
+                                        dtype=dtype, device=device, sequence_parallel=sp)
         self.proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, bias=False,
                                       input_is_parallel=True, group=tp_group,
                                       seed=param_seed(config.seed, f"{name}.proj"),
                                       init_std=config.init_std / math.sqrt(2 * config.num_layers),
-                                      dtype=dtype, device=device)
+                                      dtype=dtype, device=device, sequence_parallel=sp)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The roped q ``[B, n, heads/tp, D]`` and k, v ``[B, n, kv_heads/tp, D]`` of ``x`` ``[B, n, hidden]``."""
-        batch, n, _ = x.shape
-        qkv = self.qkv(x).view(batch, n, self.local_kv_heads, self.group_size + 2, self.head_dim)
+        """The roped q ``[B, n, heads/tp, D]`` and k, v ``[B, n, kv_heads/tp, D]`` of ``x`` ``[B, n, hidden]`` (or
+        its sequence shard ``[B, n/tp, hidden]``)."""
+        qkv = self.qkv(x)
+        batch, n, _ = qkv.shape
+        qkv = qkv.view(batch, n, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, : self.group_size].reshape(batch, n, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, self.group_size], qkv[:, :, :, self.group_size + 1].contiguous()
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

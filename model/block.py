@@ -13,6 +13,7 @@ from cp_train.model.config import NORMS, ModelConfig
 from cp_train.model.mlp import MLP
 from cp_train.parallel.cp.op import cp_attention
 from cp_train.parallel.mesh.model_parallel import ModelParallel
+from cp_train.parallel.tp.sequence_parallel import sequence_parallel_norm
 
 
 def _target_device(device: torch.device | str | None) -> torch.device:
@@ -65,7 +66,9 @@ class BlockInputs:
 
 
 class Block(nn.Module):
-    """Input and output ``[B, n, hidden]`` (this rank's tokens, replicated over the TP group of ``parallel``).
+    """Input and output ``[B, n, hidden]`` (this rank's tokens, replicated over the TP group of ``parallel``), or
+    with ``parallel.sequence_parallel`` ``[B, n/tp, hidden]``: this TP rank's contiguous shard of them, on which
+    the norms run (their weight gradients summed over TP); attention and MLP gather and reduce-scatter.
 
     The RMSNorm weights are replicated over TP (and CP). ``config.activation_checkpointing``: ``full`` keeps
     only the block's input for the backward and recomputes the block there (the CP attention's communication
@@ -80,19 +83,25 @@ class Block(nn.Module):
         self.attention_norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, dtype, device)
         self.attention = Attention(config, layer, parallel, dtype=dtype, device=device)
         self.mlp_norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, dtype, device)
-        self.mlp = MLP(config, layer, parallel.tp_group if parallel else None, dtype=dtype, device=device)
+        self.mlp = MLP(config, layer, parallel.tp_group if parallel else None, dtype=dtype, device=device,
+                       sequence_parallel=parallel is not None and parallel.sequence_parallel)
+        # the TP group the norms' weight gradients are summed over (sequence parallelism), else None
+        self.norm_group = parallel.tp_group if parallel is not None and parallel.sequence_parallel else None
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm(x) if self.norm_group is None else sequence_parallel_norm(norm, x, self.norm_group)
 
     def _forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), inputs.cos, inputs.sin, inputs.handle)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attention(self._norm(self.attention_norm, x), inputs.cos, inputs.sin, inputs.handle)
+        return x + self.mlp(self._norm(self.mlp_norm, x))
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.attention.project(self.attention_norm(x), cos, sin)
+        return self.attention.project(self._norm(self.attention_norm, x), cos, sin)
 
     def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         x = x + self.attention.output(out)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self._norm(self.mlp_norm, x))
 
     def _selective(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         """Checkpoints around the attention: the norms, projections, RoPE and MLP are recomputed in the

@@ -1,8 +1,9 @@
 """The GPT decoder: vocab-parallel embedding, pre-norm blocks, final RMSNorm, vocab-parallel LM head.
 
 Each rank holds ``n`` tokens of every sample: its slice of the sequence in the CP layout
-(``cp_train.parallel.cp.layout``), the same slice on every rank of its TP group. With ``labels`` the
-model returns the per-token loss ``[B, n]`` (fp32, from ``vocab_parallel_cross_entropy``;
+(``cp_train.parallel.cp.layout``), the same slice on every rank of its TP group (with sequence parallelism
+the blocks' residual stream holds this TP rank's 1/tp of it; the embedding and the head take and give all
+n). With ``labels`` the model returns the per-token loss ``[B, n]`` (fp32, from ``vocab_parallel_cross_entropy``;
 the trainer owns the reduction over tokens and ranks), else this rank's vocab shard of the
 logits ``[B, n, vocab/tp]``. Every parameter is drawn from ``config.seed`` and its name only,
 so all layouts hold the same model; TP-sharded parameters carry ``partition_dim``, the rest are
@@ -32,11 +33,14 @@ from cp_train.parallel.mesh.model_parallel import ModelParallel
 from cp_train.parallel.tp.fused_loss import linear_cross_entropy
 from cp_train.parallel.tp.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region
+from cp_train.parallel.tp.sequence_parallel import gather_from_sequence_parallel_region, sequence_parallel_norm
 
 
-def _embedding(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory: Any) -> VocabParallelEmbedding:
+def _embedding(config: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool = False,
+               **factory: Any) -> VocabParallelEmbedding:
     return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group,
-                                  seed=param_seed(config.seed, "embedding"), init_std=config.init_std, **factory)
+                                  seed=param_seed(config.seed, "embedding"), init_std=config.init_std,
+                                  sequence_parallel=sequence_parallel, **factory)
 
 
 def _lm_head(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory: Any) -> ColumnParallelLinear:
@@ -69,7 +73,7 @@ class GPTModel(nn.Module):
                     config.num_kv_heads // parallel.tp_size, parallel.ulysses_degree)
         self.config, self.parallel = config, parallel
         factory = {"dtype": dtype, "device": device}
-        self.embedding = _embedding(config, parallel.tp_group, **factory)
+        self.embedding = _embedding(config, parallel.tp_group, parallel.sequence_parallel, **factory)
         self.layers = nn.ModuleList(Block(config, i, parallel, **factory) for i in range(config.num_layers))
         self.norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, **factory)
         self.lm_head = None if config.tie_embeddings else _lm_head(config, parallel.tp_group, **factory)
@@ -98,6 +102,10 @@ class GPTModel(nn.Module):
                              f"{tuple(tokens.shape)}")
         batch, n = tokens.shape
         self.config.check_sequence(n * self.parallel.cp_size, self.parallel.cp_size, self.parallel.layout)
+        if self.parallel.sequence_parallel and n % self.parallel.tp_size:
+            raise ValueError(f"sequence parallelism splits this rank's {n} tokens over tp = {self.parallel.tp_size}, "
+                             f"which must divide them; make the sequence a multiple of cp*tp = "
+                             f"{self.parallel.cp_size * self.parallel.tp_size} or turn sequence_parallel off")
         if position_ids is not None and (not _is_int(position_ids)
                                          or tuple(position_ids.shape) not in ((batch, n), (n,))):
             raise ValueError(f"position_ids must be integer [batch, local_seqlen] = [{batch}, {n}] (or [{n}]), "
@@ -150,8 +158,13 @@ class GPTModel(nn.Module):
         return self._head_loss(x, labels)
 
     def _head_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final norm's output (in the TP region) and the head's weight (the embedding's when tied)."""
-        x = copy_to_tensor_parallel_region(self.norm(x), self.parallel.tp_group)
+        """The final norm's output (in the TP region: with sequence parallelism, gathered from the shards) and the
+        head's weight (the embedding's when tied)."""
+        group = self.parallel.tp_group
+        if self.parallel.sequence_parallel:
+            x = gather_from_sequence_parallel_region(sequence_parallel_norm(self.norm, x, group), group)
+        else:
+            x = copy_to_tensor_parallel_region(self.norm(x), group)
         return x, self.embedding.weight if self.lm_head is None else self.lm_head.weight
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

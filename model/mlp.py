@@ -21,20 +21,27 @@ from torch.utils.checkpoint import checkpoint
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from cp_train.parallel.tp.sequence_parallel import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 
 class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``: gate/up column parallel ``[ffn/tp, hidden]``, down row parallel
-    ``[hidden, ffn/tp]``. Input and output ``[B, n, hidden]``, replicated over ``tp_group``.
+    ``[hidden, ffn/tp]``. Input and output ``[B, n, hidden]``, replicated over ``tp_group``; with
+    ``sequence_parallel`` (at tp > 1) this rank's ``[B, n/tp, hidden]``, gathered in and reduce-scattered out.
 
     The parallel layers hold the (sharded, layout-independent) weights; ``forward`` applies them
     itself so that the all-reduce of ``down`` runs once per call instead of once per slice.
     """
 
     def __init__(self, config: ModelConfig, layer: int, tp_group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp_group, self.chunks = tp_group, config.mlp_chunks
+        self.sequence_parallel = sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1
         # inside a checkpointed block the block's recompute already bounds what the slices keep: checkpointing
         # them again would only run each slice's forward a third time
         self.checkpoint_chunks = config.activation_checkpointing == "none"
@@ -54,7 +61,10 @@ class MLP(nn.Module):
         return F.linear(act, self.down.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel_region(x, self.tp_group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
         chunks = min(self.chunks, x.shape[1])
         if chunks <= 1:
             partial = self.local_mlp(x)
@@ -63,4 +73,6 @@ class MLP(nn.Module):
         else:
             partial = torch.cat([checkpoint(self.local_mlp, piece, use_reentrant=False)
                                  for piece in x.tensor_split(chunks, dim=1)], dim=1)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         return reduce_from_tensor_parallel_region(partial, self.tp_group)

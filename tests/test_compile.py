@@ -22,7 +22,8 @@ LAYOUTS = {  # name -> ((tp, cp, dp), overrides)
     "tp1-cp2-zigzag": ((1, 2, 1), {}),
     "tp1-cp2-ulysses": ((1, 2, 1), {"parallel.cp_algorithm": "ulysses"}),
     "tp1-cp2-allgather": ((1, 2, 1), {"parallel.cp_algorithm": "allgather"}),
-    "tp2-cp2": ((2, 2, 1), {}),
+    "tp2-cp2": ((2, 2, 1), {}),  # sequence parallel (the default at tp > 1)
+    "tp2-cp2-no-sp": ((2, 2, 1), {"parallel.sequence_parallel": False}),
     "tp1-cp2-dp2-fsdp-checkpointing": ((1, 2, 2), {**FSDP, "model.activation_checkpointing": True}),
     "tp1-cp2-selective-checkpointing": ((1, 2, 1), {"model.activation_checkpointing": "selective"}),
 }

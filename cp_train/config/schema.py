@@ -43,6 +43,14 @@ class ParallelConfig:
     # FSDP under gradient accumulation: reduce-scatter once per step (unsharded fp32 gradients of every parameter
     # kept between micro-batches) or after every micro-batch (sharded gradients only, more communication)
     fsdp_reduce: str = "per_step"  # per_step | per_microbatch
+    # Megatron's sequence parallelism: the residual stream and the norms sharded over TP along the sequence
+    # (all-gather before the column-parallel layers, reduce-scatter after the row-parallel ones); null: on when tp > 1
+    sequence_parallel: bool | None = None
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """Whether the run shards the sequence over TP: ``sequence_parallel``, or by default whenever tp > 1."""
+        return self.tp > 1 and (self.sequence_parallel is None or self.sequence_parallel)
 
 
 @dataclass

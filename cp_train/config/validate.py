@@ -156,6 +156,10 @@ def validate(config: Config, world_size: int) -> int:
         if config.parallel.cp_layout == "balanced" and not data.document_mask:
             raise ConfigError("the balanced CP layout balances the per-document mask: set data.document_mask=true "
                               "or choose another layout (zigzag, stripe, contiguous)")
+    if config.parallel.sequence_parallel_on and (data.seq_len // cp) % tp:
+        raise ConfigError(f"parallel.sequence_parallel (on by default at tp > 1) splits each rank's data.seq_len/cp = "
+                          f"{data.seq_len // cp} tokens over tp = {tp}, which must divide it; make data.seq_len a "
+                          f"multiple of {cp * tp} or set parallel.sequence_parallel=false")
     if data.seq_len > model.max_position_embeddings:
         raise ConfigError(f"data.seq_len {data.seq_len} exceeds model.max_position_embeddings "
                           f"{model.max_position_embeddings}")

@@ -59,9 +59,10 @@ class ParallelState:
     cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
     cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
 
-    def model_parallel(self, layout: str = "zigzag", algorithm: str = "ring") -> ModelParallel:
+    def model_parallel(self, layout: str = "zigzag", algorithm: str = "ring",
+                       sequence_parallel: bool = False) -> ModelParallel:
         """The model's parallel settings on this state's TP and CP groups (``ModelParallel.build`` validates them)."""
-        return ModelParallel.build(self.tp.group, self.cp_groups, layout, algorithm)
+        return ModelParallel.build(self.tp.group, self.cp_groups, layout, algorithm, sequence_parallel)
 
     @property
     def cp_groups(self) -> CPGroups:

@@ -55,19 +55,22 @@ class ModelParallel:
     tp_rank: int
     cp_size: int
     cp_rank: int
+    sequence_parallel: bool = False  # tp > 1 only: the blocks' inputs are this TP rank's 1/tp of the local tokens
 
     @classmethod
     def build(cls, tp_group: dist.ProcessGroup | None = None, cp_group: dist.ProcessGroup | CPGroups | None = None,
-              layout: str = "zigzag", algorithm: str = "ring") -> ModelParallel:
+              layout: str = "zigzag", algorithm: str = "ring", sequence_parallel: bool = False) -> ModelParallel:
         """Validate and freeze the settings; ``ValueError`` saying what to change (an unknown layout or
-        algorithm, hybrid without its Ulysses and ring subgroups)."""
+        algorithm, hybrid without its Ulysses and ring subgroups). ``sequence_parallel`` takes effect at tp > 1."""
         check_layout_name(layout)
         groups = cp_group if isinstance(cp_group, CPGroups) else CPGroups(cp_group)
         cp_size, cp_rank = _size_and_rank(groups.cp)
         algorithm = canonical_algorithm(algorithm) if cp_size > 1 else "ring"
         if algorithm == "hybrid":
             check_algorithm(algorithm, cp_size, groups.ulysses_size)
-        return cls(tp_group, groups, layout, algorithm, *_size_and_rank(tp_group), cp_size, cp_rank)
+        tp_size, tp_rank = _size_and_rank(tp_group)
+        return cls(tp_group, groups, layout, algorithm, tp_size, tp_rank, cp_size, cp_rank,
+                   sequence_parallel and tp_size > 1)
 
     @property
     def attention_layout(self) -> str:

@@ -9,6 +9,11 @@ Weight initialisation does not depend on the layout: the FULL weight is drawn fr
 ``torch.Generator`` seeded with ``seed`` (fp32, on CPU) and each rank keeps its slice, so a
 model built with tp=1 and with tp=4 holds the same numbers. Give each layer its own seed.
 Partitioned parameters carry ``tensor_model_parallel = True`` and ``partition_dim``.
+
+``sequence_parallel=True`` (at tp > 1; ``sequence_parallel.py``): the layer's replicated side is sharded along
+the sequence (dim 1 of ``[B, n, ...]``): the column-parallel input and the row-parallel output and the
+embedding's output are this rank's ``[B, n/tp, ...]``, with all-gather / reduce-scatter in place of the
+identity / all-reduce.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from cp_train.parallel.tp.mappings import (
     group_size_and_rank,
     reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
+)
+from cp_train.parallel.tp.sequence_parallel import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
@@ -68,17 +77,19 @@ class ColumnParallelLinear(nn.Module):
 
     Local weight ``[out_features/tp, in_features]`` and bias ``[out_features/tp]`` (rank r
     holds rows ``[r*out/tp, (r+1)*out/tp)``). Input ``[..., in_features]`` (replicated);
-    output ``[..., out_features/tp]``, or ``[..., out_features]`` when ``gather_output``.
+    output ``[..., out_features/tp]``, or ``[..., out_features]`` when ``gather_output``. With
+    ``sequence_parallel`` the input is this rank's ``[B, n/tp, in_features]``, all-gathered to ``[B, n, ...]``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  group: dist.ProcessGroup | None = None, seed: int = 0, init_method: InitMethod | None = None,
                  init_std: float = 0.02, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
         self.tp_size, self.tp_rank = group_size_and_rank(group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
         check_divisible("out_features", out_features, self.tp_size)
         self.weight = _partitioned(init_weight_shard((out_features, in_features), 0, group, seed,
                                                      init_method, init_std, dtype, device), 0)
@@ -87,7 +98,9 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+        x = (gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel
+             else copy_to_tensor_parallel_region(x, self.group))
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -97,17 +110,23 @@ class RowParallelLinear(nn.Module):
     Local weight ``[out_features, in_features/tp]`` (rank r holds columns
     ``[r*in/tp, (r+1)*in/tp)``); bias ``[out_features]`` replicated, added after the reduce.
     Input ``[..., in_features/tp]`` when ``input_is_parallel``, else ``[..., in_features]``
-    (split here). Output ``[..., out_features]``, identical on every rank of ``group``.
+    (split here). Output ``[..., out_features]``, identical on every rank of ``group``; with
+    ``sequence_parallel`` (``input_is_parallel`` only) this rank's ``[B, n/tp, out_features]`` of it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = False, group: dist.ProcessGroup | None = None, seed: int = 0,
                  init_method: InitMethod | None = None, init_std: float = 0.02,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.group = input_is_parallel, group
         self.tp_size, self.tp_rank = group_size_and_rank(group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence_parallel takes the TP-sharded input: set "
+                             "input_is_parallel=True")
         check_divisible("in_features", in_features, self.tp_size)
         self.weight = _partitioned(init_weight_shard((out_features, in_features), 1, group, seed,
                                                      init_method, init_std, dtype, device), 1)
@@ -121,6 +140,9 @@ class RowParallelLinear(nn.Module):
                              f"got {x.shape[-1]}; pass the local shard or input_is_parallel=False")
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
+        if self.sequence_parallel:  # each rank's bias gradient covers its shard: summed over TP
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group)
+            return y if self.bias is None else y + copy_to_tensor_parallel_region(self.bias, self.group)
         y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -130,15 +152,18 @@ class VocabParallelEmbedding(nn.Module):
 
     Local weight ``[num_embeddings/tp, embedding_dim]`` (rank r holds ids
     ``[r*V/tp, (r+1)*V/tp)``). Input ids ``[...]`` in ``[0, num_embeddings)`` (not checked:
-    an id outside every range embeds to zeros); output ``[..., embedding_dim]`` on every rank.
+    an id outside every range embeds to zeros); output ``[..., embedding_dim]`` on every rank, or with
+    ``sequence_parallel`` (ids ``[B, n]``) this rank's ``[B, n/tp, embedding_dim]``.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: dist.ProcessGroup | None = None,
                  seed: int = 0, init_method: InitMethod | None = None, init_std: float = 0.02,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.tp_size, self.tp_rank = group_size_and_rank(group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
         check_divisible("num_embeddings", num_embeddings, self.tp_size)
         self.weight = _partitioned(init_weight_shard((num_embeddings, embedding_dim), 0, group, seed,
                                                      init_method, init_std, dtype, device), 0)
@@ -153,6 +178,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = torch.where(outside, 0, ids - self.vocab_start)
         y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(y, self.group)
         return reduce_from_tensor_parallel_region(y, self.group)
 
 
