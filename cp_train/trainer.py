@@ -27,6 +27,7 @@ from cp_train import run_parts
 from cp_train.checkpoint.dcp import save_checkpoint
 from cp_train.data.loader import CP_PLAN
 from cp_train.loss import device_sums, global_loss_tokens, host_sum, masked_loss_sum, reduce_loss, reduce_sums
+from cp_train.memory.dry_run import fsdp_reduce_for_run
 from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
 from cp_train.metrics.throughput import (
     IntervalMeter,
@@ -69,11 +70,15 @@ class Trainer:
         self.config, self.state = config, state
         self.env = run_parts.prepare_environment(config, state)  # checks, device, seed, data sources, resume source
         self.training = run_parts.build_training_state(self.env)  # model, module, optimizer, schedule, sharded
+        # parallel.fsdp_reduce with auto resolved as the dry run does (against this device's memory on CUDA)
+        self.fsdp_reduce, why = fsdp_reduce_for_run(config, state.world_size, self.env.device)
         self.result = TrainResult(run_dir=str(self.env.run_dir))
         self.step, consumed = 0, 0
         self._pending_messages: list[str] = []
         for note in self.env.notes:
             self._note(note)
+        if config.parallel.fsdp and config.parallel.fsdp_reduce == "auto":
+            self._note(f"parallel.fsdp_reduce auto: {self.fsdp_reduce} ({why})")
         if self.env.resumed_from is not None:
             self.step, consumed, notes = self.training.resume(self.env)
             for note in notes:
@@ -128,8 +133,8 @@ class Trainer:
         """Accumulate the gradients of one global batch (this rank's micro-batches); reads nothing to the host.
 
         Each micro-batch backpropagates ``sum(masked token losses) / global loss tokens``; only the last
-        backward reduces (FSDP with ``parallel.fsdp_reduce: per_microbatch``: every one), so on return every
-        gradient is summed over DP x CP (FSDP: this rank's shard of it)."""
+        backward reduces (FSDP with ``fsdp_reduce`` per_microbatch, set or resolved from auto: every one), so on
+        return every gradient is summed over DP x CP (FSDP: this rank's shard of it)."""
         group = self.state.dp_cp.group
         self.optimizer.zero_grad(set_to_none=True)
         masks = [mb["loss_mask"] for mb in micro_batches]
@@ -138,7 +143,7 @@ class Trainer:
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         areas, pairs = [0] * self.state.cp.size, 0  # attention work per CP rank, visible pairs in all
         parallel = self.config.parallel
-        every = parallel.fsdp and parallel.fsdp_reduce == "per_microbatch"  # else only the last backward reduces
+        every = parallel.fsdp and self.fsdp_reduce == "per_microbatch"  # else only the last backward reduces
         for index, mb in enumerate(micro_batches):
             reduce = every or index == len(micro_batches) - 1
             with gradient_sync(self.module, reduce, keep_gathered=not parallel.fsdp_reshard_after_forward):
@@ -289,7 +294,7 @@ class Trainer:
         parallel = self.config.parallel
         return self.training.setup_record(sizes, {
             "step": step, **self.state.dims, "world_size": self.state.world_size, "fsdp": parallel.fsdp,
-            "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward,
+            "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward, "fsdp_reduce": self.fsdp_reduce,
             "sequence_parallel": self.model.parallel.sequence_parallel,
             "attention_kernels": ", ".join(chosen_backends()),
             "compiled": ", ".join(self.model.compiled_parts) or "nothing"})

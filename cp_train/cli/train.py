@@ -31,9 +31,11 @@ from cp_train.trainer import run_training
 
 
 def dry_run(config: Config, args: Namespace) -> int:
-    """Print every rank's planned memory (``cp_train/memory/dry_run.py``); rank 0 alone under torchrun. Exit status 1
-    when the largest rank does not fit the device."""
-    from cp_train.memory.dry_run import dry_run_world, report
+    """Print every rank's planned memory (``cp_train/memory/dry_run_report.py``; ``parallel.fsdp_reduce`` auto
+    resolved against the device less the reserve); rank 0 alone under torchrun. Exit status 1 when the largest rank
+    does not fit the device."""
+    from cp_train.memory.dry_run import dry_run_world
+    from cp_train.memory.dry_run_report import report
 
     device_gib = args.device_memory_gib
     if device_gib is None:

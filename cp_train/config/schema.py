@@ -41,8 +41,9 @@ class ParallelConfig:
     fsdp: bool = False  # shard parameters, gradients and optimizer state over DP x CP (FSDP2); false: DDP
     fsdp_reshard_after_forward: bool = True  # free the gathered parameters after forward (ZeRO-3); false: ZeRO-2
     # FSDP under gradient accumulation: reduce-scatter once per step (unsharded fp32 gradients of every parameter
-    # kept between micro-batches) or after every micro-batch (sharded gradients only, more communication)
-    fsdp_reduce: str = "per_step"  # per_step | per_microbatch
+    # kept between micro-batches) or after every micro-batch (sharded gradients only, more communication); auto:
+    # per_step when the dry run's plan with it fits the device, else per_microbatch (cp_train/memory/dry_run.py)
+    fsdp_reduce: str = "auto"  # auto | per_step | per_microbatch
     # Megatron's sequence parallelism: the residual stream and the norms sharded over TP along the sequence
     # (all-gather before the column-parallel layers, reduce-scatter after the row-parallel ones); null: on when tp > 1
     sequence_parallel: bool | None = None

@@ -16,7 +16,7 @@ from cp_train.parallel.mesh.rank_groups import resolve_dp as resolve_layout_dp
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 
 DTYPES = ("auto", "bf16", "fp32")
-FSDP_REDUCE = ("per_step", "per_microbatch")
+FSDP_REDUCE = ("auto", "per_step", "per_microbatch")
 DECAYS = ("cosine", "linear", "constant")
 OPTIMIZERS = ("auto", "fused", "foreach")  # optimizer.implementation: torch's AdamW kernels
 OPTIMIZER_IMPLS = ("auto", "torch", "apex")  # optimizer.impl

@@ -3,126 +3,133 @@
 The estimate counts the tensors autograd keeps for the backward, term by term, for the model's shapes on one
 rank: ``n = micro_batch * seq_len / cp`` tokens, ``heads / tp`` query and ``kv_heads / tp`` kv heads, ``ffn /
 tp`` and ``vocab / tp`` columns. ``compute`` is the matmul input dtype's size (2 in bf16), ``residual`` the
-residual stream's (4 under autocast with fp32 weights, 2 with FSDP's bf16 weights). Per block without
-activation checkpointing: the two RMSNorm inputs (residual), the matmul inputs (compute; under autocast each
-linear casts its own copy), the fused QKV output (RoPE keeps views of it), roped q and k, v, the attention
-output and its fp32 log-sum-exp, and the SwiGLU's gate, up, silu and product ``[n, ffn/tp]`` (unless
-``mlp_chunks`` > 1, which keeps only the MLP's input and recomputes one slice at a time; not inside a
-checkpointed block, whose recompute keeps every slice's). With activation checkpointing a block keeps its
-input only and one block is recomputed during the backward. The head keeps the final norm's input, its matmul
-input and, with full logits (``model.loss_chunk_tokens`` 0), the fp32 softmax ``[n, vocab/tp]`` of the cross
-entropy (fused by chunks: two fp32 numbers per token); its peak (the logits, or one chunk of them) and the
-backward's working buffers (one block's, or the head's) come on top.
+residual stream's (4 under autocast with fp32 weights, 2 with FSDP's bf16 weights).
 
-The peak is ``blocks + max(head peak, recomputed block + its backward buffers)``: an estimate, good to the
-tens of percent (``bench/activations.py`` compares it with the measured peak of one block).
+Per block without activation checkpointing: the residual stream (the block's input and the stream between
+attention and MLP), what each RMSNorm keeps besides its input (on CPU its normalised input; CUDA's fused
+kernels keep only a per-token scale), the inputs of the column-parallel matmuls (under autocast each linear
+casts its own copy), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also keeps its
+sequence-ordered copies of them for its heads), and the SwiGLU's gate, up, silu and product ``[n, ffn/tp]``
+(unless ``mlp_chunks`` > 1, which keeps only the MLP's input; not inside a checkpointed block). With sequence
+parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the all-gathered inputs of the
+column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing keeps each block's input
+(``n / tp`` tokens under SP) and recomputes one block in the backward; ``selective`` keeps the input and what
+the CP attention keeps, and recomputes either side of it.
+
+The head keeps the final norm's input and the head's matmul input and, with full logits
+(``model.loss_chunk_tokens`` 0), the fp32 softmax ``[n, vocab/tp]``; fused by chunks, two fp32 numbers per token.
+
+Two moments of the backward compete for the peak (``activation_estimate`` gives both; ``dry_run.py`` adds the
+transient parameter and gradient copies of each and takes the larger): the head's backward, with every block's
+tensors kept (one chunk's logits, the head's fp32 weight gradient and its matmul's product, ``dx``), and a block's
+backward (the recomputed block, then the MLP's gradients, or the attention's with the CP algorithm's buffers of
+``attention_memory.py`` once the MLP half is freed).
+Checked against the measured peak of real training steps by ``bench/dry_run_check.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from cp_train.memory import attention_memory
+from cp_train.memory.attention_memory import Shapes
 from cp_train.model.config import ModelConfig
 
 
-@dataclass(frozen=True)
-class Shapes:
-    """One rank's activation shapes: ``n`` tokens, per-rank heads, kv heads, ffn and vocab, and dtype sizes."""
-
-    n: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    compute: int  # bytes per element of the matmul inputs and outputs
-    residual: int  # bytes per element of the residual stream
-    autocast: bool  # True: fp32 weights under autocast (each linear keeps its own cast input)
-    ring: bool = False  # cp > 1: the attention's backward keeps fp32 dK/dV accumulators that travel the ring
-
-
-def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, residual: int,
-              autocast: bool) -> Shapes:
+def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, residual: int, autocast: bool,
+              algorithm: str = "ring", ulysses: int = 1, sequence_parallel: bool = False,
+              cuda: bool = False) -> Shapes:
+    """``Shapes`` for ``tokens`` per rank of ``model`` at (tp, cp); ``ulysses``: hybrid's ulysses_size."""
+    degree = cp if algorithm == "ulysses" else ulysses
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
-                  model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, autocast, cp > 1)
+                  model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, autocast, cp,
+                  algorithm if cp > 1 else "ring", degree, tp, sequence_parallel and tp > 1, cuda)
 
 
-def attention_saved(s: Shapes) -> int:
-    """Bytes the attention half of a block keeps: norm input, QKV input and output, roped q/k, v, out, lse."""
-    qkv = s.n * (s.heads + 2 * s.kv_heads) * s.head_dim * s.compute
-    roped = s.n * (s.heads + s.kv_heads) * s.head_dim * s.compute
-    v = s.n * s.kv_heads * s.head_dim * s.compute
-    out = s.n * s.heads * s.head_dim * s.compute + s.n * s.heads * 4
-    norm_and_input = s.n * s.hidden * (s.residual + s.compute)  # the norm's input, the QKV matmul's input
-    return norm_and_input + qkv + roped + v + out
+def _stream(s: Shapes) -> int:
+    return s.stream * s.hidden * s.residual
 
 
-def mlp_saved(s: Shapes, chunks: int) -> int:
-    """Bytes the MLP half keeps: norm input, the matmul inputs, and gate, up, silu and product (unchunked)."""
-    norm = s.n * s.hidden * s.residual
+def norm_kept(s: Shapes) -> int:
+    """What one RMSNorm keeps besides its input: the normalised input on CPU (its composite form)."""
+    return s.stream * 4 if s.cuda else _stream(s)
+
+
+def attention_half(s: Shapes) -> int:
+    """The attention half of a block without checkpointing: the block's input, the norm, the QKV input (all ``n``
+    tokens, gathered under SP) and what the attention keeps (its output is the output projection's input)."""
+    return _stream(s) + norm_kept(s) + s.n * s.hidden * s.compute + attention_memory.kept(s)
+
+
+def mlp_half(s: Shapes, chunks: int) -> int:
+    """The MLP half: the stream after attention, the norm, the gate/up input (one copy per linear under
+    autocast), and gate, up, silu and product ``[n, ffn/tp]``; chunked (``chunks`` > 1) only the MLP's input."""
+    if chunks > 1:
+        return _stream(s) + norm_kept(s) + s.n * s.hidden * s.residual
     inputs = (2 if s.autocast else 1) * s.n * s.hidden * s.compute
-    if chunks > 1:  # each slice is checkpointed: only the MLP's input (the norm's output) stays
-        return norm + s.n * s.hidden * s.residual
-    return norm + inputs + 4 * s.n * s.ffn * s.compute
+    return _stream(s) + norm_kept(s) + inputs + 4 * s.n * s.ffn * s.compute
 
 
-def block_backward_buffers(s: Shapes, chunks: int) -> int:
-    """The largest working set of a block's backward: the MLP's activation gradients (two ``[n, ffn/tp]`` more
-    than it keeps; one slice's recompute and gradients when chunked), or the attention's (the output's
-    gradient, dq, dk, dv and the residual's gradient; on a ring also fp32 dK/dV accumulators)."""
+def mlp_backward(s: Shapes, chunks: int) -> int:
+    """The MLP's backward on top of what it keeps (freed as its nodes run): two ``[n, ffn/tp]`` gradients at once;
+    chunked, one slice's recompute and gradients."""
     slice_tokens = -(-s.n // max(chunks, 1))
-    mlp = (4 if chunks > 1 else 0) * slice_tokens * s.ffn * s.compute + 2 * slice_tokens * s.ffn * s.compute
-    attention = s.n * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.compute + s.n * s.hidden * s.residual
-    if s.ring:
-        attention += 2 * s.n * s.kv_heads * s.head_dim * 4
-    return max(mlp, attention)
+    return ((4 if chunks > 1 else 0) + 2) * slice_tokens * s.ffn * s.compute
 
 
-def head_saved(s: Shapes, chunk: int = 0) -> int:
-    """Bytes the final norm, the head's matmul and the cross entropy keep: with the full logits (``chunk``
-    0) the fp32 softmax ``[n, vocab/tp]``; fused by chunks, the row max and log-sum-exp, fp32 ``[n]`` each."""
-    inputs = s.n * s.hidden * s.residual + s.n * s.hidden * s.compute
+def block_backward(s: Shapes, chunks: int, recomputed: int) -> int:
+    """A block's backward on top of the blocks' kept tensors: the stream's incoming gradient, and the larger of
+    the MLP's backward (``recomputed``: what the checkpoint recomputed, if any) and the attention's, which runs
+    once the MLP half's tensors are freed. ``chunks``: the MLP's slices in the backward."""
+    mlp = recomputed + mlp_backward(s, chunks)
+    attention = recomputed - mlp_half(s, chunks) + attention_memory.buffers(s, backward=True)
+    return _stream(s) + max(mlp, attention)
+
+
+def head_kept(s: Shapes, chunk: int = 0) -> int:
+    """The final norm's input and what it keeps, the head's input (all ``n`` tokens, gathered under SP) and
+    the loss's: with the full logits (``chunk`` 0) the fp32 softmax ``[n, vocab/tp]``; fused by chunks, the row
+    max and log-sum-exp, fp32 ``[n]`` each."""
+    inputs = _stream(s) + norm_kept(s) + s.n * s.hidden * (s.residual if chunk else s.compute)
     return inputs + (2 * s.n * 4 if chunk else s.n * s.vocab * 4)
 
 
 def head_peak(s: Shapes, chunk: int = 0) -> int:
-    """The head's transient on top of what it keeps. Full logits: the logits in the compute dtype (forward),
-    or the gradient's copy in that dtype (backward). Fused by chunks (``fused_loss.py``): one chunk's logits
-    in fp32 and the compute dtype, plus the backward's fp32 ``dx`` ``[n, hidden]`` and ``dweight``
-    ``[vocab/tp, hidden]``."""
+    """The head's backward on top of what it keeps. Full logits: the logits' gradient in the compute dtype.
+    Fused by chunks (``fused_loss.py``): one chunk's fp32 logits (and their compute-dtype copy in bf16), the
+    fp32 ``dweight`` ``[vocab/tp, hidden]`` and the matmul's product added into it, and the fp32 ``dx``."""
     if not chunk:
         return s.n * s.vocab * s.compute
-    return min(chunk, s.n) * s.vocab * (4 + s.compute) + 4 * s.hidden * (s.n + s.vocab)
+    rows = min(chunk, s.n)
+    logits = rows * s.vocab * (4 + (s.compute if s.compute < 4 else 0))
+    return logits + s.vocab * s.hidden * (4 + s.compute) + 4 * s.n * s.hidden
 
 
 def block_peak(s: Shapes, chunks: int) -> int:
     """One block's forward + backward on its own (what ``bench/memory.py`` measures): what it keeps, its
-    output and its backward buffers."""
-    return attention_saved(s) + mlp_saved(s, chunks) + s.n * s.hidden * s.residual + block_backward_buffers(s, chunks)
+    output and its backward."""
+    return attention_half(s) + mlp_half(s, chunks) + _stream(s) + block_backward(s, chunks, 0)
 
 
-def activation_estimate(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, residual: int,
-                        autocast: bool) -> dict[str, int]:
-    """Bytes per rank: ``blocks`` (kept by all blocks), ``head``, ``backward`` (the recomputed block with
-    activation checkpointing plus a block's backward buffers, or the head's peak) and their sum ``peak``;
-    ``tokens`` is this rank's (micro batch x seq_len / cp)."""
-    s = shapes_of(model, tokens, tp, cp, compute, residual, autocast)
+def activation_estimate(model: ModelConfig, s: Shapes) -> dict[str, int]:
+    """Bytes per rank for shapes ``s`` of ``model``: ``blocks`` (kept by all blocks), ``block_input`` (one block's
+    input), ``head`` (kept by the head and loss), ``head_backward`` (the head's backward on top), ``block_backward``
+    (a block's backward: the recomputed block with activation checkpointing and its working set; the head's
+    tensors are freed by then) and ``block`` (one block without checkpointing)."""
     mode = model.activation_checkpointing
     # inside a checkpointed block the MLP slices are not checkpointed again (``model/mlp.py``): the recompute
     # keeps every slice's intermediates
-    block = attention_saved(s) + mlp_saved(s, model.mlp_chunks if mode == "none" else 1)
-    block_input = s.n * s.hidden * s.residual
+    chunks = model.mlp_chunks if mode == "none" else 1
+    block = attention_half(s) + mlp_half(s, chunks)
+    block_input = _stream(s)
     if mode == "none":
-        kept, recompute = block, 0
-    elif mode == "full":
-        kept, recompute = block_input, block
-    else:  # selective: the CP attention keeps q, k, v, its output and lse; either side of it is recomputed
-        attention_kept = s.n * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.compute + s.n * s.heads * 4
-        kept = block_input + attention_kept
-        recompute = max(attention_saved(s) - attention_kept, mlp_saved(s, 1) + block_input)
+        kept, backward = block, block_backward(s, chunks, 0)
+    elif mode == "full":  # the recompute runs the attention's forward again (its buffers) before the backward
+        kept = block_input
+        forward = attention_half(s) - block_input + attention_memory.buffers(s, backward=False)
+        backward = max(forward, block_backward(s, 1, block - block_input))
+    else:  # selective: the CP attention keeps its tensors; the MLP side, then the QKV side are recomputed
+        kept = block_input + attention_memory.kept(s)
+        qkv_side = attention_half(s) - kept
+        backward = max(block_backward(s, 1, mlp_half(s, 1)), _stream(s) + qkv_side + attention_memory.buffers(s, True))
     chunk = model.loss_chunk_tokens
-    backward = max(head_peak(s, chunk), recompute + block_backward_buffers(s, model.mlp_chunks))
-    out = {"blocks": model.num_layers * kept, "head": head_saved(s, chunk), "backward": backward, "block": block}
-    out["peak"] = out["blocks"] + out["head"] + out["backward"]
-    return out
+    return {"blocks": model.num_layers * kept, "block_input": block_input, "head": head_kept(s, chunk),
+            "head_backward": head_peak(s, chunk), "block_backward": backward, "block": block}

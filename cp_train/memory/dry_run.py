@@ -3,13 +3,24 @@
 For each rank of the configured layout the model is built on the meta device and cut to that rank's TP
 and FSDP shards (FSDP2's shapes: ``torch.chunk`` pieces, the parameter and gradient storage padded to the
 largest piece); the rank's AdamW steps once on meta gradients, creating its state on the meta device. The
-bytes of these tensors are the rank's state, as the run's ``setup`` record measures it. On top come the
-transient copies: the parameters FSDP gathers in the compute dtype (the root's and the last block's, the
-current block and the prefetched one; every block without resharding after forward) or the bf16 weights
-autocast caches without FSDP; the unsharded fp32 gradients (the root's until the end of the backward and
-one block's; every parameter's while gradients accumulate over micro-batches, as nothing is reduced
-before the last, unless ``parallel.fsdp_reduce`` is per_microbatch); and the activation estimate of
-``activations.py``.
+bytes of these tensors are the rank's state, as the run's ``setup`` record measures it.
+
+On top of the state, three moments of a step compete for the peak (``phase_bytes``), each with its transient
+copies ("gathered") and its activations (``activations.py``):
+
+- the head's backward in the last micro-batch: every block's activations, the head's working set; FSDP's
+  gathered root and last block (every block without resharding after forward), or autocast's bf16 copies of
+  the weights without FSDP; the unsharded fp32 gradients of every parameter while gradients accumulate
+  (FSDP with ``parallel.fsdp_reduce`` per_step, in place of the sharded ones the state counts; DDP keeps the
+  earlier micro-batches' gradients outside its buckets);
+- a block's backward: the blocks' activations, the recomputed block and its working set; FSDP's root and two
+  blocks (the current one and the next one's gather), the root's unsharded gradient (the head's) and the block's,
+  and the previous block's reduce-scatter in flight; without FSDP a tied head's gradient, held until the
+  embedding's backward;
+- the optimizer step: foreach AdamW's temporaries (one fp32 tensor per parameter; the fused kernels have none).
+
+``parallel.fsdp_reduce: auto`` is resolved by ``resolve_fsdp_reduce`` (per_step when that plan fits the device
+inside the reserve, else per_microbatch), the same way by the dry run and by the trainer.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any
 
 import torch
 
@@ -26,14 +37,17 @@ from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
 from cp_train.data.default_corpus import DEFAULT_VOCAB_SIZE
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
-from cp_train.memory.activations import activation_estimate
+from cp_train.memory.activations import activation_estimate, shapes_of
 from cp_train.model.meta import meta_model
 from cp_train.model.parallelize import fsdp_shard_dim
 from cp_train.model.shards import tensor_parallel_dim
 from cp_train.optim import build_optimizer
+from cp_train.parallel.cp.algorithms import canonical_algorithm
 from cp_train.parallel.mesh.rank_groups import ParallelDims
 
 GIB = 2.0**30
+RESERVE_GIB, RESERVE_FRACTION = 3.0, 0.05  # the default reserve: the CUDA context, NCCL, fragmentation
+PHASES = {"head": "the head's backward", "block": "a block's backward", "optimizer": "the optimizer step"}
 
 
 @dataclass(frozen=True)
@@ -42,8 +56,9 @@ class RankMemory:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
-    gathered_bytes: int  # transient: gathered or cast parameters, unsharded gradients
-    activation_bytes: int
+    gathered_bytes: int  # transient at the peak: gathered or cast parameters, unsharded gradients, temporaries
+    activation_bytes: int  # at the peak
+    phase: str = "head"  # the moment of the peak (``PHASES``)
 
     @property
     def state_bytes(self) -> int:
@@ -52,6 +67,11 @@ class RankMemory:
     @property
     def total_bytes(self) -> int:
         return self.state_bytes + self.gathered_bytes + self.activation_bytes
+
+
+def reserve_gib(device_gib: float, fixed: float = RESERVE_GIB, fraction: float = RESERVE_FRACTION) -> float:
+    """GiB per device kept back for the runtime (CUDA context, NCCL's buffers) and allocator fragmentation."""
+    return fixed + fraction * device_gib
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -96,19 +116,41 @@ def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: Parall
     return _nbytes(stored), _nbytes(stored), _nbytes(moments)
 
 
-def transient_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, compute: int,
-                    accumulation: int) -> int:
-    """Gathered or cast parameters and unsharded gradients one rank holds at most at once (see the module doc)."""
+def _reduces_per_step(config: Config) -> bool:
+    """FSDP keeps unsharded gradients between micro-batches: ``fsdp_reduce`` per_step (auto unresolved counts as
+    per_step, the larger)."""
+    return config.parallel.fsdp_reduce != "per_microbatch"
+
+
+def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, compute: int,
+                accumulation: int, activations: dict[str, int], state: tuple[int, int], foreach: bool
+                ) -> dict[str, tuple[int, int]]:
+    """``(gathered, activation)`` bytes of one rank at each moment of ``PHASES`` (see the module doc); ``state``:
+    the rank's parameter and gradient bytes."""
     tp_local = {name: p.numel() // (dims.tp if tensor_parallel_dim(p) is not None else 1) for name, p in full.items()}
     layers = config.model.num_layers
     blocks = [sum(n for name, n in tp_local.items() if name.startswith(f"layers.{i}.")) for i in range(layers)]
-    root = sum(n for name, n in tp_local.items() if not name.startswith("layers."))
-    if not config.parallel.fsdp:
-        return compute * sum(tp_local.values()) if compute == 2 else 0  # autocast's cache of bf16 weights
-    gathered = root + (sum(blocks) if not config.parallel.fsdp_reshard_after_forward else 3 * max(blocks))
-    every_parameter = accumulation > 1 and config.parallel.fsdp_reduce == "per_step"
-    unsharded_grads = sum(tp_local.values()) if every_parameter else root + max(blocks)
-    return compute * gathered + 4 * unsharded_grads
+    root, every = sum(n for name, n in tp_local.items() if not name.startswith("layers.")), sum(tp_local.values())
+    head_weight = config.model.vocab_size // dims.tp * config.model.hidden_size
+    accumulating = accumulation > 1
+    if config.parallel.fsdp:
+        reshard = config.parallel.fsdp_reshard_after_forward
+        # the unsharded fp32 gradients summed over the micro-batches, in place of the sharded ones (counted in the
+        # state), which the last micro-batch's reduce-scatters make as they free them
+        kept = max(0, 4 * every - state[1]) if accumulating and _reduces_per_step(config) else 0
+        at_head = compute * (root + (blocks[-1] if reshard else sum(blocks))) + kept
+        at_block = compute * (root + (min(2, layers) * max(blocks) if reshard else sum(blocks)))
+        at_block += (kept or compute * (head_weight + max(blocks))) + 4 * max(blocks)  # + a reduce-scatter in flight
+        held = 0  # the head's gradient is the root's unsharded gradient above
+    else:
+        at_head = compute * every if compute == 2 else 0  # autocast's bf16 copies of the weights
+        if accumulating and dims.dp * dims.cp > 1:  # DDP's no_sync: gradients outside the buckets
+            at_head += 4 * every
+        at_block = at_head
+        held = 4 * head_weight if config.model.tie_embeddings else 0  # summed with the embedding's at its backward
+    return {"head": (at_head, activations["blocks"] + activations["head"] + activations["head_backward"]),
+            "block": (at_block, activations["blocks"] + activations["block_backward"] + held),
+            "optimizer": (state[0] if foreach else 0, 0)}
 
 
 def dry_run_vocab(config: Config) -> int:
@@ -129,34 +171,83 @@ def dry_run_vocab(config: Config) -> int:
                       f"--set model.vocab_size=128256 for Llama 3")
 
 
-def plan(config: Config, world: int) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, object]]:
-    """Every rank's memory for ``config`` on ``world`` ranks: the layout, per rank figures, the activation
-    estimate's terms and the assumptions (device, dtypes, tokens)."""
+def plan(config: Config, world: int, only: list[int] | None = None
+         ) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, Any]]:
+    """Every rank's memory (or the ranks ``only``) for ``config`` on ``world`` ranks: the layout, per rank
+    figures, the activation estimate's terms and the assumptions (device, dtypes, tokens)."""
     config.model.vocab_size = dry_run_vocab(config)
     dp = validate(config, world)
-    dims = ParallelDims(tp=config.parallel.tp, cp=config.parallel.cp, dp=dp)
-    cuda = config.parallel.backend != "gloo"
+    parallel = config.parallel
+    dims = ParallelDims(tp=parallel.tp, cp=parallel.cp, dp=dp)
+    cuda = parallel.backend != "gloo"
     bf16 = config.train.dtype == "bf16" or (config.train.dtype == "auto" and cuda)
     compute = 2 if bf16 else 4
-    fsdp = config.parallel.fsdp
+    fsdp = parallel.fsdp
     tokens = config.train.micro_batch_size * config.data.seq_len // dims.cp
     accumulation = config.train.global_batch_size // (config.train.micro_batch_size * dp)
-    activations = activation_estimate(config.model, tokens, dims.tp, dims.cp, compute,
-                                      residual=compute if fsdp else 4, autocast=bf16 and not fsdp)
+    shapes = shapes_of(config.model, tokens, dims.tp, dims.cp, compute, compute if fsdp else 4, bf16 and not fsdp,
+                       canonical_algorithm(parallel.cp_algorithm), parallel.ulysses_size,
+                       parallel.sequence_parallel_on, cuda=cuda)
+    activations = activation_estimate(config.model, shapes)
+    optimizer = config.optimizer
+    foreach = optimizer.impl != "apex" and (optimizer.implementation == "foreach" or (
+        optimizer.implementation == "auto" and not cuda))
     full = dict(meta_model(config.model).named_parameters())
-    transient = transient_bytes(config, full, dims, compute, accumulation)
     ranks = []
-    for rank in range(dims.world):
+    for rank in range(dims.world) if only is None else only:
         params, grads, moments = rank_state(config, full, dims, rank)
-        ranks.append(RankMemory(rank, params, grads, moments, transient, activations["peak"]))
+        phases = phase_bytes(config, full, dims, compute, accumulation, activations, (params, grads), foreach)
+        phase = max(phases, key=lambda name: sum(phases[name]))
+        ranks.append(RankMemory(rank, params, grads, moments, *phases[phase], phase))
     assumed = {"device": "cuda" if cuda else "cpu", "compute": "bf16" if bf16 else "fp32", "tokens_per_rank": tokens,
-               "accumulation": accumulation, "parameters": sum(p.numel() for p in full.values())}
+               "accumulation": accumulation, "parameters": sum(p.numel() for p in full.values()),
+               "sequence_parallel": shapes.sequence_parallel, "algorithm": shapes.algorithm}
     return dims, ranks, activations, assumed
 
 
-class DryRunReport(NamedTuple):
-    text: str
-    fits: bool  # the largest rank's total within the device memory
+def resolve_fsdp_reduce(config: Config, world: int, device_gib: float | None, reserve: float = 0.0
+                        ) -> tuple[str, str]:
+    """``parallel.fsdp_reduce`` and why, with ``auto`` resolved: per_step (one reduce-scatter per step) when the
+    plan with it fits ``device_gib`` less ``reserve`` (or nothing accumulates, or there is no FSDP or no device
+    limit: CPU), else per_microbatch (no unsharded gradients kept between micro-batches)."""
+    parallel, train = config.parallel, config.train
+    if parallel.fsdp_reduce != "auto":
+        return parallel.fsdp_reduce, "set in the config"
+    if not parallel.fsdp:
+        return "per_step", "no FSDP: DDP reduces once per step"
+    dp = validate(config, world)
+    if train.global_batch_size == train.micro_batch_size * dp:
+        return "per_step", "one micro-batch per step: nothing accumulates"
+    if parallel.backend == "gloo" or device_gib is None:
+        return "per_step", "on CPU: no device memory to fit"
+    usable = device_gib - reserve
+    needs = {mode: max(r.total_bytes for r in plan(with_reduce(config, mode), world, only=[0])[1]) / GIB
+             for mode in ("per_step", "per_microbatch")}
+    if needs["per_step"] <= usable:
+        return "per_step", (f"fits: {sig3(needs['per_step'])} of {sig3(usable)} GiB usable; per_microbatch would "
+                            f"need {sig3(needs['per_microbatch'])} GiB and reduce-scatter every micro-batch")
+    return "per_microbatch", (f"per_step needs {sig3(needs['per_step'])} GiB of {sig3(usable)} usable, "
+                              f"per_microbatch {sig3(needs['per_microbatch'])}")
+
+
+def with_reduce(config: Config, mode: str) -> Config:
+    return replace(config, parallel=replace(config.parallel, fsdp_reduce=mode))
+
+
+def fsdp_reduce_for_run(config: Config, world: int, device: torch.device) -> tuple[str, str]:
+    """``resolve_fsdp_reduce`` for a run on ``device``: on CUDA against the device's total memory less the
+    default reserve (every rank's choice gathered: per_microbatch if any rank needs it), else without a limit."""
+    import torch.distributed as dist
+
+    if config.parallel.fsdp_reduce != "auto" or device.type != "cuda":
+        return resolve_fsdp_reduce(config, world, None)
+    device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+    choice = resolve_fsdp_reduce(config, world, device_gib, reserve_gib(device_gib))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        choices: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(choices, choice)
+        choice = max(choices, key=lambda c: c is not None and c[0] == "per_microbatch")  # type: ignore[assignment]
+    return choice  # type: ignore[return-value]
 
 
 def sig3(value: float) -> str:
@@ -164,67 +255,6 @@ def sig3(value: float) -> str:
     if value == 0:
         return "0"
     return f"{value:.{max(0, 2 - math.floor(math.log10(abs(value))))}f}"
-
-
-def report(config: Config, world: int, device_gib: float, source: str = "the config",
-           reserve_gib: float = 0.0) -> DryRunReport:
-    """The dry run's text (the layout and assumptions, the activation terms, one line per rank, the reserve, the
-    verdict and, when the largest rank does not fit, what to change) and whether it fits: the largest rank
-    within ``device_gib`` less ``reserve_gib`` (the CUDA context, NCCL's buffers, allocator fragmentation)."""
-    dims, ranks, activations, assumed = plan(config, world)
-    parallel, model = config.parallel, config.model
-    mode = (f"FSDP over dp x cp ({'ZeRO-3' if parallel.fsdp_reshard_after_forward else 'ZeRO-2'})"
-            if parallel.fsdp else "DDP (replicated parameters)")
-    lines = [f"dry run of {source}: {assumed['parameters']:,} parameters, world {dims.world} = tp {dims.tp} x cp "
-             f"{dims.cp} x dp {dims.dp}, {mode}, {assumed['compute']} compute on {assumed['device']}"
-             f"{' (--set parallel.backend=gloo: CPU)' if assumed['device'] == 'cuda' else ''}, "
-             f"{assumed['tokens_per_rank']:,} tokens per rank per micro-batch, "
-             f"{assumed['accumulation']} micro-batch(es) per step",
-             f"activations per rank (estimate): blocks {sig3(activations['blocks'] / GIB)} GiB ({model.num_layers} "
-             f"blocks, activation checkpointing {model.activation_checkpointing}, mlp_chunks "
-             f"{model.mlp_chunks}), head and loss {sig3(activations['head'] / GIB)} GiB, backward working set "
-             f"{sig3(activations['backward'] / GIB)} GiB: peak {sig3(activations['peak'] / GIB)} GiB"]
-    header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
-    rows = [header] + [(str(r.rank), *(sig3(b / GIB) for b in (
-        r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes, r.state_bytes, r.gathered_bytes,
-        r.activation_bytes, r.total_bytes))) for r in ranks]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines.append("GiB per rank:")
-    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
-    worst = max(ranks, key=lambda r: r.total_bytes)
-    usable = device_gib - reserve_gib
-    fits = worst.total_bytes <= usable * GIB
-    lines.append(f"reserve: {sig3(reserve_gib)} GiB per device for the runtime (CUDA context, NCCL) and fragmentation "
-                 f"(--reserve-gib, --reserve-fraction): {sig3(usable)} of {device_gib:g} GiB usable")
-    lines.append(f"{'fits' if fits else 'does NOT fit'}: the largest rank ({worst.rank}) needs "
-                 f"{sig3(worst.total_bytes / GIB)} GiB of {sig3(usable)} GiB usable per device "
-                 f"({100 * worst.total_bytes / (usable * GIB):.0f}%)")
-    if not fits:
-        lines.append(f"to fit: {shrink_hint(config, worst)}")
-    return DryRunReport("\n".join(lines), fits)
-
-
-def shrink_hint(config: Config, worst: RankMemory) -> str:
-    """What to change, the largest part first: the state (sharding) or the activations (tokens per rank)."""
-    model, parallel = config.model, config.parallel
-    if not parallel.fsdp:
-        state = ["--fsdp (shards parameters, gradients and optimizer state over dp x cp)",
-                 "a larger parallel.tp (splits the weights)"]
-    else:
-        state = ([] if parallel.fsdp_reshard_after_forward else
-                 ["parallel.fsdp_reshard_after_forward=true (gathers one block at a time)"])
-        state += ["a larger parallel.tp (splits the weights)", "more ranks in dp (FSDP shards over dp x cp)"]
-        accumulating = config.train.global_batch_size > config.train.micro_batch_size * (parallel.dp or 1)
-        if accumulating and parallel.fsdp_reduce == "per_step":  # the unsharded gradients of every parameter
-            state.insert(0, "parallel.fsdp_reduce=per_microbatch (no unsharded gradients between micro-batches)")
-    acts = {"none": ["model.activation_checkpointing=selective (or full)"],
-            "selective": ["model.activation_checkpointing=full"], "full": []}[model.activation_checkpointing]
-    acts += [] if model.loss_chunk_tokens else ["model.loss_chunk_tokens=1024 (no [tokens, vocab] logits)"]
-    if model.activation_checkpointing == "none":  # checkpointed slices: only outside a checkpointed block
-        acts.append(f"model.mlp_chunks={2 * model.mlp_chunks}")
-    acts += ["a larger parallel.cp (fewer tokens per rank)", "a smaller train.micro_batch_size or data.seq_len"]
-    parts = [state, acts] if worst.state_bytes + worst.gathered_bytes >= worst.activation_bytes else [acts, state]
-    return "; ".join(parts[0] + parts[1][:2])
 
 
 def dry_run_world(config: Config) -> int:

@@ -1,0 +1,92 @@
+"""The dry run's text (``train.py --dry-run``): the plan of ``dry_run.py`` per rank, the reserve, the verdict, and
+what to change when the largest rank does not fit (``shrink_hint``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from cp_train.config.schema import Config
+from cp_train.memory.dry_run import GIB, PHASES, RankMemory, dry_run_vocab, plan, resolve_fsdp_reduce, sig3, with_reduce
+
+
+class DryRunReport(NamedTuple):
+    text: str
+    fits: bool  # the largest rank's total within the device memory
+
+
+def report(config: Config, world: int, device_gib: float, source: str = "the config",
+           reserve_gib: float = 0.0) -> DryRunReport:
+    """The dry run's text (the layout and assumptions, ``fsdp_reduce`` with FSDP, the activation terms, one line
+    per rank, the reserve, the verdict and, when the largest rank does not fit, what to change) and whether it
+    fits: the largest rank within ``device_gib`` less ``reserve_gib`` (CUDA context, NCCL, fragmentation)."""
+    config.model.vocab_size = dry_run_vocab(config)
+    reduce, why = resolve_fsdp_reduce(config, world, device_gib, reserve_gib)
+    auto = config.parallel.fsdp_reduce == "auto"
+    config = with_reduce(config, reduce)
+    dims, ranks, activations, assumed = plan(config, world)
+    parallel, model = config.parallel, config.model
+    worst = max(ranks, key=lambda r: r.total_bytes)
+    mode = (f"FSDP over dp x cp ({'ZeRO-3' if parallel.fsdp_reshard_after_forward else 'ZeRO-2'})"
+            if parallel.fsdp else "DDP (replicated parameters)")
+    sp = ", sequence parallel" if assumed["sequence_parallel"] else ""
+    lines = [f"dry run of {source}: {assumed['parameters']:,} parameters, world {dims.world} = tp {dims.tp} x cp "
+             f"{dims.cp} x dp {dims.dp}, {mode}, {assumed['compute']} compute on {assumed['device']}"
+             f"{' (--set parallel.backend=gloo: CPU)' if assumed['device'] == 'cuda' else ''}, "
+             f"{assumed['tokens_per_rank']:,} tokens per rank per micro-batch, "
+             f"{assumed['accumulation']} micro-batch(es) per step, cp_algorithm {assumed['algorithm']}{sp}"]
+    if parallel.fsdp:
+        lines.append(f"parallel.fsdp_reduce {'auto: ' if auto else ''}{reduce} ({why})")
+    gib = lambda key: sig3(activations[key] / GIB)  # noqa: E731
+    head = worst.phase != "block"  # the working set of the head's backward, else of a block's
+    lines.append(f"activations per rank (estimate): blocks {gib('blocks')} GiB ({model.num_layers} blocks, block input "
+                 f"{gib('block_input')} GiB, activation checkpointing {model.activation_checkpointing}, mlp_chunks "
+                 f"{model.mlp_chunks}), head and loss {gib('head')} GiB, backward working set "
+                 f"{gib('head_backward' if head else 'block_backward')} GiB in {'the head' if head else 'a block'}'s "
+                 f"({gib('block_backward' if head else 'head_backward')} in {'a block' if head else 'the head'}'s): "
+                 f"peak {sig3(worst.activation_bytes / GIB)} GiB at {PHASES[worst.phase]}")
+    header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
+    rows = [header] + [(str(r.rank), *(sig3(b / GIB) for b in (
+        r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes, r.state_bytes, r.gathered_bytes,
+        r.activation_bytes, r.total_bytes))) for r in ranks]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines.append("GiB per rank:")
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    usable = device_gib - reserve_gib
+    fits = worst.total_bytes <= usable * GIB
+    lines.append(f"reserve: {sig3(reserve_gib)} GiB per device for the runtime (CUDA context, NCCL) and fragmentation "
+                 f"(--reserve-gib, --reserve-fraction): {sig3(usable)} of {device_gib:g} GiB usable")
+    lines.append(f"{'fits' if fits else 'does NOT fit'}: the largest rank ({worst.rank}) needs "
+                 f"{sig3(worst.total_bytes / GIB)} GiB of {sig3(usable)} GiB usable per device "
+                 f"({100 * worst.total_bytes / (usable * GIB):.0f}%)")
+    if not fits:
+        lines.append(f"to fit: {shrink_hint(config, worst, assumed['accumulation'])}")
+    return DryRunReport("\n".join(lines), fits)
+
+
+def shrink_hint(config: Config, worst: RankMemory, accumulation: int = 1) -> str:
+    """What to change, the largest part first: the state and its transient copies (sharding, the FSDP reduction,
+    fewer micro-batches) or the activations (checkpointing, sequence parallelism, tokens per rank)."""
+    model, parallel, train = config.model, config.parallel, config.train
+    if not parallel.fsdp:
+        state = ["--fsdp (shards parameters, gradients and optimizer state over dp x cp)",
+                 "a larger parallel.tp (splits the weights)"]
+    else:
+        state = ([] if parallel.fsdp_reshard_after_forward else
+                 ["parallel.fsdp_reshard_after_forward=true (gathers one block at a time)"])
+        state += ["a larger parallel.tp (splits the weights)", "more ranks in dp (FSDP shards over dp x cp)"]
+        if accumulation > 1 and parallel.fsdp_reduce != "per_microbatch":  # unsharded gradients of every parameter
+            state[:0] = ["parallel.fsdp_reduce=per_microbatch (no unsharded gradients between micro-batches)",
+                         f"fewer, larger micro-batches (train.micro_batch_size={train.micro_batch_size * accumulation}"
+                         f": one per step keeps no unsharded gradients, but more activations)"]
+    acts = {"none": ["model.activation_checkpointing=selective (recomputes all but the attention; or full)"],
+            "selective": ["model.activation_checkpointing=full"], "full": []}[model.activation_checkpointing]
+    if parallel.tp > 1 and not parallel.sequence_parallel_on:
+        acts.insert(0, "parallel.sequence_parallel=true (the residual stream and the norms hold 1/tp of the tokens)")
+    acts += [] if model.loss_chunk_tokens else ["model.loss_chunk_tokens=1024 (no [tokens, vocab] logits)"]
+    if model.activation_checkpointing == "none":  # checkpointed slices: only outside a checkpointed block
+        acts.append(f"model.mlp_chunks={2 * model.mlp_chunks}")
+    if train.micro_batch_size > 1:
+        acts.append(f"train.micro_batch_size={train.micro_batch_size // 2} (activations scale with it)")
+    acts += ["a larger parallel.cp (fewer tokens per rank)", "a smaller data.seq_len"]
+    parts = [state, acts] if worst.state_bytes + worst.gathered_bytes >= worst.activation_bytes else [acts, state]
+    return "; ".join(parts[0] + parts[1][:2])

@@ -1,0 +1,123 @@
+"""The dry run against real training steps: the planned peak within 15% of the measured one (live tensor bytes,
+``bench/dry_run_check.py``) on the tiny trainer run; sequence parallelism halves the block inputs (planned and
+measured); ``parallel.fsdp_reduce: auto`` picks what fits; the "to fit" hints name the settings that shrink the
+larger part. The cpu-tiny table is ``python -m bench.dry_run_check`` (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from bench import dry_run_check
+from bench.tensor_bytes import LiveTensorBytes
+from cp_train.config.sources import load_config
+from cp_train.memory.dry_run import GIB, RankMemory, plan, resolve_fsdp_reduce, with_reduce
+from cp_train.memory.dry_run_report import report, shrink_hint
+from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
+from tests import dry_run_cases, trainer_cases
+
+GPU_8B = "launch/configs/gpt-8b-128k-cp8.yaml"
+CASES = {  # (tp, cp, dp) and overrides of the tiny run (2 micro-batches per step at dp 1)
+    "cp2-ring-none": {},
+    "cp2-allgather-full": {"parallel.cp_algorithm": "allgather", "model.activation_checkpointing": "full"},
+    "cp2-ulysses-selective": {"parallel.cp_algorithm": "ulysses", "model.activation_checkpointing": "selective"},
+    "cp2-fsdp-per_microbatch": {"parallel.fsdp": True, "parallel.fsdp_reduce": "per_microbatch"},
+    "cp2-fsdp-auto": {"parallel.fsdp": True},  # auto: per_step on CPU
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return trainer_cases.write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
+
+
+def test_live_tensor_bytes_counts_storages_once_until_freed() -> None:
+    """Views share their storage's count; a freed storage leaves it; an in-place resize (FSDP2's) re-counts it."""
+    before, resize = torch.zeros(1000), torch.UntypedStorage.resize_
+    tracker = LiveTensorBytes()
+    tracker.track([before, before[:10]])
+    with tracker:
+        a = torch.ones(500)
+        view = a[:100]
+        del a
+        b = torch.empty(250)
+        b.untyped_storage().resize_(0)
+        b.untyped_storage().resize_(4000)
+        del view
+    assert tracker.current == 4000 + 4000 and tracker.overall_peak == 4000 + 2000 + 4000, vars(tracker)
+    assert torch.UntypedStorage.resize_ is resize  # restored on exit
+
+
+def test_live_tensor_bytes_counts_the_outputs_of_gloo_collectives(spawn_world) -> None:
+    for counted in spawn_world(2).run(run_with_parallel, (1, 2, 1), dry_run_cases.collective_output_bytes):
+        assert counted == {"all_gather": 2**20, "all_to_all": 2**19}, counted
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_planned_peak_is_within_15_percent_of_the_measured(spawn_world, corpus, tmp_path, name) -> None:
+    config = trainer_cases.tiny_config(corpus, str(tmp_path), ParallelDims(tp=1, cp=2, dp=1), **CASES[name])
+    record = dry_run_check.compare(spawn_world(2), config, name)
+    assert abs(record["ratio"] - 1) <= 0.15, record
+    if config.parallel.fsdp:  # the trainer resolves auto as the dry run does: per_step on CPU
+        assert record["fsdp_reduce"] == (config.parallel.fsdp_reduce.replace("auto", "per_step")), record
+
+
+def test_sequence_parallelism_halves_the_block_inputs(spawn_world, corpus, tmp_path) -> None:
+    """At tp 2 each rank's block inputs (what full checkpointing keeps) are half, measured and in the dry run."""
+    measured, planned = {}, {}
+    for sp in (True, False):
+        config = trainer_cases.tiny_config(corpus, str(tmp_path / str(sp)), ParallelDims(tp=2, cp=1, dp=1), **{
+            "parallel.sequence_parallel": sp, "model.activation_checkpointing": "full"})
+        measured[sp] = spawn_world(2).run(run_with_parallel, (2, 1, 1), dry_run_cases.block_input_bytes, config)[0]
+        _, _, activations, assumed = plan(config, 2)
+        assert assumed["sequence_parallel"] is sp
+        planned[sp] = activations["block_input"]
+    assert len(measured[True]) == 2 * trainer_cases.TINY_MODEL["num_layers"]  # two micro-batches
+    assert all(on * 2 == off for on, off in zip(measured[True], measured[False], strict=True)), measured
+    assert planned[True] * 2 == planned[False] == measured[False][0], (planned, measured)
+
+
+def _8b(*overrides: str):  # noqa: ANN202
+    return load_config(GPU_8B, overrides=list(overrides))
+
+
+def test_fsdp_reduce_auto_is_per_step_where_it_fits_else_per_microbatch() -> None:
+    """8 micro-batches per step (8B, cp 8): per_step keeps every parameter's unsharded fp32 gradient."""
+    config = _8b("train.global_batch_size=8")
+    needs = {mode: plan(with_reduce(config, mode), 8, only=[0])[1][0].total_bytes / GIB
+             for mode in ("per_step", "per_microbatch")}
+    assert needs["per_step"] > needs["per_microbatch"] + 20, needs  # 4 B x 8.0 B parameters x 7/8
+    roomy, tight = needs["per_step"] + 1, (needs["per_step"] + needs["per_microbatch"]) / 2
+    assert resolve_fsdp_reduce(config, 8, roomy)[0] == "per_step"
+    choice, why = resolve_fsdp_reduce(config, 8, tight)
+    assert choice == "per_microbatch" and why.startswith("per_step needs"), why
+    assert resolve_fsdp_reduce(_8b("train.global_batch_size=8", "parallel.backend=gloo"), 8, tight)[0] == "per_step"
+    assert resolve_fsdp_reduce(_8b(), 8, 1.0) == ("per_step", "one micro-batch per step: nothing accumulates")
+    assert resolve_fsdp_reduce(_8b("parallel.fsdp_reduce=per_step"), 8, tight) == ("per_step", "set in the config")
+    text = report(config, 8, tight + 10, "8b", reserve_gib=10).text.splitlines()
+    assert text[1].startswith("parallel.fsdp_reduce auto: per_microbatch (per_step needs"), text[1]
+    assert text[-1].startswith("fits:"), text[-1]
+
+
+def test_the_hints_name_micro_batches_the_fsdp_reduction_checkpointing_and_sequence_parallelism() -> None:
+    config = _8b("train.global_batch_size=8", "parallel.fsdp_reduce=per_step")
+    worst = plan(config, 8, only=[0])[1][0]
+    hint = report(config, 8, 40.0, "8b", reserve_gib=3).text.splitlines()[-1]
+    assert hint.startswith("to fit: parallel.fsdp_reduce=per_microbatch (no unsharded gradients"), hint
+    assert "fewer, larger micro-batches (train.micro_batch_size=8:" in hint, hint
+    assert worst.state_bytes + worst.gathered_bytes > worst.activation_bytes  # the state's hints come first
+    tp2 = _8b("parallel.tp=2", "parallel.sequence_parallel=false", "model.activation_checkpointing=none",
+              "train.micro_batch_size=2", "train.global_batch_size=2")
+    activations = dataclasses.replace(worst, activation_bytes=10 * worst.total_bytes)
+    hint = shrink_hint(tp2, activations, accumulation=1)
+    assert hint.startswith("parallel.sequence_parallel=true (the residual stream and the norms hold 1/tp"), hint
+    assert "model.activation_checkpointing=selective" in hint, hint
+    assert "train.micro_batch_size=1 (activations scale with it)" in hint, hint
+    assert "parallel.sequence_parallel" not in shrink_hint(_8b("parallel.tp=2"), activations)  # on by default
+
+
+def test_rank_memory_totals() -> None:
+    memory = RankMemory(0, 1, 2, 3, 4, 5, "block")
+    assert (memory.state_bytes, memory.total_bytes) == (6, 15)
