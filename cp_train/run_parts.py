@@ -170,3 +170,18 @@ def open_sinks(env: RunEnvironment, first_step: int) -> MetricsSinks:
     if state.rank == 0:
         (env.run_dir / "config.yaml").write_text(dump_yaml(config))
     return sinks
+
+
+def due_events(config: Config, step: int, last: int) -> tuple[bool, bool, bool]:
+    """Whether step ``step`` (1-based) of a run ending at ``last`` logs, evaluates, saves a checkpoint."""
+    every = config.logging.interval, config.train.eval_interval, config.checkpoint.interval
+    return (step % every[0] == 0 or step == last, bool(every[1]) and (step % every[1] == 0 or step == last),
+            bool(every[2]) and step % every[2] == 0)
+
+
+def start_line(env: RunEnvironment, state: ParallelState, sizes: dict[str, int], peak: str) -> str:
+    """The run's first console line: its name, parameters, layout, device, run dir and the assumed ``peak``."""
+    sharding = "FSDP over dp x cp" if env.config.parallel.fsdp else "DDP"
+    return (f"run {env.run_name}: {sizes['parameters']:,} parameters ({sizes['parameters_per_rank']:,} per "
+            f"rank, {sharding}), world {state.world_size} = tp {state.tp.size} x cp {state.cp.size} x dp "
+            f"{state.dp.size}, device {env.device}, run dir {env.run_dir}; peak {peak}")

@@ -28,6 +28,7 @@ from cp_train.checkpoint.dcp import save_checkpoint
 from cp_train.data.loader import CP_PLAN
 from cp_train.loss import device_sums, global_loss_tokens, host_sum, masked_loss_sum, reduce_loss, reduce_sums
 from cp_train.memory.dry_run import fsdp_reduce_for_run
+from cp_train.metrics.prediction import PlannerCheck
 from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
 from cp_train.metrics.throughput import (
     IntervalMeter,
@@ -73,6 +74,7 @@ class Trainer:
         # parallel.fsdp_reduce with auto resolved as the dry run does (against this device's memory on CUDA)
         self.fsdp_reduce, why = fsdp_reduce_for_run(config, state.world_size, self.env.device)
         self.result = TrainResult(run_dir=str(self.env.run_dir))
+        self.prediction: dict | None = None  # the planner's, for this run's layout (``train``)
         self.step, consumed = 0, 0
         self._pending_messages: list[str] = []
         for note in self.env.notes:
@@ -237,7 +239,11 @@ class Trainer:
         sinks = run_parts.open_sinks(self.env, first_step=self.step)
         sizes = self.training.sizes(state)
         peak, peak_source = peak_tflops(self.device, config.logging.peak_tflops, config.logging.cpu_peak_tflops)
-        sinks.message(self._start_line(sizes, peak, peak_source))
+        sinks.message(run_parts.start_line(self.env, state, sizes, f"{peak} TFLOP/s per device ({peak_source})"))
+        check = PlannerCheck(config, state.world_size, self.device, peak, peak_source)
+        self.prediction = check.prediction
+        for line in check.notes:
+            self._note(line)
         self._flush(sinks)
         meter = IntervalMeter.for_model(config.model, config.data.seq_len, config.train.global_batch_size,
                                         state.world_size, peak)
@@ -250,7 +256,7 @@ class Trainer:
                 started = time.perf_counter()
                 micro_batches = next(batches)
                 loaded = time.perf_counter()
-                log, evaluate, save = self._due(self.step + 1, last)
+                log, evaluate, save = run_parts.due_events(config, self.step + 1, last)
                 read = self._step(micro_batches, read=log or evaluate or save)  # checked before the update
                 if self.step == first + 1:  # gradients and optimizer state exist now: measure them
                     sinks.log(self._setup_record(sizes, first))
@@ -258,9 +264,13 @@ class Trainer:
                 meter.add_steps(read, times)
                 if log:
                     out = read[-1][1]
-                    sinks.log(meter.record(self.step, out.lr, out.grad_norm, self.loader.consumed_samples,
-                                           config.data.seq_len, peak_memory_gib(self.device),
-                                           peak_memory_reserved_gib(self.device)))
+                    record = meter.record(self.step, out.lr, out.grad_norm, self.loader.consumed_samples,
+                                          config.data.seq_len, peak_memory_gib(self.device),
+                                          peak_memory_reserved_gib(self.device))
+                    sinks.log(record)
+                    for line in check.observe(record):
+                        self._note(line)
+                    self._flush(sinks)
                 paused = time.perf_counter()
                 if evaluate:
                     self._log_eval(sinks)
@@ -271,24 +281,13 @@ class Trainer:
             if self.step == first:
                 sinks.log(self._setup_record(sizes, first))
             self.save()
+            for line in check.summary():
+                self._note(line)
             self._flush(sinks)
         finally:
             sinks.close()
         self.result.final_step = self.step
         return self.result
-
-    def _due(self, step: int, last: int) -> tuple[bool, bool, bool]:
-        """Whether step ``step`` (1-based) of a run ending at ``last`` logs, evaluates, saves a checkpoint."""
-        every = self.config.logging.interval, self.config.train.eval_interval, self.config.checkpoint.interval
-        return (step % every[0] == 0 or step == last, bool(every[1]) and (step % every[1] == 0 or step == last),
-                bool(every[2]) and step % every[2] == 0)
-
-    def _start_line(self, sizes: dict[str, int], peak: float, peak_source: str) -> str:
-        state, sharding = self.state, "FSDP over dp x cp" if self.config.parallel.fsdp else "DDP"
-        return (f"run {self.run_name}: {sizes['parameters']:,} parameters ({sizes['parameters_per_rank']:,} per "
-                f"rank, {sharding}), world {state.world_size} = tp {state.tp.size} x cp {state.cp.size} x dp "
-                f"{state.dp.size}, device {self.device}, run dir {self.run_dir}; peak {peak} TFLOP/s per device "
-                f"({peak_source})")
 
     def _setup_record(self, sizes: dict[str, int], step: int) -> dict:
         parallel = self.config.parallel
@@ -297,7 +296,7 @@ class Trainer:
             "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward, "fsdp_reduce": self.fsdp_reduce,
             "sequence_parallel": self.model.parallel.sequence_parallel,
             "attention_kernels": ", ".join(chosen_backends()),
-            "compiled": ", ".join(self.model.compiled_parts) or "nothing"})
+            "compiled": ", ".join(self.model.compiled_parts) or "nothing", "prediction": self.prediction})
 
     def _log_eval(self, sinks: MetricsSinks) -> None:
         loss = self.evaluate()

@@ -36,6 +36,7 @@ def dry_run(config: Config, args: Namespace) -> int:
     does not fit the device."""
     from cp_train.memory.dry_run import dry_run_world
     from cp_train.memory.dry_run_report import report
+    from cp_train.metrics.prediction import dry_run_line
 
     device_gib = args.device_memory_gib
     if device_gib is None:
@@ -44,6 +45,9 @@ def dry_run(config: Config, args: Namespace) -> int:
     planned = report(config, dry_run_world(config), device_gib, args.config or "the command line", reserve_gib)
     if this_rank() == 0:
         print(planned.text)
+        line = dry_run_line(config, dry_run_world(config))
+        if line:
+            print(line)
     return 0 if planned.fits else 1
 
 

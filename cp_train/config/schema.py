@@ -126,6 +126,9 @@ class LoggingConfig:
     wandb_mode: str | None = None  # None: online if WANDB_API_KEY is set, else offline; or disabled
     peak_tflops: float | None = None  # per device; None: the GPU table, or cpu_peak_tflops
     cpu_peak_tflops: float = 0.2  # assumed per-rank peak on CPU (MFU on CPU is indicative only)
+    # the planner's hardware profile to predict this run with (a name or a YAML file, e.g. from cp-train-plan
+    # --calibrate); None: the CUDA device's own profile, no prediction on CPU
+    hardware_profile: str | None = None
     console: bool = True
 
 

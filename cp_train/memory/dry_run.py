@@ -25,6 +25,8 @@ inside the reserve, else per_microbatch), the same way by the dry run and by the
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -38,6 +40,7 @@ from cp_train.config.validate import validate
 from cp_train.data.default_corpus import DEFAULT_VOCAB_SIZE
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.memory.activations import activation_estimate, shapes_of
+from cp_train.model.config import ModelConfig
 from cp_train.model.meta import meta_model
 from cp_train.model.parallelize import fsdp_shard_dim
 from cp_train.model.shards import tensor_parallel_dim
@@ -95,6 +98,22 @@ def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: 
     held, stored = list(shape), list(shape)
     held[dim], stored[dim] = max(0, min(chunk, shape[dim] - index * chunk)), chunk
     return torch.Size(held), torch.Size(stored)
+
+
+_STATE: dict[tuple, tuple[int, int, int]] = {}  # rank_state by (model, layout, rank, fsdp, optimizer)
+_META: dict[str, dict[str, torch.nn.Parameter]] = {}  # meta parameters by model
+
+
+def _model_key(model: ModelConfig) -> str:
+    return json.dumps(dataclasses.asdict(model), sort_keys=True, default=str)
+
+
+def _meta_parameters(model: ModelConfig) -> dict[str, torch.nn.Parameter]:
+    """The full model's named parameters on the meta device (built once per model: shapes only)."""
+    key = _model_key(model)
+    if key not in _META:
+        _META[key] = dict(meta_model(model).named_parameters())
+    return _META[key]
 
 
 def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, rank: int
@@ -192,10 +211,13 @@ def plan(config: Config, world: int, only: list[int] | None = None
     optimizer = config.optimizer
     foreach = optimizer.impl != "apex" and (optimizer.implementation == "foreach" or (
         optimizer.implementation == "auto" and not cuda))
-    full = dict(meta_model(config.model).named_parameters())
+    full = _meta_parameters(config.model)
     ranks = []
     for rank in range(dims.world) if only is None else only:
-        params, grads, moments = rank_state(config, full, dims, rank)
+        key = (_model_key(config.model), dims, rank, config.parallel.fsdp, repr(config.optimizer))
+        if key not in _STATE:  # the planner asks for the same state under many activation settings
+            _STATE[key] = rank_state(config, full, dims, rank)
+        params, grads, moments = _STATE[key]
         phases = phase_bytes(config, full, dims, compute, accumulation, activations, (params, grads), foreach)
         phase = max(phases, key=lambda name: sum(phases[name]))
         ranks.append(RankMemory(rank, params, grads, moments, *phases[phase], phase))

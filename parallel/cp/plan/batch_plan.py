@@ -184,6 +184,13 @@ def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses:
     return plan
 
 
+def layout_plan(algorithm: str, layout: str, world: int, rank: int, local_len: int, ulysses: int = 1,
+                causal: bool = True) -> CPPlan:
+    """The plan ``plan_batch`` returns for one document per sample in a static ``layout`` (cached; no process
+    group needed): what rank ``rank`` of ``world`` runs, for the planner (``cp_train.plan``)."""
+    return _static_plan(algorithm, layout, causal, world, ulysses, rank, local_len)
+
+
 def plan_batch(algorithm: str, groups: CPGroups, layout: str, causal: bool, local_len: int,
                   document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
                   ) -> CPPlan | None:

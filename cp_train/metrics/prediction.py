@@ -1,0 +1,119 @@
+"""Every run checks the planner: the planner's prediction for the run's own layout (``cp_train.plan``), and the
+sanity guard on measured throughput.
+
+The hardware is ``logging.hardware_profile`` (a profile name or a YAML file, e.g. one written by
+``cp-train-plan --calibrate``), else the profile of the CUDA device's name; a CPU run without a profile, or an
+unknown GPU, is not predicted. A prediction never stops a run: a failure becomes a note.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any
+
+import torch
+
+from cp_train.config.schema import Config
+from cp_train.errors import InputError
+from cp_train.memory.dry_run import reserve_gib
+from cp_train.plan.inputs.hardware import Hardware, load_hardware
+from cp_train.plan.predict import predict
+from cp_train.plan.rates import DeviceRates
+
+DEVICE_PROFILES = (("H200", "h200"), ("H800", "h800"), ("H100", "h100-sxm"), ("B200", "b200"), ("A100", "a100-80g"))
+
+
+def run_hardware(config: Config, device: torch.device) -> Hardware | None:
+    """The profile to predict this run with (see the module docstring); ``InputError`` for a bad profile."""
+    if config.logging.hardware_profile:
+        return load_hardware(config.logging.hardware_profile)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    profile = next((profile for key, profile in DEVICE_PROFILES if key in name), None)
+    return load_hardware(profile) if profile else None
+
+
+def run_prediction(config: Config, world: int, device: torch.device) -> tuple[dict[str, Any] | None, str | None]:
+    """``(prediction, note)``: the planner's step time, tokens/s per device, MFU and peak memory for ``config``
+    on ``world`` ranks of this run's hardware (None when there is none), and a note when it could not be made."""
+    try:
+        hardware = run_hardware(config, device)
+        if hardware is None:
+            return None, None
+        rates = DeviceRates(hardware)
+        planned = predict(copy.deepcopy(config), world, rates, hardware.peak_tflops("bf16"), hardware.hbm_gib,
+                          reserve_gib(hardware.hbm_gib))
+    except (InputError, ValueError, KeyError) as error:
+        return None, f"no planner prediction for this run: {error}"
+    record = planned.record()
+    if record["mfu"]["causal_half"] > 1:
+        profile = config.logging.hardware_profile or "built in"
+        return None, (f"the planner predicts MFU {record['mfu']['causal_half']:.0%} on {hardware.name}, above the "
+                      f"hardware's peak: the profile's rates are wrong ({profile})")
+    return {"hardware": hardware.name, "step_time_s": record["step_time_s"],
+            "tokens_per_s_per_device": record["tokens_per_s_per_gpu"], "mfu": record["mfu"]["causal_half"],
+            "memory_gib": record["memory_gib"]["total"], "fits": record["fits"]}, None
+
+
+def dry_run_line(config: Config, world: int) -> str | None:
+    """``--dry-run``'s prediction line: the run's step on ``logging.hardware_profile``, else on this machine's
+    GPU, else (a CUDA run planned from a machine without one) on an H100 SXM; None for a CPU run without a
+    profile."""
+    if not config.logging.hardware_profile and config.parallel.backend == "gloo":
+        return None
+    local = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    chosen = copy.deepcopy(config)
+    if not chosen.logging.hardware_profile and local.type != "cuda":
+        chosen.logging.hardware_profile = "h100-sxm"
+    prediction, note = run_prediction(chosen, world, local)
+    if prediction is None:
+        return note
+    return (f"planner ({prediction['hardware']}; cp-train-plan for other layouts): a step of "
+            f"{config.train.global_batch_size * config.data.seq_len:,} tokens in {prediction['step_time_s']:.3g} s, "
+            f"{prediction['tokens_per_s_per_device']:,.0f} tokens/s per device, MFU {prediction['mfu']:.1%} "
+            f"(causal attention at half)")
+
+
+def measured_against_predicted(step_time_s: float, prediction: dict[str, Any] | None) -> str | None:
+    """The final summary's comparison line, or None without a prediction."""
+    if not prediction or not step_time_s:
+        return None
+    ratio = step_time_s / prediction["step_time_s"]
+    return (f"step time {step_time_s:.3g} s measured / {prediction['step_time_s']:.3g} s predicted by the planner "
+            f"on {prediction['hardware']} = {ratio:.2f}")
+
+
+class PlannerCheck:
+    """One run's check of the planner: the prediction made at the start (``prediction``, and ``notes`` when it
+    could not be made), the measured MFU guarded at every logged interval (warned once), and the final
+    measured / predicted line from the median logged step time (the first interval, with compilation and
+    warm-up, left out when there are others)."""
+
+    def __init__(self, config: Config, world: int, device: torch.device, peak_tflops: float, peak_source: str) -> None:
+        self.prediction, note = run_prediction(config, world, device)
+        self.notes = [note] if note else []
+        self.peak_tflops, self.peak_source = peak_tflops, peak_source
+        self.step_times: list[float] = []
+        self.warned = False
+
+    def observe(self, record: dict[str, Any]) -> list[str]:
+        """Take one logged ``train`` record; the lines to print (the MFU warning, once)."""
+        self.step_times.append(record["step_time_s"])
+        warning = None if self.warned else implausible_mfu(record["mfu"], self.peak_tflops, self.peak_source)
+        self.warned = self.warned or warning is not None
+        return [warning] if warning else []
+
+    def summary(self) -> list[str]:
+        times = self.step_times[1:] or self.step_times
+        line = measured_against_predicted(statistics.median(times), self.prediction) if times else None
+        return [line] if line else []
+
+
+def implausible_mfu(mfu: float, peak_tflops: float, source: str) -> str | None:
+    """A warning when the measured MFU is above 100%: the FLOPs or the peak are miscounted."""
+    if mfu <= 1.0:
+        return None
+    return (f"measured MFU {mfu:.0%} is above 100% of {peak_tflops:g} TFLOP/s ({source}): the peak is wrong for this "
+            f"device (set logging.peak_tflops) or the FLOPs are miscounted")

@@ -1,0 +1,1 @@
+"""``cp-train-plan --calibrate``: measure this machine and write a hardware profile."""

@@ -1,0 +1,165 @@
+"""``cp-train-plan`` (``python -m cp_train.plan``): predict the layouts a model can train in, before renting.
+
+    cp-train-plan llama3-8b --seq-len 131072 --gpus 8 --hardware h100-sxm            # search: the best 10
+    cp-train-plan llama3-8b --seq-len 131072 --gpus 8 --cp 4 --fsdp --explain          # one layout, in words
+    cp-train-plan launch/configs/gpt-8b-128k-cp8.yaml --seq-len 131072 --gpus 8 --json
+    cp-train-plan --calibrate cpu.yaml                                                  # measure this CPU
+    cp-train-plan launch/configs/cpu-tiny.yaml --seq-len 256 --gpus 2 --hardware cpu.yaml --cp 2 --eager
+
+With no layout flag it searches every layout the trainer can run (``search.py``); any layout flag fixes that
+setting. Prints a table, or one JSON line per layout (``--json``). Bad input is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from cp_train.config.schema import Config
+from cp_train.errors import InputError
+from cp_train.plan.explain import explain
+from cp_train.plan.inputs.hardware import load_hardware
+from cp_train.plan.inputs.presets import load_model
+from cp_train.plan.predict import Prediction
+from cp_train.plan.rates import DeviceRates
+from cp_train.plan.search import Choices, search
+
+DEFAULT_RESERVE_GIB, DEFAULT_RESERVE_FRACTION = 3.0, 0.05  # as train.py --dry-run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cp-train-plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a preset (llama3-8b, llama3-70b, llama3-405b, llama2-7b, qwen2.5-7b, "
+                                      "gpt-1b, gpt-8b), a project YAML config or a Hugging Face config.json")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's (8)")
+    parser.add_argument("--hardware", default="h100-sxm", help="h100-sxm, h100-sxm-96g, h200, b200, a100-80g, "
+                                                               "h800, or a YAML file of constants")
+    parser.add_argument("--global-batch-tokens", type=int, default=None,
+                        help="tokens per optimizer step (default: seq-len x gpus)")
+    parser.add_argument("--eager", action="store_true", help="plan the eager step (default: compiled, --compile)")
+    parser.add_argument("--precision", choices=("bf16", "fp8", "fp32"), default=None,
+                        help="the linears' precision (default: the hardware's compute dtype, bf16 on GPUs and fp32 "
+                             "on a calibrated CPU; fp8: for comparison with published fp8 runs)")
+    for flag, kind in (("--tp", int), ("--cp", int), ("--dp", int), ("--ulysses-size", int), ("--mlp-chunks", int),
+                       ("--micro-batch", int)):
+        parser.add_argument(flag, type=kind, default=None)
+    parser.add_argument("--cp-algorithm", choices=("ring", "allgather", "ulysses", "hybrid"), default=None)
+    parser.add_argument("--cp-layout", choices=("zigzag", "stripe", "contiguous"), default=None)
+    parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default=None)
+    parser.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB)
+    parser.add_argument("--reserve-fraction", type=float, default=DEFAULT_RESERVE_FRACTION)
+    parser.add_argument("--top", type=int, default=10, help="layouts shown by a search")
+    parser.add_argument("--json", action="store_true", help="one JSON line per layout instead of the table")
+    parser.add_argument("--explain", action="store_true", help="the best layout's time and memory in words")
+    parser.add_argument("--calibrate", metavar="OUT.yaml", default=None,
+                        help="measure this machine's CPU (a minute or two) and write a hardware profile for "
+                             "--hardware OUT.yaml; no model or layout needed")
+    parser.add_argument("--quick", action="store_true", help="with --calibrate: a few sizes only (seconds)")
+    return parser
+
+
+def base_config(args: argparse.Namespace, cpu: bool = False) -> Config:
+    """The run config every candidate starts from: the model, sequence and batch; CUDA with bf16, or with ``cpu``
+    (a calibrated CPU profile) gloo ranks in fp32, eager."""
+    config = Config()
+    config.model = load_model(args.model, vocab_size=128256)
+    config.model.max_position_embeddings = max(config.model.max_position_embeddings, args.seq_len)
+    config.data.seq_len = args.seq_len
+    tokens = args.global_batch_tokens or args.seq_len * args.gpus
+    if tokens % args.seq_len:
+        raise InputError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {args.seq_len}")
+    config.train.global_batch_size = tokens // args.seq_len
+    config.train.dtype = "fp32" if cpu else "bf16"
+    config.train.compile = not (args.eager or cpu)
+    config.parallel.backend = "gloo" if cpu else None  # None: CUDA (the dry run plans nccl runs on CUDA)
+    config.logging.wandb = False
+    return config
+
+
+def choices_of(args: argparse.Namespace) -> Choices:
+    """The search space, with each given flag fixing its setting."""
+    def fixed(value: object) -> tuple | None:
+        return None if value is None else (value,)
+    algorithm = args.cp_algorithm or ("hybrid" if args.ulysses_size else None)
+    return Choices(tp=fixed(args.tp), cp=fixed(args.cp), dp=fixed(args.dp),
+                   algorithms=fixed(algorithm) or Choices.algorithms, layouts=fixed(args.cp_layout),
+                   fsdp=fixed(args.fsdp) or Choices.fsdp,
+                   checkpointing=fixed(args.activation_checkpointing) or Choices.checkpointing,
+                   mlp_chunks=fixed(args.mlp_chunks), micro_batches=fixed(args.micro_batch),
+                   ulysses=fixed(args.ulysses_size))
+
+
+def table(predictions: list[Prediction]) -> str:
+    header = ("#", "tp", "cp", "dp", "cp algorithm", "layout", "fsdp", "ckpt", "mlp", "mb", "step s", "tok/s/GPU",
+              "TFLOP/s half|full", "MFU half|full", "GiB", "fits")
+    rows = [header]
+    for index, p in enumerate(predictions, 1):
+        r = p.record()
+        algorithm = r["cp_algorithm"] + (f" u{r['ulysses_size']}" if r["ulysses_size"] else "") if r["cp"] > 1 else "-"
+        rows.append((str(index), str(r["tp"]), str(r["cp"]), str(r["dp"]), algorithm, r["cp_layout"] if r["cp"] > 1
+                     else "-", "yes" if r["fsdp"] else "no", r["activation_checkpointing"], str(r["mlp_chunks"]),
+                     str(r["micro_batch"]), f"{r['step_time_s']:.3g}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                     "{:.0f} | {:.0f}".format(*r["tflops_per_gpu"].values()),
+                     "{:.1%} | {:.1%}".format(*r["mfu"].values()), f"{r['memory_gib']['total']:.3g}",
+                     "yes" if r["fits"] else "NO"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def calibrate_main(path: str, quick: bool) -> int:
+    """``--calibrate OUT.yaml``: measure, print each measurement, write the profile."""
+    from cp_train.plan.calibration.calibrate import write_profile
+
+    try:
+        write_profile(path, quick, log=lambda line: print(line, flush=True))
+    except OSError as error:
+        print(f"cp-train-plan: cannot write {path}: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: use it with --hardware {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--calibrate")
+    pre.add_argument("--quick", action="store_true")
+    early, _ = pre.parse_known_args(argv)
+    if early.calibrate:
+        return calibrate_main(early.calibrate, early.quick)
+    args = build_parser().parse_args(argv)
+    try:
+        hardware = load_hardware(args.hardware)
+        if args.gpus_per_node:
+            hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+        base = base_config(args, cpu=hardware.cpu is not None)
+        args.precision = args.precision or hardware.compute_dtype
+        rates = DeviceRates(hardware, args.precision)
+        reserve = args.reserve_gib + args.reserve_fraction * hardware.hbm_gib
+        result = search(base, args.gpus, rates, hardware.peak_tflops(hardware.compute_dtype), hardware.hbm_gib,
+                        reserve, choices_of(args))
+    except InputError as error:
+        print(f"cp-train-plan: {error}", file=sys.stderr)
+        return 2
+    if not result.ranked:
+        reasons = "; ".join(f"{reason} ({count}x)" for reason, count in result.rejected.most_common(3))
+        print(f"cp-train-plan: no layout the trainer can run: {reasons}", file=sys.stderr)
+        return 2
+    shown = result.ranked[: max(1, args.top)]
+    if args.json:
+        for prediction in shown:
+            print(json.dumps(prediction.record()))
+    else:
+        print(f"{base.model.num_layers} layers x {base.model.hidden_size} hidden, seq {args.seq_len:,}, "
+              f"{args.gpus} x {hardware.name}, {base.train.global_batch_size} samples per step, {args.precision} "
+              f"linears: {result.evaluated} layouts, {len(result.ranked)} valid, "
+              f"{sum(p.fits for p in result.ranked)} fit")
+        print(table(shown))
+    if args.explain:
+        print(explain(shown[0], hardware))
+    return 0

@@ -1,0 +1,55 @@
+"""``cp-train-plan --explain``: one layout's predicted step and memory in words, what bounds it and what would
+move it."""
+
+from __future__ import annotations
+
+from cp_train.plan.inputs.hardware import Hardware
+from cp_train.plan.predict import Prediction
+
+PARTS = {"matmuls": "the linear layers' matmuls", "attention": "the attention kernels",
+         "elementwise": "memory-bound work (norms, residual adds, RoPE, SwiGLU, the loss)",
+         "recompute": "activation checkpointing's recompute", "cp_comm": "exposed CP communication",
+         "tp_comm": "TP communication", "data_comm": "exposed FSDP/DDP communication",
+         "optimizer": "the optimizer step", "host": "the host's time per op (Python, dispatcher, autograd)"}
+
+# what moves each part, when it is the largest one not bound by the hardware's peak
+MOVES = {"recompute": "less checkpointing (selective instead of full, or none where memory allows)",
+         "cp_comm": "a CP algorithm that hides its traffic (ring) or a layout that keeps the CP group in one node",
+         "tp_comm": "a smaller tp (TP's collectives are exposed; CP or FSDP scale instead)",
+         "data_comm": "larger micro-batches or fewer data-parallel shards (gathers are per micro-batch)",
+         "optimizer": "more tokens per step (the optimizer's cost is per step, not per token)",
+         "elementwise": "a compiled step (fusing the memory-bound work) or larger matmuls",
+         "attention": "a faster attention kernel (FA3 or cuDNN) or a layout that balances the causal work",
+         "matmuls": "fp8 linears, or larger matmuls (a larger micro-batch)",
+         "host": "larger micro-batches (fewer, larger ops), a compiled step, or no more ranks than cores"}
+
+
+def explain(prediction: Prediction, hardware: Hardware) -> str:
+    """Paragraph lines: the step's parts by share, the FLOP conventions, the memory against the device."""
+    record = prediction.record()
+    parts = record["breakdown_s"]
+    step = prediction.step_time_s
+    ranked = sorted(parts, key=parts.get, reverse=True)
+    lines = [f"layout tp {record['tp']} x cp {record['cp']} x dp {record['dp']} ({record['cp_algorithm']}, "
+             f"{record['cp_layout']}, {'FSDP' if record['fsdp'] else 'DDP'}, activation checkpointing "
+             f"{record['activation_checkpointing']}, micro-batch {record['micro_batch']}): a step of "
+             f"{prediction.tokens_per_step:,} tokens takes {step:.3g} s, {prediction.tokens_per_s_per_gpu:,.0f} "
+             f"tokens/s per GPU."]
+    lines.append("where the time goes: " + ", ".join(
+        f"{PARTS[name]} {parts[name]:.3g} s ({parts[name] / step:.0%})" for name in ranked if parts[name] > 0))
+    half, full = record["tflops_per_gpu"]["causal_half"], record["tflops_per_gpu"]["causal_full"]
+    lines.append(f"model FLOPs: {half:.0f} TFLOP/s per GPU with causal attention counted at half (Megatron-Bridge: "
+                 f"6N + 6·L·d·s per token), {full:.0f} counted in full (torchtitan: 6N + 12·L·d·s): MFU "
+                 f"{record['mfu']['causal_half']:.1%} and {record['mfu']['causal_full']:.1%} of "
+                 f"{hardware.peak_tflops(hardware.compute_dtype):.4g} TFLOP/s {hardware.compute_dtype}.")
+    compute = parts["matmuls"] + parts["attention"]
+    bound = "compute" if compute >= 0.5 * step else f"{PARTS[ranked[0]]}"
+    movable = next((name for name in ranked if name not in ("matmuls",)), ranked[0])
+    lines.append(f"bounded by {bound}; the largest part beyond the matmuls is {PARTS[movable]}: "
+                 f"to move it, {MOVES[movable]}.")
+    memory = record["memory_gib"]
+    lines.append(f"memory per GPU: {memory['total']:.3g} GiB of {prediction.usable_gib:.3g} usable "
+                 f"({'fits' if prediction.fits else 'does NOT fit'}): parameters {memory['parameters']:.3g}, "
+                 f"gradients {memory['gradients']:.3g}, optimizer {memory['optimizer']:.3g}, gathered "
+                 f"{memory['gathered']:.3g}, activations {memory['activations']:.3g}.")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The planner's inputs: hardware profiles (``profiles/*.yaml``), model presets and published runs."""

@@ -1,0 +1,159 @@
+"""One layout's prediction: step time by part, tokens/s, TFLOP/s and MFU under both FLOP conventions, and the
+dry run's memory per rank (``cp_train.memory.dry_run``, the same plan ``train.py --dry-run`` prints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cp_train.config.schema import Config
+from cp_train.memory.dry_run import GIB, plan
+from cp_train.model.config import ModelConfig
+from cp_train.model.flops import model_flops_per_token
+from cp_train.plan.cpu_comm import cp_comm_seconds, data_seconds
+from cp_train.plan.host_ops import step_ops
+from cp_train.plan.time_model import (
+    ADAMW_BYTES,
+    DDP_BUCKET_BYTES,
+    Breakdown,
+    Rates,
+    attention_seconds,
+    collective_seconds,
+    collectives_seconds,
+    group_spans_nodes,
+    matmul_seconds,
+)
+from cp_train.plan.workload import Workload, build_workload
+
+
+def layer_parameters(model: ModelConfig) -> int:
+    """Weights of one block: fused QKV, output projection, SwiGLU and the two norms."""
+    d, hidden = model.head_dim, model.hidden_size
+    return hidden * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * hidden \
+        + 3 * hidden * model.ffn_hidden_size + 2 * hidden
+
+
+def root_parameters(model: ModelConfig) -> int:
+    """The embedding, the final norm and the LM head (none when tied)."""
+    return model.vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2) + model.hidden_size
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step (``breakdown``), throughput and memory (GiB per component, the largest rank)."""
+
+    config: Config
+    world: int
+    breakdown: Breakdown
+    tokens_per_step: int
+    flops_per_token: dict[str, float]  # "causal_half" (Megatron-Bridge) and "causal_full" (torchtitan)
+    peak_tflops: float
+    memory_gib: dict[str, float]
+    usable_gib: float
+
+    @property
+    def step_time_s(self) -> float:
+        return self.breakdown.step
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_time_s / self.world
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_gib["total"] <= self.usable_gib
+
+    def tflops_per_gpu(self, convention: str) -> float:
+        return self.flops_per_token[convention] * self.tokens_per_s_per_gpu / 1e12
+
+    def record(self) -> dict[str, Any]:
+        """The JSON line of this layout (``cp-train-plan --json``)."""
+        p, m, t = self.config.parallel, self.config.model, self.config.train
+        conventions = tuple(self.flops_per_token)
+        return {"tp": p.tp, "cp": p.cp, "dp": self.world // (p.tp * p.cp), "cp_algorithm": p.cp_algorithm,
+                "ulysses_size": p.ulysses_size if p.cp_algorithm == "hybrid" else None, "cp_layout": p.cp_layout,
+                "fsdp": p.fsdp, "sequence_parallel": p.sequence_parallel_on,
+                "activation_checkpointing": m.activation_checkpointing, "mlp_chunks": m.mlp_chunks,
+                "micro_batch": t.micro_batch_size, "seq_len": self.config.data.seq_len, "gpus": self.world,
+                "step_time_s": self.step_time_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "tflops_per_gpu": {c: self.tflops_per_gpu(c) for c in conventions},
+                "mfu": {c: self.tflops_per_gpu(c) / self.peak_tflops for c in conventions},
+                "memory_gib": self.memory_gib, "usable_gib": self.usable_gib, "fits": self.fits,
+                "breakdown_s": vars(self.breakdown)}
+
+
+def _data_parallel_seconds(work: Workload, rates: Rates, forward: float, backward: float) -> float:
+    """Exposed FSDP or DDP seconds per step: FSDP prefetches a layer's gather during the layer before and
+    reduce-scatters while the next layer's backward runs; DDP all-reduces in buckets during the backward."""
+    config, model = work.config, work.config.model
+    parallel = config.parallel
+    ranks, spans = group_spans_nodes(work, "data", rates.gpus_per_node)
+    link = rates.link(spans)
+    layer = layer_parameters(model) // parallel.tp
+    per_layer_f, per_layer_b = forward / model.num_layers, backward / model.num_layers
+    if not parallel.fsdp:
+        total = (model.num_layers * layer_parameters(model) + root_parameters(model)) // parallel.tp
+        reduce = collective_seconds("all_reduce", 4 * total, ranks, link)
+        bucket = collective_seconds("all_reduce", min(DDP_BUCKET_BYTES, 4 * total), ranks, link)
+        return max(bucket, reduce - backward)
+    gather = collective_seconds("all_gather", work.compute_bytes * layer // ranks, ranks, link)
+    scatter = collective_seconds("reduce_scatter", 4 * layer, ranks, link)
+    gathers_backward = 1 if parallel.fsdp_reshard_after_forward else 0
+    per_micro = model.num_layers * (max(0.0, gather - per_layer_f) + gathers_backward * max(0.0, gather - per_layer_b))
+    reduces = work.accumulation if parallel.fsdp_reduce == "per_microbatch" else 1
+    return work.accumulation * per_micro + reduces * model.num_layers * max(0.0, scatter - per_layer_b)
+
+
+def breakdown(work: Workload, rates: Rates) -> Breakdown:
+    """The step's seconds by part (see ``time_model.py``)."""
+    config, model = work.config, work.config.model
+    blocks, head, elementwise = matmul_seconds(work, rates)
+    loss = work.loss_bytes / rates.memory_bytes_per_s
+    attn_f, attn_b, cp_f, cp_b = (model.num_layers * x for x in attention_seconds(work, rates))
+    if rates.cpu_threads:  # CPU ranks: every message costs its time (cpu_comm.py)
+        cp_f, cp_b = (model.num_layers * x for x in cp_comm_seconds(work, rates, rates.cpu_threads))
+    tp_f = model.num_layers * collectives_seconds(work, rates, work.tp_collectives, "forward")
+    tp_b = model.num_layers * collectives_seconds(work, rates, work.tp_collectives, "backward")
+    mode = model.activation_checkpointing
+    recompute = head if model.loss_chunk_tokens else 0.0  # the fused loss recomputes its logits
+    recompute_tp = 0.0
+    if mode in ("full", "selective"):
+        recompute += blocks + elementwise
+        recompute_tp = tp_f
+        if mode == "full":
+            recompute += attn_f + cp_f
+    elif model.mlp_chunks > 1:  # each MLP slice is checkpointed on its own
+        recompute += sum(g.flops / rates.matmul(g.m, g.n, g.k) for g in work.gemms if g.name.startswith("mlp"))
+    forward = blocks + head + elementwise + loss + attn_f
+    backward = 2 * (blocks + head + elementwise + loss) + attn_b
+    data = (data_seconds(work, rates, layer_parameters(model), root_parameters(model)) if rates.cpu_threads
+            else _data_parallel_seconds(work, rates, forward, backward))
+    local_params = (model.num_layers * layer_parameters(model) + root_parameters(model)) / config.parallel.tp
+    if config.parallel.fsdp:
+        local_params /= work.config.parallel.cp * (config.parallel.dp or 1)
+    a = work.accumulation
+    return Breakdown(matmuls=a * 3 * (blocks + head), attention=a * (attn_f + attn_b),
+                     elementwise=a * 3 * (elementwise + loss), recompute=a * recompute,
+                     cp_comm=a * (cp_f + cp_b), tp_comm=a * (tp_f + tp_b + recompute_tp), data_comm=data,
+                     optimizer=ADAMW_BYTES * local_params / rates.memory_bytes_per_s,
+                     host=step_ops(work) * rates.op_seconds)
+
+
+def predict(config: Config, world: int, rates: Rates, peak_tflops: float, device_gib: float,
+            reserve_gib: float) -> Prediction:
+    """``config`` (validated by the dry run's ``plan``) on ``world`` ranks of a device with ``rates``."""
+    rates = rates.at_world(world)
+    dims, ranks, _, assumed = plan(config, world, only=[0])  # rank 0 holds FSDP's largest shards
+    config.parallel.dp = dims.dp
+    compute = 2 if assumed["compute"] == "bf16" else 4
+    work = build_workload(config, world, compute)
+    worst = max(ranks, key=lambda r: r.total_bytes)
+    memory = {"parameters": worst.parameter_bytes / GIB, "gradients": worst.gradient_bytes / GIB,
+              "optimizer": worst.optimizer_bytes / GIB, "gathered": worst.gathered_bytes / GIB,
+              "activations": worst.activation_bytes / GIB, "total": worst.total_bytes / GIB}
+    seq = config.data.seq_len
+    flops = {"causal_half": model_flops_per_token(config.model, seq, causal=True),
+             "causal_full": model_flops_per_token(config.model, seq, causal=False)}
+    tokens = config.train.global_batch_size * seq
+    return Prediction(config, world, breakdown(work, rates), tokens, flops, peak_tflops, memory,
+                      device_gib - reserve_gib)

@@ -1,0 +1,156 @@
+"""Seconds of one optimizer step from a rank's work list (``workload.py``) and a device's rates.
+
+Per micro-batch: the forward and backward of every layer (matmuls at a shape-dependent efficiency, memory-
+bound work at the memory bandwidth, the CP attention step by step), the recompute of activation
+checkpointing, the TP collectives (not overlapped: the trainer waits for them), the CP attention's
+collectives and hops (a ring hop hides behind its step's kernels, so a step costs the longer of the two; the
+all-gather's chunks overlap the compute of the chunk before; Ulysses' all-to-alls are exposed), FSDP's
+gathers and reduce-scatters (prefetched: exposed only where a layer's communication outlasts its compute).
+Per step: the micro-batches, DDP's gradient all-reduce (overlapped with the last backward but its last
+bucket), and the optimizer (AdamW: memory-bound, 28 bytes per local parameter).
+
+Which link a group uses follows Megatron's rank order (tp fastest, then cp, then dp): a group whose ranks
+span more than one node runs at the network's rate, else at NVLink's (``Rates.link``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from cp_train.plan.workload import ATTENTION_BACKWARD, Collective, KernelCall, Workload
+
+ADAMW_BYTES = 28  # fused AdamW per fp32 parameter: read p, g, m, v (16), write p, m, v (12)
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+class Rates(Protocol):
+    """What the time model asks of a device (``rates.py`` builds one from a hardware profile)."""
+
+    gpus_per_node: int
+    memory_bytes_per_s: float
+    call_latency_s: float  # a collective's fixed cost, on top of its per-step latency
+    op_seconds: float  # host time per dispatched op (a CPU profile's; 0 on a GPU: launches run ahead)
+    cpu_threads: int  # torch threads per CPU rank (``cpu_comm.py``: nothing overlaps); 0 on a GPU
+
+    def at_world(self, world: int) -> Rates:
+        """These rates for one rank of a layout of ``world`` ranks (CPU ranks share the machine's cores)."""
+
+    def matmul(self, m: int, n: int, k: int) -> float:
+        """FLOP/s of a ``[m, k] @ [k, n]`` matmul in the run's precision."""
+
+    def attention(self, call: KernelCall, head_dim: int) -> float:
+        """FLOP/s of a flash kernel call (fwd and bwd alike), counting 4 * area * head_dim per head forward."""
+
+    def link(self, spans_nodes: bool) -> tuple[float, float]:
+        """``(bytes/s per rank per direction, latency s)`` of a collective inside a node or across nodes."""
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Seconds per optimizer step, by where they go (they add up to ``step``)."""
+
+    matmuls: float
+    attention: float
+    elementwise: float
+    recompute: float
+    cp_comm: float  # exposed: what the ring's hops, the all-gather and Ulysses' all-to-alls add
+    tp_comm: float
+    data_comm: float  # exposed FSDP gathers and reduce-scatters, DDP's all-reduce
+    optimizer: float
+    host: float = 0.0  # the host's time per dispatched op (``host_ops.py``): CPU profiles only
+
+    @property
+    def step(self) -> float:
+        return sum(vars(self).values())
+
+
+def collective_seconds(kind: str, size: int, ranks: int, link: tuple[float, float], base: float = 0.0) -> float:
+    """Ring-algorithm time of one collective of ``size`` bytes (see ``Collective``) over ``ranks`` ranks: the
+    bytes each rank moves at the link's rate, plus ``base`` and the link's latency per ring step."""
+    if ranks <= 1 or size <= 0:
+        return 0.0
+    bandwidth, latency = link
+    moved = {"all_reduce": 2 * (ranks - 1) / ranks * size, "reduce_scatter": (ranks - 1) / ranks * size,
+             "all_gather": (ranks - 1) * size, "all_to_all": (ranks - 1) / ranks * size, "p2p": float(size)}[kind]
+    hops = 1 if kind in ("p2p", "all_to_all") else (ranks - 1) * (2 if kind == "all_reduce" else 1)
+    return moved / bandwidth + hops * latency + base
+
+
+def group_spans_nodes(work: Workload, group: str, gpus_per_node: int) -> tuple[int, bool]:
+    """``(ranks, spans nodes)`` of ``group`` in Megatron's order (tp, then cp, then dp)."""
+    parallel = work.config.parallel
+    tp, cp = parallel.tp, parallel.cp
+    world = tp * cp * (work.config.parallel.dp or 1)
+    extent = {"tp": (tp, tp), "cp": (cp, tp * cp), "ulysses": (parallel.ulysses_size, tp * parallel.ulysses_size),
+              "ring": (cp // max(1, parallel.ulysses_size), tp * cp), "data": (world // tp, world)}[group]
+    return extent[0], extent[1] > gpus_per_node
+
+
+def collectives_seconds(work: Workload, rates: Rates, collectives: list[Collective], phase: str,
+                        scale: int = 1) -> float:
+    """Seconds of the ``phase`` collectives of ``collectives``, each ``scale`` times its size."""
+    total = 0.0
+    for c in collectives:
+        if c.phase == phase:
+            ranks, spans = group_spans_nodes(work, c.group, rates.gpus_per_node)
+            total += c.count * collective_seconds(c.kind, c.size * scale, ranks, rates.link(spans),
+                                                  rates.call_latency_s)
+    return total
+
+
+def _kernel_seconds(calls: tuple[KernelCall, ...], work: Workload, rates: Rates) -> float:
+    d = work.config.model.head_dim
+    per_call = work.batch * work.attention_heads * 4.0 * d
+    return sum(per_call * call.area / rates.attention(call, d) for call in calls)
+
+
+def attention_seconds(work: Workload, rates: Rates) -> tuple[float, float, float, float]:
+    """One layer's CP attention: ``(forward kernels, backward kernels, forward exposed comm, backward exposed
+    comm)`` of the slowest rank at each step (ranks wait for each other at every hop). A ring step costs the
+    longer of its kernels and its hop; the all-gather's one transfer per direction travels in kv-head chunks
+    behind the compute of the chunk before (``_overlapped``); Ulysses' all-to-alls are exposed."""
+    algorithm = work.config.parallel.cp_algorithm
+    ranks, spans = group_spans_nodes(work, "ring" if algorithm == "hybrid" else "cp", rates.gpus_per_node)
+    bandwidth, latency = rates.link(spans)
+    gathered = algorithm == "allgather"
+    kernels_f = kernels_b = exposed_f = exposed_b = 0.0
+    for index in range(len(work.attention[0])):
+        steps = [rank_steps[index] for rank_steps in work.attention]
+        compute = max(_kernel_seconds(step.calls, work, rates) + work.batch * step.merge_forward
+                      / rates.memory_bytes_per_s for step in steps)
+        compute_b = max(ATTENTION_BACKWARD * _kernel_seconds(step.calls, work, rates) + work.batch
+                        * step.merge_backward / rates.memory_bytes_per_s for step in steps)
+        kernels_f += compute
+        kernels_b += compute_b
+        if not gathered and ranks > 1:
+            hop_f = max(step.send_forward for step in steps) * work.batch / bandwidth + latency
+            hop_b = max(step.send_backward for step in steps) * work.batch / bandwidth + latency
+            exposed_f += max(0.0, hop_f - compute)
+            exposed_b += max(0.0, hop_b - compute_b)
+    if gathered:  # one transfer per direction, the slowest rank's bytes
+        sent_f = max(sum(step.send_forward for step in steps) for steps in work.attention) * work.batch
+        sent_b = max(sum(step.send_backward for step in steps) for steps in work.attention) * work.batch
+        local = _kernel_seconds(work.attention[0][0].calls, work, rates)
+        exposed_f += _overlapped(sent_f / bandwidth + rates.call_latency_s, kernels_f, local)
+        exposed_b += _overlapped(sent_b / bandwidth + rates.call_latency_s, kernels_b, ATTENTION_BACKWARD * local)
+    exposed_f += collectives_seconds(work, rates, work.attention_collectives, "forward", work.batch)
+    exposed_b += collectives_seconds(work, rates, work.attention_collectives, "backward", work.batch)
+    return kernels_f, kernels_b, exposed_f, exposed_b
+
+
+def _overlapped(comm: float, compute: float, local: float, chunks: int = 2) -> float:
+    """Exposed seconds of a transfer sent in ``chunks`` kv-head chunks, chunk i+1 travelling during chunk i's
+    compute and chunk 0 during the rank's own block (``local``): the all-gather of ``allgather.py``."""
+    if comm <= 0:
+        return 0.0
+    per_comm, per_compute, per_local = comm / chunks, compute / chunks, local / chunks
+    exposed = max(0.0, per_comm - per_local)
+    return exposed + (chunks - 1) * max(0.0, per_comm - per_compute)
+
+
+def matmul_seconds(work: Workload, rates: Rates) -> tuple[float, float, float]:
+    """``(blocks forward, head forward, blocks' elementwise forward)`` seconds of one micro-batch."""
+    blocks = sum(g.flops / rates.matmul(g.m, g.n, g.k) for g in work.gemms)
+    head = work.head_gemm.flops / rates.matmul(work.head_gemm.m, work.head_gemm.n, work.head_gemm.k)
+    return blocks, head, work.elementwise_bytes / rates.memory_bytes_per_s

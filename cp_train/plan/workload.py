@@ -1,0 +1,239 @@
+"""What one rank computes and sends in one micro-batch of a layout: the planner's work list.
+
+Everything is counted from the shapes the trainer runs and, for the CP attention, from the CP plan the
+trainer executes (``cp_train.parallel.cp.plan``): every kernel call of every ring step (query rows x key
+rows, causal or full) and the rows each hop carries, for the rank's layout and algorithm. Nothing here
+knows a device: ``time_model.py`` turns the list into seconds.
+
+Units: FLOPs, bytes, per rank, per micro-batch, forward only unless a name says backward. ``n`` is the
+rank's tokens per sample (``seq_len / cp``), ``batch`` the micro-batch's samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cp_train.config.schema import Config
+from cp_train.model.config import ModelConfig
+from cp_train.parallel.cp.algorithms import canonical_algorithm
+from cp_train.parallel.cp.plan.batch_plan import layout_plan
+
+# rows per rank a static layout is planned at when the rank has a multiple of it, then scaled: zigzag's and
+# contiguous' segments are multiples of their chunks (exact); stripe's diagonal is one row off (< 0.1% of the area)
+PLAN_ROWS = 2048
+ATTENTION_BACKWARD = 2.5  # flash attention's backward: five matmuls of the forward's size against two
+# passes over an fp32 [rows, heads, head_dim] tensor: the eager merge out -= sigmoid(lse_b - lse) * (out - out_b)
+# reads out and out_b and writes their difference, reads and writes the product, reads both and writes out (7);
+# an fp32 gradient accumulation reads both and writes one (3)
+MERGE_PASSES, ACCUMULATE_PASSES = 7, 3
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``count`` forward matmuls ``[m, k] @ [k, n]`` per micro-batch (all layers); backward: two of each."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    count: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One attention kernel call per sample and local query head: ``rows`` queries x ``keys`` keys."""
+
+    rows: int
+    keys: int
+    causal: bool
+
+    @property
+    def area(self) -> int:
+        if not self.causal:
+            return self.rows * self.keys
+        return self.rows * (self.keys - self.rows) + self.rows * (self.rows + 1) // 2
+
+
+@dataclass(frozen=True)
+class AttentionStep:
+    """One step of the CP attention on one rank: its kernel calls, the bytes its ring hop sends meanwhile
+    (forward, backward) and the memory traffic of merging its result (forward: the online-softmax update of
+    the fp32 output; backward: adding the step's dq into the fp32 dq and its dK/dV into the accumulator)."""
+
+    calls: tuple[KernelCall, ...]
+    send_forward: int
+    send_backward: int
+    merge_forward: int = 0
+    merge_backward: int = 0
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` collectives of ``kind`` over ``group`` per micro-batch, each with ``size`` bytes of input per
+    rank (the full tensor for an all-reduce or reduce-scatter, this rank's part for an all-gather), ``phase``
+    forward or backward (the recompute repeats the forward's), ``hidden`` when the trainer overlaps it with
+    compute."""
+
+    name: str
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    group: str  # tp | cp | ulysses | data (dp x cp, FSDP and DDP)
+    size: int
+    count: int
+    phase: str
+    hidden: bool = False
+
+
+@dataclass
+class Workload:
+    """One rank's micro-batch (see the module docstring); ``ranks`` holds every CP rank's attention steps."""
+
+    config: Config
+    n: int
+    batch: int
+    compute_bytes: int
+    gemms: list[Gemm]
+    head_gemm: Gemm
+    attention: list[list[AttentionStep]]  # [cp rank][step]: the kernel calls and hop bytes of each step
+    attention_heads: int  # local query heads a kernel call runs over
+    attention_collectives: list[Collective]  # all-gather / all-to-all of the CP attention (per layer)
+    tp_collectives: list[Collective]  # per layer
+    elementwise_bytes: float  # memory traffic of the norms, residual adds, RoPE and SwiGLU, all layers, forward
+    loss_bytes: float  # the cross entropy's memory traffic, forward
+    accumulation: int  # micro-batches per optimizer step
+    notes: list[str] = field(default_factory=list)
+
+
+def _ulysses_collectives(heads: int, kv_heads: int, d: int, compute: int, n: int, degree: int,
+                         group: str) -> list[Collective]:
+    """Ulysses' all-to-alls over ``degree`` ranks (per sample): q, k, v in (kv heads repeated up to the degree
+    when fewer), the output and its fp32 lse back; the backward sends the output's gradient in and dq, dk, dv
+    back."""
+    sent_kv = max(kv_heads, degree)
+    qkv = (heads + 2 * sent_kv) * d * compute * n
+    out = heads * d * compute * n
+    return [Collective("ulysses q/k/v", "all_to_all", group, qkv, 1, "forward"),
+            Collective("ulysses out", "all_to_all", group, out, 1, "forward"),
+            Collective("ulysses lse", "all_to_all", group, heads * 4 * n, 1, "forward"),
+            Collective("ulysses d_out", "all_to_all", group, out, 1, "backward"),
+            Collective("ulysses dq/dk/dv", "all_to_all", group, qkv, 1, "backward")]
+
+
+def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int) -> tuple[list[list[AttentionStep]],
+                                                                                         int, list[Collective]]:
+    """Every CP rank's attention steps (one layer, one sample), the local heads a call runs over and the
+    attention's collectives per layer (per sample, scaled by the batch later).
+
+    A ring step's bytes are its hop: the K/V rows it passes on (forward, and again in the backward) and the
+    dK/dV accumulator (fp32). The all-gather's steps carry what its one transfer sends for each destination:
+    the rows of this rank's block that rank uses (the whole block when everyone uses all of it) and, in the
+    backward, those rows again and the fp32 dK/dV of the rows this rank received."""
+    parallel = config.parallel
+    tp, cp = parallel.tp, parallel.cp
+    heads, kv_heads, d = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
+    if cp == 1:
+        return [[AttentionStep((KernelCall(n, n, True),), 0, 0)]], heads, []
+    algorithm = canonical_algorithm(parallel.cp_algorithm)
+    if algorithm == "ulysses":
+        seq = n * cp
+        return ([[AttentionStep((KernelCall(seq, seq, True),), 0, 0)]] * cp, heads // cp,
+                _ulysses_collectives(heads, kv_heads, d, compute, n, cp, "cp"))
+    ulysses = parallel.ulysses_size if algorithm == "hybrid" else 1
+    collectives = (_ulysses_collectives(heads, kv_heads, d, compute, n, ulysses, "ulysses")
+                   if algorithm == "hybrid" else [])
+    local_heads, local_kv = heads // ulysses, max(1, kv_heads // ulysses)
+    kv_row, grad_row = 2 * local_kv * d * compute, 2 * local_kv * d * 4  # K and V of a token; dK, dV in fp32
+    small = PLAN_ROWS if n % PLAN_ROWS == 0 else n  # a static layout's plan scales with n: plan it small
+    # the balanced layout places each document's chunks by the documents: with one document per sample it
+    # places zigzag's chunks (parallel/cp/balanced_layout.py)
+    layout = "zigzag" if parallel.cp_layout == "balanced" else parallel.cp_layout
+    scale = n // small
+    everyone = []
+    for rank in range(cp):
+        plan = layout_plan(algorithm, layout, cp, rank, small, ulysses).ring
+        steps = []
+        for index, step in enumerate(plan.steps):
+            calls = tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal)
+                          for c in step.calls)
+            if algorithm == "allgather":
+                sent = (small if plan.whole_blocks else step.kv_rows[0]) * scale * kv_row if index else 0
+                back = (small if plan.whole_blocks else step.held_rows) * scale * grad_row if index else 0
+            else:
+                sent, back = step.kv_rows[0] * scale * kv_row, step.grad_rows[0] * scale * grad_row
+            rows, keys = sum(c.rows for c in calls), sum(c.keys for c in calls)
+            merge = MERGE_PASSES * rows * local_heads * d * 4 if index else 0
+            accumulate = ACCUMULATE_PASSES * 4 * d * (rows * local_heads + 2 * keys * local_kv) if index else 0
+            steps.append(AttentionStep(calls, sent, sent + back, merge, accumulate))
+        everyone.append(steps)
+    return everyone, local_heads, collectives
+
+
+def _tp_collectives(model: ModelConfig, config: Config, n: int, compute: int) -> list[Collective]:
+    """Per layer: the attention's and the MLP's output all-reduce (forward) and their inputs' gradient
+    all-reduce (backward); with sequence parallelism a reduce-scatter and an all-gather in each place."""
+    if config.parallel.tp == 1:
+        return []
+    size = n * model.hidden_size * compute
+    if config.parallel.sequence_parallel_on:
+        return [Collective("SP all-gather of the block inputs", "all_gather", "tp", size // config.parallel.tp, 2,
+                           "forward"),
+                Collective("SP reduce-scatter of the outputs", "reduce_scatter", "tp", size, 2, "forward"),
+                Collective("SP reduce-scatter of the input gradients", "reduce_scatter", "tp", size, 2, "backward"),
+                Collective("SP all-gather of the output gradients", "all_gather", "tp", size // config.parallel.tp, 2,
+                           "backward")]
+    return [Collective("TP all-reduce of the outputs", "all_reduce", "tp", size, 2, "forward"),
+            Collective("TP all-reduce of the input gradients", "all_reduce", "tp", size, 2, "backward")]
+
+
+# tensor passes (reads + writes) of the memory-bound ops, (compiled, eager): torch.compile fuses each into one
+# read of its inputs and one write; eager runs the ops of model/*.py one kernel at a time. RMSNorm: fused
+# (F.rms_norm) either way. RoPE (rope.apply_rope: x*cos + rotate_half(x)*sin): 2 fused, 9 eager (the
+# half-rotation's negation and cat, two products, the sum). SwiGLU: 3 fused, 5 eager (silu, then the product).
+ROPE_PASSES, SWIGLU_PASSES = {True: 2, False: 9}, {True: 3, False: 5}
+# eager on CPU (gloo) F.rms_norm is not fused: pow (read, write), mean (read), x * rstd (read, write), * weight
+# (read, write): seven passes of the fp32 rows
+CPU_NORM_PASSES = 7
+
+
+def _elementwise_bytes(model: ModelConfig, config: Config, rows: int, compute: int, residual: int) -> float:
+    """Forward memory traffic of one micro-batch's memory-bound work over ``rows`` tokens: per layer two
+    RMSNorms (read the residual, write the compute dtype; eager on CPU its decomposed passes), two residual
+    adds (read two, write one), RoPE on q and k, SwiGLU's silu and product (passes of ``ffn/tp`` rows),
+    compiled or eager (``train.compile``)."""
+    tp, compiled = config.parallel.tp, config.train.compile
+    shard = rows // tp if config.parallel.sequence_parallel_on else rows
+    hidden, d = model.hidden_size, model.head_dim
+    cpu_eager = config.parallel.backend == "gloo" and not compiled
+    norms = 2 * shard * hidden * (CPU_NORM_PASSES * compute if cpu_eager else residual + compute)
+    adds = 2 * 3 * shard * hidden * residual
+    rope = ROPE_PASSES[compiled] * rows * (model.num_heads + model.num_kv_heads) // tp * d * compute
+    swiglu = SWIGLU_PASSES[compiled] * rows * (model.ffn_hidden_size // tp) * compute
+    return float(model.num_layers * (norms + adds + rope + swiglu))
+
+
+def build_workload(config: Config, world: int, compute: int) -> Workload:
+    """The work list of one rank of ``config`` (validated, ``model.vocab_size`` set) on ``world`` ranks, with
+    ``compute`` bytes per element of the matmul inputs (2 in bf16)."""
+    model, parallel = config.model, config.parallel
+    tp, cp = parallel.tp, parallel.cp
+    dp = world // (tp * cp)
+    n, batch = config.data.seq_len // cp, config.train.micro_batch_size
+    rows = n * batch
+    hidden, d, layers = model.hidden_size, model.head_dim, model.num_layers
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * d // tp
+    gemms = [Gemm("qkv", rows, qkv, hidden, layers), Gemm("attention out", rows, hidden, model.num_heads * d // tp,
+                                                          layers),
+             Gemm("mlp gate+up", rows, 2 * model.ffn_hidden_size // tp, hidden, layers),
+             Gemm("mlp down", rows, hidden, model.ffn_hidden_size // tp, layers)]
+    head = Gemm("lm head", rows, model.vocab_size // tp, hidden, 1)
+    attention, heads, cp_collectives = _attention_steps(model, config, n, compute)
+    residual = compute if parallel.fsdp or compute == 4 else 4
+    loss_passes = 4 if model.loss_chunk_tokens else 3  # fp32 logits chunk: write, max, exp-sum, target
+    accumulation = config.train.global_batch_size // (batch * dp)
+    return Workload(config, n, batch, compute, gemms, head, attention, heads, cp_collectives,
+                    _tp_collectives(model, config, rows, compute),
+                    _elementwise_bytes(model, config, rows, compute, residual),
+                    float(loss_passes * rows * (model.vocab_size // tp) * 4), accumulation)

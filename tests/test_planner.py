@@ -1,0 +1,125 @@
+"""The planner (``cp_train.plan``) against what the code it models does.
+
+- Its attention work per rank equals the kernel area the CP attention executes (counted at the CPU kernel), and
+  the bytes it puts on the wire equal the bytes the ring, all-gather and Ulysses code sends (``BYTES_SENT``),
+  rank by rank, at cp 2 and 4 in every static layout.
+- ``cp-train-plan`` prints a table and JSON lines with the documented keys; it searches only layouts the trainer
+  accepts, and bad input is one line naming what to change.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cp_train.config.schema import Config
+from cp_train.model.config import ModelConfig
+from cp_train.plan.cli import main as plan_main
+from cp_train.plan.workload import build_workload
+from tests import planner_cases
+
+SEQ = 64
+CASES = [(2, "zigzag", "ring"), (2, "contiguous", "ring"), (4, "zigzag", "ring"), (4, "stripe", "ring"),
+         (4, "contiguous", "ring"), (2, "zigzag", "allgather"), (4, "zigzag", "allgather"),
+         (4, "stripe", "allgather"), (2, "zigzag", "ulysses"), (4, "zigzag", "ulysses")]
+
+
+def _workload(cp: int, layout: str, algorithm: str):  # noqa: ANN202 - a Workload
+    config = Config()
+    config.model = ModelConfig(vocab_size=64, num_layers=1, hidden_size=planner_cases.HEADS * planner_cases.DIM,
+                               num_heads=planner_cases.HEADS, num_kv_heads=planner_cases.KV_HEADS,
+                               max_position_embeddings=SEQ)
+    config.data.seq_len, config.parallel.cp, config.parallel.dp = SEQ, cp, 1
+    config.parallel.cp_layout, config.parallel.cp_algorithm = layout, algorithm
+    config.train.micro_batch_size = config.train.global_batch_size = planner_cases.BATCH
+    return build_workload(config, cp, 4)
+
+
+@pytest.mark.parametrize(("cp", "layout", "algorithm"), CASES, ids=lambda x: str(x))
+def test_planned_work_and_bytes_equal_what_the_attention_runs(spawn_world, cp, layout, algorithm) -> None:
+    work = _workload(cp, layout, algorithm)
+    for answer in spawn_world(cp).run(planner_cases.count_attention, SEQ, layout, algorithm):
+        steps = work.attention[answer["rank"]]
+        area = sum(call.area for step in steps for call in step.calls) * work.attention_heads * work.batch
+        assert answer["area"] == area, (answer, area)
+        sent = answer["sent"]
+        if algorithm == "ulysses":  # each all-to-all sends (cp-1)/cp of its input
+            planned = sum(c.size * c.count for c in work.attention_collectives) * work.batch * (cp - 1) / cp
+            assert sent == {"all_to_all": int(planned)}, (sent, planned)
+            continue
+        forward = sum(step.send_forward for step in steps) * work.batch
+        backward = sum(step.send_backward for step in steps) * work.batch
+        assert sum(sent.values()) == forward + backward, (sent, forward, backward)
+        if algorithm == "ring":  # K/V hops (tag 0) forward and again backward; dK/dV hops (tag 1)
+            assert sent.get(0, 0) == 2 * forward and sent.get(1, 0) == backward - forward, (sent, forward, backward)
+
+
+def test_json_lines_carry_both_flop_conventions_and_the_breakdown(capsys) -> None:
+    assert plan_main(["llama3-8b", "--seq-len", "131072", "--gpus", "8", "--cp", "8", "--tp", "1", "--fsdp",
+                      "--activation-checkpointing", "full", "--micro-batch", "1", "--cp-algorithm", "ring",
+                      "--cp-layout", "zigzag", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert {"step_time_s", "tokens_per_s_per_gpu", "mfu", "tflops_per_gpu", "memory_gib", "fits",
+            "breakdown_s"} <= record.keys()
+    assert set(record["mfu"]) == set(record["tflops_per_gpu"]) == {"causal_half", "causal_full"}
+    assert record["tflops_per_gpu"]["causal_full"] > record["tflops_per_gpu"]["causal_half"] > 0
+    assert set(record["memory_gib"]) == {"parameters", "gradients", "optimizer", "gathered", "activations", "total"}
+    assert set(record["breakdown_s"]) >= {"matmuls", "attention", "cp_comm", "tp_comm", "data_comm", "optimizer"}
+    assert record["step_time_s"] == pytest.approx(sum(record["breakdown_s"].values()))
+    assert 0 < record["mfu"]["causal_half"] < 1 and record["fits"] is True
+
+
+def test_search_ranks_fitting_layouts_by_throughput_and_explains_the_best(capsys) -> None:
+    assert plan_main(["llama3-8b", "--seq-len", "131072", "--gpus", "8", "--fsdp", "--micro-batch", "1",
+                      "--cp-layout", "zigzag", "--json", "--top", "200"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    fits = [r["fits"] for r in records]
+    assert fits[0] and fits == sorted(fits, reverse=True), "fitting layouts come first"
+    speeds = [r["tokens_per_s_per_gpu"] for r in records if r["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert {r["cp_algorithm"] for r in records} >= {"ring", "allgather", "ulysses"}
+    assert all(r["tp"] * r["cp"] * r["dp"] == 8 for r in records)
+    assert plan_main(["llama3-8b", "--seq-len", "131072", "--gpus", "8", "--cp", "8", "--tp", "1", "--fsdp",
+                      "--micro-batch", "1", "--explain", "--top", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "where the time goes" in text and "bounded by" in text and "memory per GPU" in text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["llama9-1b", "--seq-len", "8192", "--gpus", "8"], "llama3-8b"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--hardware", "tpu-v9"], "h100-sxm"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--tp", "3"], "tp"),
+    (["llama3-8b", "--seq-len", "8190", "--gpus", "8", "--cp", "8"], "seq_len"),
+])
+def test_bad_input_is_one_line_naming_the_fix(capsys, argv, message) -> None:
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_hardware_file_missing_a_constant_names_it(tmp_path, capsys) -> None:
+    path = tmp_path / "gpu.yaml"
+    path.write_text("name: mine\nbf16_tflops: 100\n")
+    assert plan_main(["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--hardware", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mine" in err or "gpu.yaml" in err, err
+
+
+def test_every_run_checks_the_planner(spawn_world, tmp_path) -> None:
+    """With a hardware profile the setup record carries the planner's prediction for the run's own layout, the
+    final line says measured / predicted, and an MFU above 100% (a peak set far too low) is flagged once."""
+    from cp_train.parallel.mesh.state import run_with_parallel
+    from tests import trainer_cases
+
+    corpus = trainer_cases.write_corpus(tmp_path / "docs")
+    overrides = {"logging.hardware_profile": "h100-sxm", "logging.cpu_peak_tflops": 1e-9, "train.steps": 4}
+    answer = spawn_world(2).run(run_with_parallel, (1, 2, 1), trainer_cases.train_layout, corpus,
+                                str(tmp_path / "run"), overrides)[0]
+    prediction = answer["setup"]["prediction"]
+    assert prediction["hardware"] == "h100-sxm" and prediction["step_time_s"] > 0 and prediction["fits"]
+    messages = answer["messages"]
+    assert sum("measured MFU" in m and "above 100%" in m for m in messages) == 1, messages
+    assert any(m.startswith("step time") and "predicted by the planner on h100-sxm" in m for m in messages), messages

@@ -1,0 +1,134 @@
+"""The planner on CPU: a quick calibration writes a profile that loads and plans, a CPU profile's rates scale with
+the ranks sharing the cores, the host-op count matches what the model dispatches, and bad CPU sections fail in
+one line. Timings are not asserted (a shared machine varies 10-20%): ``bench/planner.py`` compares them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cp_train.config.sources import load_config
+from cp_train.plan.calibration.calibrate import OpCounter, write_profile
+from cp_train.plan.cli import main
+from cp_train.plan.host_ops import LAYER
+from cp_train.plan.inputs.hardware import HardwareError, from_dict, load_hardware
+from cp_train.plan.predict import predict
+from cp_train.plan.rates import DeviceRates
+from cp_train.plan.workload import KernelCall
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_TINY = ROOT / "launch" / "configs" / "cpu-tiny.yaml"
+
+
+def cpu_profile(**cpu: object) -> dict:
+    """A CPU profile's mapping (made-up rates: 100 GFLOP/s per core, 2 cores)."""
+    section = {"cores": 2, "thread_speedup": 1.8, "op_overhead_us": 4.0, "shared_efficiency": 0.9,
+               "collectives": [[2, 2.0, 100.0, 150.0], [4, 1.0, 400.0, 1500.0]],
+               "attention_calls": [[2, "ring", 1, 3000.0], [2, "ring", 2, 5000.0], [4, "ring", 1, 15000.0],
+                                   [4, "ring", 2, 25000.0]]}
+    section.update(cpu)
+    return {"name": "cpu-test", "bf16_tflops": 0, "fp8_tflops": 0, "hbm_gib": 16, "hbm_tb_s": 0.013,
+            "nvlink_gb_s": 2.0, "nvlink_efficiency": 1.0, "nvlink_latency_us": 100.0, "net_gb_s": 2.0,
+            "net_efficiency": 1.0, "net_latency_us": 100.0, "collective_latency_us": 150.0, "gemm_bf16": [],
+            "gemm_fp8": [], "attention": [{"kernel": "torch", "head_dim": 32, "causal": True,
+                                           "points": [[64, 0.2], [1024, 0.4]]}],
+            "attention_kernel": "torch", "gpus_per_node": 1024, "compute_dtype": "fp32", "fp32_tflops": 0.1,
+            "gemm_fp32": [[1e6, 0.5], [1e9, 0.9]], "cpu": section}
+
+
+def tiny_run(**overrides: object):  # noqa: ANN201 - a Config
+    """cpu-tiny (one document per sample) with ``overrides``."""
+    values = {"data.document_mask": False, "logging.wandb": False, **overrides}
+    return load_config(CPU_TINY, overrides=[f"{key}={value}" for key, value in values.items()])
+
+
+def test_a_quick_calibration_writes_a_profile_that_loads_and_plans(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.yaml"
+    written = write_profile(path, quick=True)
+    hardware = load_hardware(str(path))
+    assert hardware == written and hardware.compute_dtype == "fp32" and hardware.cpu is not None
+    assert hardware.fp32_tflops > 0 and hardware.peak_tflops("fp32") == hardware.fp32_tflops
+    assert hardware.attention_kernel == "torch" and 0 < hardware.attention_fraction(32, 256) <= 1
+    assert hardware.cpu.cores >= 1 and [link[0] for link in hardware.cpu.collectives] == [2]
+    assert {call[1] for call in hardware.cpu.attention_calls} == {"ring", "allgather", "ulysses"}
+    prediction = predict(tiny_run(), 2, DeviceRates(hardware), hardware.fp32_tflops, hardware.hbm_gib, 0.0)
+    parts = prediction.record()["breakdown_s"]
+    assert prediction.step_time_s > 0 and parts["host"] > 0 and parts["cp_comm"] > 0
+
+
+def test_cpu_rates_scale_with_the_ranks_sharing_the_cores() -> None:
+    hardware = from_dict(cpu_profile())
+    one = DeviceRates(hardware, world=1)
+    rates = {world: one.at_world(world) for world in (1, 2, 4, 8)}
+    matmul = {world: r.matmul(512, 512, 512) for world, r in rates.items()}
+    assert matmul[1] == pytest.approx(1.8 * 0.1e12 * hardware.gemm_fraction(2 * 512**3, "fp32"))  # two threads
+    assert matmul[2] == pytest.approx(0.9 * matmul[1] / 1.8)  # a thread each, sharing the memory
+    assert matmul[4] == pytest.approx(matmul[2] / 2) and matmul[8] == pytest.approx(matmul[2] / 4)
+    call = KernelCall(256, 256, True)
+    assert rates[4].attention(call, 32) == pytest.approx(rates[2].attention(call, 32) / 2)
+    assert rates[4].memory_bytes_per_s == pytest.approx(rates[2].memory_bytes_per_s / 2)
+    assert rates[2].op_seconds == one.op_seconds == 4e-6 and rates[8].op_seconds == pytest.approx(16e-6)
+    assert rates[2].link(False) == pytest.approx((2e9, 1e-4)) and rates[4].link(True) == pytest.approx((1e9, 4e-4))
+    assert one.at_world(3).link(False)[0] == pytest.approx(1.5e9)  # between the measured worlds
+    assert rates[4].cp_call_seconds("ring", 4, 3) == pytest.approx(0.035)  # linear in the chunks
+    assert rates[4].cp_call_seconds("ring", 2, 1) == pytest.approx(0.015 / 3)  # one hop of three
+    gpu = DeviceRates(load_hardware("h100-sxm"))
+    assert gpu.at_world(64) is gpu and gpu.op_seconds == 0 and gpu.cpu_threads == 0
+
+
+def test_the_same_work_per_rank_takes_longer_on_more_ranks_than_cores() -> None:
+    hardware = from_dict(cpu_profile())
+    steps = {}
+    for cp in (2, 4):  # the same tokens per rank: seq 128 per rank
+        config = tiny_run(**{"parallel.cp": cp, "data.seq_len": 128 * cp, "model.max_position_embeddings": 512})
+        prediction = predict(copy.deepcopy(config), cp, DeviceRates(hardware), 0.1, 16.0, 0.0)
+        steps[cp] = prediction.record()["breakdown_s"]
+    assert steps[4]["matmuls"] == pytest.approx(2 * steps[2]["matmuls"], rel=0.02)  # 4 ranks on 2 cores
+    assert steps[4]["host"] > 1.9 * steps[2]["host"] and steps[4]["cp_comm"] > steps[2]["cp_comm"]
+
+
+def test_the_host_op_count_of_a_block_matches_the_model() -> None:
+    """``host_ops.LAYER`` against a dispatch count of the model's blocks (cp 1, forward + backward)."""
+    from cp_train.model.config import ModelConfig
+    from cp_train.model.gpt import GPTModel
+
+    counts = []
+    for layers in (1, 3):
+        config = ModelConfig(vocab_size=64, num_layers=layers, hidden_size=32, num_heads=4, num_kv_heads=2,
+                             ffn_hidden_size=64, max_position_embeddings=16, tie_embeddings=True)
+        model, tokens = GPTModel(config), torch.randint(0, 64, (2, 16))
+        model(tokens, labels=tokens).sum().backward()
+        with OpCounter() as counter:
+            model(tokens, labels=tokens).sum().backward()
+        counts.append(counter.ops)
+    assert (counts[1] - counts[0]) / 2 == pytest.approx(LAYER, rel=0.15)
+
+
+def test_the_command_line_plans_a_cpu_layout_from_a_profile_file(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "cpu.yaml"
+    path.write_text(from_dict(cpu_profile()).to_yaml())
+    assert main([str(CPU_TINY), "--seq-len", "256", "--gpus", "2", "--global-batch-tokens", "2048", "--hardware",
+                 str(path), "--cp", "2", "--cp-algorithm", "ring", "--no-fsdp",
+                 "--activation-checkpointing", "none", "--micro-batch", "4", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert records and all(r["cp"] == 2 and r["breakdown_s"]["host"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"cores": 0}, ("cpu.cores", "integer >= 1")),
+    ({"thread_speedup": 3.0}, ("cpu.thread_speedup", "between 1 and cpu.cores")),
+    ({"shared_efficiency": 1.5}, ("cpu.shared_efficiency", "fraction")),
+    ({"attention_calls": [[2, "hybrid", 1, 10.0]]}, ("cpu.attention_calls", "ring, allgather, ulysses")),
+    ({"collectives": []}, ("cpu.collectives", "non-empty")),
+])
+def test_a_bad_cpu_section_names_the_key(change: dict, words: tuple[str, ...]) -> None:
+    with pytest.raises(HardwareError) as error:
+        from_dict(cpu_profile(**change), "hardware file cpu.yaml")
+    message = str(error.value)
+    assert "\n" not in message and "hardware file cpu.yaml" in message
+    for word in words:
+        assert word in message, (word, message)
