@@ -1,7 +1,8 @@
 """The planner (``cp_train.plan``) against the real trainer on CPU: predicted and measured step time and peak memory.
 
     python -m bench.planner [--hardware cpu.yaml] [--cases cp2-ring cp4-ulysses ...] [--steps 8 --warmup 3]
-    python -m bench.planner --count-ops [--cases ...]   # the aten ops of a step against host_ops.step_ops
+    python -m bench.planner --count-ops [--cases ...]   # a step's aten ops against host_ops.step_ops (which leaves
+                                                        # the CP attention op's own out: calibrated whole)
 
 Without ``--hardware`` the machine is calibrated first (``cp-train-plan --calibrate``, written to ``--save`` or a
 temporary file). Each case is ``launch/configs/cpu-tiny.yaml`` with overrides (``CASES``), one document per sample
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     text = lambda x: "" if x is None else str(x)  # noqa: E731
     pct = lambda x: "" if x is None else f"{x:+.1%}"  # noqa: E731
     if args.count_ops:
-        columns = [("case", "case", text), ("ranks", "ranks", text), ("planned_ops", "planned ops", "{:.0f}".format),
+        columns = [("case", "case", text), ("ranks", "ranks", text),
+                   ("planned_ops", "planned ops (no CP op's own)", "{:.0f}".format),
                    ("counted_ops", "counted ops", "{:.0f}".format), ("ops_error", "error", pct)]
     else:
         ms = lambda x: "" if x is None else f"{1000 * x:.0f}"  # noqa: E731

@@ -44,10 +44,10 @@ def dry_run(config: Config, args: Namespace) -> int:
     reserve_gib = args.reserve_gib + args.reserve_fraction * device_gib
     planned = report(config, dry_run_world(config), device_gib, args.config or "the command line", reserve_gib)
     if this_rank() == 0:
-        print(planned.text)
-        line = dry_run_line(config, dry_run_world(config))
-        if line:
-            print(line)
+        lines = planned.text.splitlines()
+        predicted = dry_run_line(config, dry_run_world(config))  # the time beside the memory, before the verdict
+        verdict = next((i for i, line in enumerate(lines) if line.startswith("reserve:")), len(lines))
+        print("\n".join(lines[:verdict] + ([predicted] if predicted else []) + lines[verdict:]))
     return 0 if planned.fits else 1
 
 
