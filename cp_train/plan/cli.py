@@ -20,14 +20,13 @@ from collections.abc import Sequence
 
 from cp_train.config.schema import Config
 from cp_train.errors import InputError
+from cp_train.memory.dry_run import RESERVE_FRACTION, RESERVE_GIB, reserve_gib
 from cp_train.plan.explain import explain
 from cp_train.plan.inputs.hardware import load_hardware
 from cp_train.plan.inputs.presets import load_model
 from cp_train.plan.predict import Prediction
 from cp_train.plan.rates import DeviceRates
 from cp_train.plan.search import Choices, search
-
-DEFAULT_RESERVE_GIB, DEFAULT_RESERVE_FRACTION = 3.0, 0.05  # as train.py --dry-run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cp-layout", choices=("zigzag", "stripe", "contiguous"), default=None)
     parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default=None)
-    parser.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB)
-    parser.add_argument("--reserve-fraction", type=float, default=DEFAULT_RESERVE_FRACTION)
+    parser.add_argument("--reserve-gib", type=float, default=RESERVE_GIB)
+    parser.add_argument("--reserve-fraction", type=float, default=RESERVE_FRACTION)
     parser.add_argument("--top", type=int, default=10, help="layouts shown by a search")
     parser.add_argument("--json", action="store_true", help="one JSON line per layout instead of the table")
     parser.add_argument("--explain", action="store_true", help="the best layout's time and memory in words")
@@ -140,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = base_config(args, cpu=hardware.cpu is not None)
         args.precision = args.precision or hardware.compute_dtype
         rates = DeviceRates(hardware, args.precision)
-        reserve = args.reserve_gib + args.reserve_fraction * hardware.hbm_gib
+        reserve = reserve_gib(hardware.hbm_gib, args.reserve_gib, args.reserve_fraction)
         result = search(base, args.gpus, rates, hardware.peak_tflops(hardware.compute_dtype), hardware.hbm_gib,
                         reserve, choices_of(args))
     except InputError as error:

@@ -14,14 +14,13 @@ import copy
 from dataclasses import dataclass
 
 from cp_train.config.schema import Config
+from cp_train.memory.dry_run import reserve_gib
 from cp_train.plan.inputs.hardware import Hardware, load_hardware
 from cp_train.plan.inputs.published import PublishedRun
 from cp_train.plan.predict import Prediction, predict
 from cp_train.plan.rates import DeviceRates
 from cp_train.plan.time_model import attention_seconds
 from cp_train.plan.workload import build_workload
-
-RESERVE_GIB, RESERVE_FRACTION = 3.0, 0.05
 
 
 def source_kernel(run: PublishedRun, hardware: Hardware) -> str | None:
@@ -83,7 +82,7 @@ def compare(run: PublishedRun) -> Comparison:
     measured, unit = run.measured
     if run.attention_only:
         return Comparison(run, _attention_only(run, rates), measured, unit, None)
-    reserve = RESERVE_GIB + RESERVE_FRACTION * hardware.hbm_gib
+    reserve = reserve_gib(hardware.hbm_gib)
     modes = ("none", "selective", "full") if run.activation_checkpointing == "unknown" else (
         run.activation_checkpointing,)
     predictions = [predict(run_config(run, mode), run.layout_gpus, rates, hardware.peak_tflops("bf16"),

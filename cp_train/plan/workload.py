@@ -75,8 +75,7 @@ class AttentionStep:
 class Collective:
     """``count`` collectives of ``kind`` over ``group`` per micro-batch, each with ``size`` bytes of input per
     rank (the full tensor for an all-reduce or reduce-scatter, this rank's part for an all-gather), ``phase``
-    forward or backward (the recompute repeats the forward's), ``hidden`` when the trainer overlaps it with
-    compute."""
+    forward or backward (the recompute repeats the forward's); the trainer waits for each."""
 
     name: str
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
@@ -84,7 +83,6 @@ class Collective:
     size: int
     count: int
     phase: str
-    hidden: bool = False
 
 
 @dataclass
