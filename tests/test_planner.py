@@ -25,7 +25,7 @@ CASES = [(2, "zigzag", "ring"), (2, "contiguous", "ring"), (4, "zigzag", "ring")
          (4, "stripe", "allgather"), (2, "zigzag", "ulysses"), (4, "zigzag", "ulysses")]
 
 
-def _workload(cp: int, layout: str, algorithm: str):  # noqa: ANN202 - a Workload
+def _workload(cp: int, layout: str, algorithm: str, documents: tuple[int, ...] | None = None):  # noqa: ANN202
     config = Config()
     config.model = ModelConfig(vocab_size=64, num_layers=1, hidden_size=planner_cases.HEADS * planner_cases.DIM,
                                num_heads=planner_cases.HEADS, num_kv_heads=planner_cases.KV_HEADS,
@@ -33,7 +33,7 @@ def _workload(cp: int, layout: str, algorithm: str):  # noqa: ANN202 - a Workloa
     config.data.seq_len, config.parallel.cp, config.parallel.dp = SEQ, cp, 1
     config.parallel.cp_layout, config.parallel.cp_algorithm = layout, algorithm
     config.train.micro_batch_size = config.train.global_batch_size = planner_cases.BATCH
-    return build_workload(config, cp, 4)
+    return build_workload(config, cp, 4, documents)
 
 
 @pytest.mark.parametrize(("cp", "layout", "algorithm"), CASES, ids=lambda x: str(x))
@@ -120,6 +120,7 @@ def test_every_run_checks_the_planner(spawn_world, tmp_path) -> None:
                                 str(tmp_path / "run"), overrides)[0]
     prediction = answer["setup"]["prediction"]
     assert prediction["hardware"] == "h100-sxm" and prediction["step_time_s"] > 0 and prediction["fits"]
+    assert prediction["documents_per_sample"] > 1  # the run's own packed documents, from its first sample
     messages = answer["messages"]
     assert sum("measured MFU" in m and "above 100%" in m for m in messages) == 1, messages
     assert any(m.startswith("step time") and "predicted by the planner on h100-sxm" in m for m in messages), messages

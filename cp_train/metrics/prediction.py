@@ -35,16 +35,32 @@ def run_hardware(config: Config, device: torch.device) -> Hardware | None:
     return load_hardware(profile) if profile else None
 
 
-def run_prediction(config: Config, world: int, device: torch.device) -> tuple[dict[str, Any] | None, str | None]:
+def sample_documents(dataset: Any, samples: int = 1) -> tuple[int, ...] | None:
+    """The lengths of the document pieces in the first ``samples`` samples of ``dataset`` (items with
+    ``document_ids``, ``data/gpt_dataset.py``), in order; None when it has none."""
+    try:
+        pieces: list[int] = []
+        for index in range(min(samples, len(dataset))):
+            ids = dataset[index]["document_ids"]
+            pieces += torch.unique_consecutive(ids, return_counts=True)[1].tolist()
+    except (KeyError, TypeError, IndexError):
+        return None
+    return tuple(pieces) or None
+
+
+def run_prediction(config: Config, world: int, device: torch.device, documents: tuple[int, ...] | None = None
+                   ) -> tuple[dict[str, Any] | None, str | None]:
     """``(prediction, note)``: the planner's step time, tokens/s per device, MFU and peak memory for ``config``
-    on ``world`` ranks of this run's hardware (None when there is none), and a note when it could not be made."""
+    on ``world`` ranks of this run's hardware (None when there is none), and a note when it could not be made.
+    ``documents``: the lengths of the documents packed into a sample (``sample_documents``; None: one per
+    sample)."""
     try:
         hardware = run_hardware(config, device)
         if hardware is None:
             return None, None
         rates = DeviceRates(hardware)
         planned = predict(copy.deepcopy(config), world, rates, hardware.peak_tflops("bf16"), hardware.hbm_gib,
-                          reserve_gib(hardware.hbm_gib))
+                          reserve_gib(hardware.hbm_gib), documents)
     except (InputError, ValueError, KeyError) as error:
         return None, f"no planner prediction for this run: {error}"
     record = planned.record()
@@ -53,6 +69,7 @@ def run_prediction(config: Config, world: int, device: torch.device) -> tuple[di
         return None, (f"the planner predicts MFU {record['mfu']['causal_half']:.0%} on {hardware.name}, above the "
                       f"hardware's peak: the profile's rates are wrong ({profile})")
     return {"hardware": hardware.name, "step_time_s": record["step_time_s"],
+            "documents_per_sample": len(documents) if documents else 1,
             "tokens_per_s_per_device": record["tokens_per_s_per_gpu"], "mfu": record["mfu"]["causal_half"],
             "memory_gib": record["memory_gib"]["total"], "fits": record["fits"]}, None
 
@@ -91,8 +108,10 @@ class PlannerCheck:
     measured / predicted line from the median logged step time (the first interval, with compilation and
     warm-up, left out when there are others)."""
 
-    def __init__(self, config: Config, world: int, device: torch.device, peak_tflops: float, peak_source: str) -> None:
-        self.prediction, note = run_prediction(config, world, device)
+    def __init__(self, config: Config, world: int, device: torch.device, peak_tflops: float, peak_source: str,
+                 dataset: Any = None) -> None:
+        documents = sample_documents(dataset) if dataset is not None and config.data.document_mask else None
+        self.prediction, note = run_prediction(config, world, device, documents)
         self.notes = [note] if note else []
         self.peak_tflops, self.peak_source = peak_tflops, peak_source
         self.step_times: list[float] = []

@@ -3,7 +3,7 @@
     cp-train-plan llama3-8b --seq-len 131072 --gpus 8 --hardware h100-sxm            # search: the best 10
     cp-train-plan llama3-8b --seq-len 131072 --gpus 8 --cp 4 --fsdp --explain          # one layout, in words
     cp-train-plan launch/configs/gpt-8b-128k-cp8.yaml --seq-len 131072 --gpus 8 --json
-    cp-train-plan --calibrate cpu.yaml                                                  # measure this CPU
+    cp-train-plan --calibrate cpu.yaml                                      # measure this machine (GPU or CPU)
     cp-train-plan launch/configs/cpu-tiny.yaml --seq-len 256 --gpus 2 --hardware cpu.yaml --cp 2 --eager
 
 With no layout flag it searches every layout the trainer can run (``search.py``); any layout flag fixes that
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from cp_train.config.schema import Config
 from cp_train.errors import InputError
 from cp_train.memory.dry_run import RESERVE_FRACTION, RESERVE_GIB, reserve_gib
+from cp_train.plan.documents import document_pieces, parse_document_lengths
 from cp_train.plan.explain import explain
 from cp_train.plan.inputs.hardware import load_hardware
 from cp_train.plan.inputs.presets import load_model
@@ -40,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "h800, or a YAML file of constants")
     parser.add_argument("--global-batch-tokens", type=int, default=None,
                         help="tokens per optimizer step (default: seq-len x gpus)")
+    parser.add_argument("--document-lengths", default=None, metavar="N|N,N,...|FILE",
+                        help="the lengths of the documents packed into each sample (one length, a comma list, or "
+                             "a file of lengths); attention stays inside each (default: one document per sample)")
+    parser.add_argument("--vocab-size", type=int, default=128256,
+                        help="for a project YAML whose model.vocab_size is null (the tokenizer's); default 128256")
     parser.add_argument("--eager", action="store_true", help="plan the eager step (default: compiled, --compile)")
     parser.add_argument("--precision", choices=("bf16", "fp8", "fp32"), default=None,
                         help="the linears' precision (default: the hardware's compute dtype, bf16 on GPUs and fp32 "
@@ -48,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--micro-batch", int)):
         parser.add_argument(flag, type=kind, default=None)
     parser.add_argument("--cp-algorithm", choices=("ring", "allgather", "ulysses", "hybrid"), default=None)
-    parser.add_argument("--cp-layout", choices=("zigzag", "stripe", "contiguous"), default=None)
+    parser.add_argument("--cp-layout", choices=("zigzag", "stripe", "contiguous", "balanced"), default=None,
+                        help="balanced: with --document-lengths (it places tokens by their documents)")
     parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default=None)
     parser.add_argument("--reserve-gib", type=float, default=RESERVE_GIB)
@@ -57,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="one JSON line per layout instead of the table")
     parser.add_argument("--explain", action="store_true", help="the best layout's time and memory in words")
     parser.add_argument("--calibrate", metavar="OUT.yaml", default=None,
-                        help="measure this machine's CPU (a minute or two) and write a hardware profile for "
-                             "--hardware OUT.yaml; no model or layout needed")
+                        help="measure this machine (its GPU when there is one, else its CPU; a minute or two) and "
+                             "write a hardware profile for --hardware OUT.yaml; no model or layout needed")
     parser.add_argument("--quick", action="store_true", help="with --calibrate: a few sizes only (seconds)")
     return parser
 
@@ -67,7 +74,7 @@ def base_config(args: argparse.Namespace, cpu: bool = False) -> Config:
     """The run config every candidate starts from: the model, sequence and batch; CUDA with bf16, or with ``cpu``
     (a calibrated CPU profile) gloo ranks in fp32, eager."""
     config = Config()
-    config.model = load_model(args.model, vocab_size=128256)
+    config.model = load_model(args.model, vocab_size=args.vocab_size)
     config.model.max_position_embeddings = max(config.model.max_position_embeddings, args.seq_len)
     config.data.seq_len = args.seq_len
     tokens = args.global_batch_tokens or args.seq_len * args.gpus
@@ -111,6 +118,11 @@ def table(predictions: list[Prediction]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
 
 
+def _documents_note(documents: tuple[int, ...], seq_len: int) -> str:
+    pieces = document_pieces(documents, seq_len)
+    return f"; {len(pieces)} documents per sample (mean {seq_len / len(pieces):,.0f} tokens)"
+
+
 def calibrate_main(path: str, quick: bool) -> int:
     """``--calibrate OUT.yaml``: measure, print each measurement, write the profile."""
     from cp_train.plan.calibration.calibrate import write_profile
@@ -140,8 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.precision = args.precision or hardware.compute_dtype
         rates = DeviceRates(hardware, args.precision)
         reserve = reserve_gib(hardware.hbm_gib, args.reserve_gib, args.reserve_fraction)
+        documents = parse_document_lengths(args.document_lengths) if args.document_lengths else None
         result = search(base, args.gpus, rates, hardware.peak_tflops(hardware.compute_dtype), hardware.hbm_gib,
-                        reserve, choices_of(args))
+                        reserve, choices_of(args), documents)
     except InputError as error:
         print(f"cp-train-plan: {error}", file=sys.stderr)
         return 2
@@ -157,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{base.model.num_layers} layers x {base.model.hidden_size} hidden, seq {args.seq_len:,}, "
               f"{args.gpus} x {hardware.name}, {base.train.global_batch_size} samples per step, {args.precision} "
               f"linears: {result.evaluated} layouts, {len(result.ranked)} valid, "
-              f"{sum(p.fits for p in result.ranked)} fit")
+              f"{sum(p.fits for p in result.ranked)} fit" + (_documents_note(documents, args.seq_len) if documents
+                                                                else ""))
         print(table(shown))
     if args.explain:
         print(explain(shown[0], hardware))

@@ -9,8 +9,9 @@ from typing import Any
 from cp_train.config.schema import Config
 from cp_train.memory.dry_run import GIB, plan
 from cp_train.model.config import ModelConfig
-from cp_train.model.flops import model_flops_per_token
+from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
 from cp_train.plan.cpu_comm import cp_comm_seconds, data_seconds
+from cp_train.plan.documents import document_pieces
 from cp_train.plan.host_ops import step_ops
 from cp_train.plan.time_model import (
     ADAMW_BYTES,
@@ -140,13 +141,15 @@ def breakdown(work: Workload, rates: Rates) -> Breakdown:
 
 
 def predict(config: Config, world: int, rates: Rates, peak_tflops: float, device_gib: float,
-            reserve_gib: float) -> Prediction:
-    """``config`` (validated by the dry run's ``plan``) on ``world`` ranks of a device with ``rates``."""
+            reserve_gib: float, documents: tuple[int, ...] | None = None) -> Prediction:
+    """``config`` (validated by the dry run's ``plan``) on ``world`` ranks of a device with ``rates``;
+    ``documents``: the lengths of the documents packed into each sample (``documents.py``; None: one document
+    per sample, or ``data.document_mask`` off)."""
     rates = rates.at_world(world)
     dims, ranks, _, assumed = plan(config, world, only=[0])  # rank 0 holds FSDP's largest shards
     config.parallel.dp = dims.dp
     compute = 2 if assumed["compute"] == "bf16" else 4
-    work = build_workload(config, world, compute)
+    work = build_workload(config, world, compute, documents if config.data.document_mask else None)
     worst = max(ranks, key=lambda r: r.total_bytes)
     memory = {"parameters": worst.parameter_bytes / GIB, "gradients": worst.gradient_bytes / GIB,
               "optimizer": worst.optimizer_bytes / GIB, "gathered": worst.gathered_bytes / GIB,
@@ -154,6 +157,11 @@ def predict(config: Config, world: int, rates: Rates, peak_tflops: float, device
     seq = config.data.seq_len
     flops = {"causal_half": model_flops_per_token(config.model, seq, causal=True),
              "causal_full": model_flops_per_token(config.model, seq, causal=False)}
+    if documents and config.data.document_mask:  # attention counts the pairs inside each document, as the trainer
+        pieces = document_pieces(documents, seq)
+        dense = 6.0 * matmul_params(config.model)
+        flops = {"causal_half": dense + attention_flops(config.model, sum(c * (c + 1) // 2 for c in pieces)) / seq,
+                 "causal_full": dense + attention_flops(config.model, sum(c * c for c in pieces)) / seq}
     tokens = config.train.global_batch_size * seq
     return Prediction(config, world, breakdown(work, rates), tokens, flops, peak_tflops, memory,
                       device_gib - reserve_gib)

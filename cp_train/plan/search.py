@@ -22,6 +22,7 @@ from cp_train.plan.time_model import Rates
 
 ALGORITHMS = ("ring", "allgather", "ulysses", "hybrid")
 RING_LAYOUTS = ("zigzag", "stripe", "contiguous")  # one document per sample: the static layouts
+DOCUMENT_LAYOUTS = (*RING_LAYOUTS, "balanced")  # packed documents: the balanced layout places them too
 CHECKPOINTING = ("none", "selective", "full")
 
 
@@ -45,7 +46,8 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
-def candidates(base: Config, gpus: int, gpus_per_node: int, choices: Choices) -> Iterator[Config]:
+def candidates(base: Config, gpus: int, gpus_per_node: int, choices: Choices, documents: bool = False
+               ) -> Iterator[Config]:
     """Every combination of ``choices`` for ``gpus`` GPUs, as configs derived from ``base`` (unvalidated)."""
     tps = choices.tp or tuple(t for t in _powers_of_two(min(gpus, gpus_per_node)) if gpus % t == 0)
     samples = base.train.global_batch_size
@@ -58,7 +60,8 @@ def candidates(base: Config, gpus: int, gpus_per_node: int, choices: Choices) ->
         for algorithm in (choices.algorithms if cp > 1 else ("ring",)):
             ulysses_sizes = (choices.ulysses or [u for u in _powers_of_two(cp) if 1 < u < cp]
                              if algorithm == "hybrid" else [1])
-            layouts = choices.layouts or (RING_LAYOUTS if algorithm in ("ring", "allgather") and cp > 1
+            layouts = choices.layouts or ((DOCUMENT_LAYOUTS if documents else RING_LAYOUTS)
+                                          if algorithm in ("ring", "allgather") and cp > 1
                                           else ("zigzag",))
             micro = choices.micro_batches or tuple(m for m in _powers_of_two(max(1, samples // (dp or 1))))
             for ulysses, layout, fsdp, mode, batch in itertools.product(
@@ -81,15 +84,16 @@ class SearchResult:
 
 
 def search(base: Config, gpus: int, rates: Rates, peak_tflops: float, device_gib: float, reserve_gib: float,
-           choices: Choices = Choices()) -> SearchResult:
-    """Predict every valid candidate; ``ranked`` holds them all, the fitting ones first, faster first."""
+           choices: Choices = Choices(), documents: tuple[int, ...] | None = None) -> SearchResult:
+    """Predict every valid candidate; ``ranked`` holds them all, the fitting ones first, faster first.
+    ``documents``: the lengths of the documents packed into each sample (None: one per sample)."""
     predictions, rejected = [], Counter()
-    for config in candidates(base, gpus, rates.gpus_per_node, choices):
+    for config in candidates(base, gpus, rates.gpus_per_node, choices, documents is not None):
         try:
             validate(config, gpus)
         except ConfigError as error:
             rejected[str(error)] += 1
             continue
-        predictions.append(predict(config, gpus, rates, peak_tflops, device_gib, reserve_gib))
+        predictions.append(predict(config, gpus, rates, peak_tflops, device_gib, reserve_gib, documents))
     predictions.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
     return SearchResult(predictions, rejected, len(predictions) + sum(rejected.values()))

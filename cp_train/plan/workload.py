@@ -17,6 +17,7 @@ from cp_train.config.schema import Config
 from cp_train.model.config import ModelConfig
 from cp_train.parallel.cp.algorithms import canonical_algorithm
 from cp_train.parallel.cp.plan.batch_plan import layout_plan
+from cp_train.plan.documents import document_pieces, rank_plans
 
 # rows per rank a static layout is planned at when the rank has a multiple of it, then scaled: zigzag's and
 # contiguous' segments are multiples of their chunks (exact); stripe's diagonal is one row off (< 0.1% of the area)
@@ -120,38 +121,46 @@ def _ulysses_collectives(heads: int, kv_heads: int, d: int, compute: int, n: int
             Collective("ulysses dq/dk/dv", "all_to_all", group, qkv, 1, "backward")]
 
 
-def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int) -> tuple[list[list[AttentionStep]],
-                                                                                         int, list[Collective]]:
+def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int,
+                     documents: tuple[int, ...] | None = None) -> tuple[list[list[AttentionStep]], int,
+                                                                       list[Collective]]:
     """Every CP rank's attention steps (one layer, one sample), the local heads a call runs over and the
     attention's collectives per layer (per sample, scaled by the batch later).
 
     A ring step's bytes are its hop: the K/V rows it passes on (forward, and again in the backward) and the
     dK/dV accumulator (fp32). The all-gather's steps carry what its one transfer sends for each destination:
     the rows of this rank's block that rank uses (the whole block when everyone uses all of it) and, in the
-    backward, those rows again and the fp32 dK/dV of the rows this rank received."""
+    backward, those rows again and the fp32 dK/dV of the rows this rank received. ``documents``: the lengths
+    of the documents packed into each sample (``documents.py``; None: one document per sample)."""
     parallel = config.parallel
     tp, cp = parallel.tp, parallel.cp
     heads, kv_heads, d = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
+    whole = (tuple(KernelCall(c, c, True) for c in document_pieces(documents, n * cp)) if documents
+             else (KernelCall(n * cp, n * cp, True),))  # the local kernel's calls over the whole sample
     if cp == 1:
-        return [[AttentionStep((KernelCall(n, n, True),), 0, 0)]], heads, []
+        return [[AttentionStep(whole, 0, 0)]], heads, []
     algorithm = canonical_algorithm(parallel.cp_algorithm)
+    if algorithm == "ulysses" and documents:
+        return _ulysses_documents(rank_plans(algorithm, parallel.cp_layout, cp, 1, documents, n * cp), heads,
+                                  kv_heads, d, compute, cp)
     if algorithm == "ulysses":
-        seq = n * cp
-        return ([[AttentionStep((KernelCall(seq, seq, True),), 0, 0)]] * cp, heads // cp,
+        return ([[AttentionStep(whole, 0, 0)]] * cp, heads // cp,
                 _ulysses_collectives(heads, kv_heads, d, compute, n, cp, "cp"))
     ulysses = parallel.ulysses_size if algorithm == "hybrid" else 1
     collectives = (_ulysses_collectives(heads, kv_heads, d, compute, n, ulysses, "ulysses")
                    if algorithm == "hybrid" else [])
     local_heads, local_kv = heads // ulysses, max(1, kv_heads // ulysses)
     kv_row, grad_row = 2 * local_kv * d * compute, 2 * local_kv * d * 4  # K and V of a token; dK, dV in fp32
-    small = PLAN_ROWS if n % PLAN_ROWS == 0 else n  # a static layout's plan scales with n: plan it small
+    small = PLAN_ROWS if n % PLAN_ROWS == 0 and not documents else n  # a static layout's plan scales with n
     # the balanced layout places each document's chunks by the documents: with one document per sample it
     # places zigzag's chunks (parallel/cp/balanced_layout.py)
-    layout = "zigzag" if parallel.cp_layout == "balanced" else parallel.cp_layout
+    layout = "zigzag" if parallel.cp_layout == "balanced" and not documents else parallel.cp_layout
     scale = n // small
+    plans = (rank_plans(algorithm, layout, cp, ulysses, documents, n * cp) if documents
+             else [layout_plan(algorithm, layout, cp, rank, small, ulysses) for rank in range(cp)])
     everyone = []
-    for rank in range(cp):
-        plan = layout_plan(algorithm, layout, cp, rank, small, ulysses).ring
+    for whole_plan in plans:
+        plan = whole_plan.ring
         steps = []
         for index, step in enumerate(plan.steps):
             calls = tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal)
@@ -167,6 +176,27 @@ def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int) -
             steps.append(AttentionStep(calls, sent, sent + back, merge, accumulate))
         everyone.append(steps)
     return everyone, local_heads, collectives
+
+
+def _calls(plan) -> tuple[KernelCall, ...]:  # noqa: ANN001 - a RankPlan
+    return tuple(KernelCall(c.segment.rows, c.segment.keys, c.segment.causal) for step in plan.steps
+                 for c in step.calls)
+
+
+def _ulysses_documents(plans: list, heads: int, kv_heads: int, d: int, compute: int, cp: int
+                       ) -> tuple[list[list[AttentionStep]], int, list[Collective]]:
+    """Ulysses over packed documents (``parallel/cp/ulysses/documents.py``): each rank attends its home documents
+    with all its heads (here: each call ``cp`` times at ``heads / cp``) and, for its ``heads / cp``, every rank's
+    block of cross queries against the cross keys; only the cross rows take the all-to-alls (sized here by the
+    rank with the most)."""
+    everyone = []
+    for plan in plans:
+        documents = plan.documents
+        home = _calls(documents.home) * cp if documents.home is not None else ()
+        cross = tuple(call for block in documents.blocks for call in _calls(block))
+        everyone.append([AttentionStep(home + cross, 0, 0)])
+    cross_rows = max(plans[0].documents.counts)
+    return everyone, heads // cp, _ulysses_collectives(heads, kv_heads, d, compute, cross_rows, cp, "cp")
 
 
 def _tp_collectives(model: ModelConfig, config: Config, n: int, compute: int) -> list[Collective]:
@@ -212,9 +242,10 @@ def _elementwise_bytes(model: ModelConfig, config: Config, rows: int, compute: i
     return float(model.num_layers * (norms + adds + rope + swiglu))
 
 
-def build_workload(config: Config, world: int, compute: int) -> Workload:
+def build_workload(config: Config, world: int, compute: int, documents: tuple[int, ...] | None = None) -> Workload:
     """The work list of one rank of ``config`` (validated, ``model.vocab_size`` set) on ``world`` ranks, with
-    ``compute`` bytes per element of the matmul inputs (2 in bf16)."""
+    ``compute`` bytes per element of the matmul inputs (2 in bf16); ``documents``: the lengths of the
+    documents packed into each sample (None: one per sample)."""
     model, parallel = config.model, config.parallel
     tp, cp = parallel.tp, parallel.cp
     dp = world // (tp * cp)
@@ -227,7 +258,7 @@ def build_workload(config: Config, world: int, compute: int) -> Workload:
              Gemm("mlp gate+up", rows, 2 * model.ffn_hidden_size // tp, hidden, layers),
              Gemm("mlp down", rows, hidden, model.ffn_hidden_size // tp, layers)]
     head = Gemm("lm head", rows, model.vocab_size // tp, hidden, 1)
-    attention, heads, cp_collectives = _attention_steps(model, config, n, compute)
+    attention, heads, cp_collectives = _attention_steps(model, config, n, compute, documents)
     residual = compute if parallel.fsdp or compute == 4 else 4
     loss_passes = 4 if model.loss_chunk_tokens else 3  # fp32 logits chunk: write, max, exp-sum, target
     accumulation = config.train.global_batch_size // (batch * dp)

@@ -227,7 +227,13 @@ def _cpu_model() -> str:
 
 
 def write_profile(path: str | Path, quick: bool = False, log: Callable[[str], None] | None = None) -> Hardware:
-    """Calibrate and write the profile's YAML to ``path``; returns it."""
-    hardware = calibrate(quick, log)
+    """Calibrate this machine (its GPU when CUDA is available: ``calibrate_gpu.py``; else its CPU) and write the
+    profile's YAML to ``path``; returns it."""
+    if torch.cuda.is_available():
+        from cp_train.plan.calibration.calibrate_gpu import calibrate_gpu
+
+        hardware = calibrate_gpu(quick, log)
+    else:
+        hardware = calibrate(quick, log)
     Path(path).write_text(f"# {hardware.notes}\n" + hardware.to_yaml(), encoding="utf-8")
     return hardware

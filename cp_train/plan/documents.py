@@ -1,0 +1,76 @@
+"""Packed documents for the planner: a sample built from document lengths, and each CP rank's plan of it.
+
+The trainer packs documents end to end into samples of ``seq_len`` tokens (``data/gpt_dataset.py``) and, with
+``data.document_mask``, attention stays inside each document. The planner takes the documents' lengths (the
+run's own, or ``--document-lengths``) and plans one sample made from them, as the loader does: the lengths in
+order, the first starting at token 0, the last cut at the sample's end (a length list shorter than the sample
+repeats). Each CP rank's plan is ``plan_from_gathered`` of its tokens in the layout (the ``balanced`` layout
+places them by their documents), the very plan the trainer's data loader builds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cp_train.errors import InputError
+from cp_train.parallel.cp.balanced_layout import balanced_positions
+from cp_train.parallel.cp.layout import sequence_positions
+from cp_train.parallel.cp.plan.batch_plan import CPPlan, plan_from_gathered
+
+
+class DocumentError(InputError):
+    """A ``--document-lengths`` that cannot be read."""
+
+
+def parse_document_lengths(spec: str) -> tuple[int, ...]:
+    """Lengths from ``spec``: one integer (every document that long), a comma list, or a file of integers (one
+    or more per line, e.g. an indexed dataset's document sizes)."""
+    text = spec
+    if not spec.replace(",", "").strip().isdigit():
+        path = Path(spec)
+        if not path.is_file():
+            raise DocumentError(f"--document-lengths {spec}: not a length, a comma list of lengths, or a file of "
+                                f"lengths")
+        text = path.read_text(encoding="utf-8")
+    try:
+        lengths = tuple(int(item) for item in text.replace(",", " ").split())
+    except ValueError:
+        raise DocumentError(f"--document-lengths {spec}: every entry must be a whole number of tokens") from None
+    if not lengths or min(lengths) < 1:
+        raise DocumentError(f"--document-lengths {spec}: give one or more lengths >= 1")
+    return lengths
+
+
+def packed_document_ids(lengths: tuple[int, ...], seq_len: int) -> torch.Tensor:
+    """``[1, seq_len]`` int64 document ids of one sample packed from ``lengths`` (see the module docstring)."""
+    ids = torch.empty(seq_len, dtype=torch.int64)
+    start, doc = 0, 0
+    while start < seq_len:
+        length = min(lengths[doc % len(lengths)], seq_len - start)
+        ids[start:start + length] = doc
+        start, doc = start + length, doc + 1
+    return ids.unsqueeze(0)
+
+
+def document_pieces(lengths: tuple[int, ...], seq_len: int) -> list[int]:
+    """The documents' token counts inside the one sample ``packed_document_ids`` builds."""
+    return torch.bincount(packed_document_ids(lengths, seq_len)[0]).tolist()
+
+
+def layout_index(docs: torch.Tensor, cp: int, layout: str) -> torch.Tensor:
+    """``[cp, 1, seq_len // cp]``: the sequence positions each CP rank holds of the one sample ``docs`` ``[1, seq_len]``
+    in ``layout`` (the data loader's ``rank_positions``)."""
+    if layout == "balanced":
+        return balanced_positions(docs[0], cp).unsqueeze(1)
+    return torch.stack([sequence_positions(docs.shape[1], r, cp, layout) for r in range(cp)]).unsqueeze(1)
+
+
+def rank_plans(algorithm: str, layout: str, cp: int, ulysses: int, lengths: tuple[int, ...], seq_len: int
+               ) -> list[CPPlan]:
+    """Every CP rank's plan of the sample packed from ``lengths`` (rank order)."""
+    docs = packed_document_ids(lengths, seq_len)
+    index = layout_index(docs, cp, layout)
+    every_docs = torch.gather(docs.expand(cp, 1, seq_len), 2, index)
+    return [plan_from_gathered(algorithm, cp, rank, ulysses, True, every_docs, index) for rank in range(cp)]
