@@ -13,7 +13,7 @@ import torch.distributed as dist
 from cp_train.parallel.cp.attention import build_cp_plan, context_parallel_attention
 from cp_train.parallel.cp.ring import comm as ring_comm
 from cp_train.parallel.kernels import torch_ops
-from cp_train.plan.documents import layout_index, packed_document_ids
+from cp_train.plan.inputs.documents import layout_index, packed_document_ids
 
 HEADS, KV_HEADS, DIM, BATCH = 4, 2, 8, 2
 
@@ -21,7 +21,7 @@ HEADS, KV_HEADS, DIM, BATCH = 4, 2, 8, 2
 def count_attention(seqlen: int, layout: str, algorithm: str, documents: tuple[int, ...] | None = None
                     ) -> dict[str, Any]:
     """One fp32 forward + backward of causal CP attention on this rank's ``seqlen / world`` tokens (one document
-    per sample, or the documents of ``documents``' lengths packed as ``cp_train.plan.documents`` packs them): the
+    per sample, or the documents of ``documents``' lengths packed as ``cp_train.plan.inputs.documents`` packs them): the
     forward kernel area (query-key pairs times heads and samples) and the bytes sent, by tag."""
     world, rank = dist.get_world_size(), dist.get_rank()
     n = seqlen // world

@@ -1,4 +1,4 @@
-"""The planner with packed documents (``cp_train/plan/documents.py``, ``--document-lengths``).
+"""The planner with packed documents (``cp_train/plan/inputs/documents.py``, ``--document-lengths``).
 
 - Its attention work per rank equals the kernel area the CP attention executes on the same packed sample, with
   ``document_ids`` (counted at the CPU kernel), in every layout the loader uses, balanced included; its bytes equal
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from cp_train.plan.cli import main as plan_main
-from cp_train.plan.documents import document_pieces, packed_document_ids, parse_document_lengths
+from cp_train.plan.inputs.documents import document_pieces, packed_document_ids, parse_document_lengths
 from tests import planner_cases
 from tests.test_planner import SEQ, _workload
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from cp_train.config.schema import Config
 from cp_train.errors import InputError
 from cp_train.memory.dry_run import RESERVE_FRACTION, RESERVE_GIB, reserve_gib
-from cp_train.plan.documents import document_pieces, parse_document_lengths
 from cp_train.plan.explain import explain
+from cp_train.plan.inputs.documents import document_pieces, parse_document_lengths
 from cp_train.plan.inputs.hardware import load_hardware
 from cp_train.plan.inputs.presets import load_model
 from cp_train.plan.predict import Prediction

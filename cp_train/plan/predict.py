@@ -11,8 +11,8 @@ from cp_train.memory.dry_run import GIB, plan
 from cp_train.model.config import ModelConfig
 from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
 from cp_train.plan.cpu_comm import cp_comm_seconds, data_seconds
-from cp_train.plan.documents import document_pieces
 from cp_train.plan.host_ops import step_ops
+from cp_train.plan.inputs.documents import document_pieces
 from cp_train.plan.time_model import (
     ADAMW_BYTES,
     DDP_BUCKET_BYTES,

@@ -17,7 +17,7 @@ from cp_train.config.schema import Config
 from cp_train.model.config import ModelConfig
 from cp_train.parallel.cp.algorithms import canonical_algorithm
 from cp_train.parallel.cp.plan.batch_plan import layout_plan
-from cp_train.plan.documents import document_pieces, rank_plans
+from cp_train.plan.inputs.documents import document_pieces, rank_plans
 
 # rows per rank a static layout is planned at when the rank has a multiple of it, then scaled: zigzag's and
 # contiguous' segments are multiples of their chunks (exact); stripe's diagonal is one row off (< 0.1% of the area)
