@@ -111,7 +111,9 @@ def test_attention_lookup_uses_the_nearest_head_dim_and_mask() -> None:
     h100, h200 = load_hardware("h100-sxm"), load_hardware("h200")
     assert h100.attention_fraction(64, 8192) == h100.attention_fraction(128, 8192) == pytest.approx(0.4533)
     assert h100.attention_fraction(128, 8192, causal=False) == pytest.approx(0.4533)  # no full curve: causal's
-    assert h200.attention_fraction(128, 8192, causal=False) == pytest.approx(0.6257)
+    assert h200.attention_fraction(128, 8192, causal=False) == pytest.approx(0.529)
+    assert h200.attention_fraction(64, 8192) == pytest.approx(0.3872)  # its own head_dim's curve
+    assert h200.attention_fraction(96, 8192) == pytest.approx(0.4723)  # the nearest in log2: 128
     assert h100.attention_fraction(128, 8192, kernel="flash2") == pytest.approx(0.2623)
     with pytest.raises(HardwareError) as error:
         h100.attention_fraction(128, 8192, kernel="fa3")
