@@ -5,6 +5,8 @@
     python -m bench.attention --worlds 2 --layouts zigzag --torch-cp
     python -m bench.attention --worlds 2 4 --layouts zigzag --algorithms ring allgather ulysses hybrid
     python -m bench.attention --worlds 2 --layouts zigzag --documents 1 512 --torch-cp --rounds 3
+    python -m bench.attention --seqlens 32768 --worlds 4 --layouts zigzag contiguous --windows 0 4096 \\
+        --algorithms ring allgather ulysses --modes fwd_bwd --no-memory --no-local
 
 For each (seqlen, documents, fwd_only) the baseline ``local`` runs the whole sequence in one process with
 all ``--threads`` (PyTorch's SDPA for one document; the local kernel on the same per-document mask for
@@ -26,11 +28,17 @@ rank (peak RSS minus the RSS before the call) over the local run's; ``vs_1doc`` 
 with one document; ``imbalance`` the busiest rank's share of the mask over the mean (see
 ``bench/balance.py``); ``sent MB`` what one rank sends per iteration (collectives counted as the share a
 ring algorithm sends).
+
+``--windows`` runs every case with each sliding window W (0: full attention) and adds ``vs_full`` (time over
+the same case with full attention in the same round) and ``kv_rows`` (K/V rows one rank receives per layer
+forward, from the plan; ``rows/(W-1)`` that over the window). ``--no-memory`` skips the memory ranks and
+``--no-local`` the local baseline (both are heavy at long sequences).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 from bench.attention_cases import DTYPES, time_case
@@ -53,7 +61,8 @@ def run_case(worlds: tuple[SpawnedWorld, SpawnedWorld], args: argparse.Namespace
     timing, memory = worlds
     per_rank = timing.run(time_case, case, shape, documents, fwd_only, args.warmup, args.repeats, args.head_chunks,
                           args.ulysses_size)
-    peaks = memory.run(time_case, case, shape, documents, fwd_only, 1, 1, args.head_chunks, args.ulysses_size)
+    peaks = per_rank if memory is None else memory.run(time_case, case, shape, documents, fwd_only, 1, 1,
+                                                       args.head_chunks, args.ulysses_size)
     iteration = [max(r["times"][i] for r in per_rank) for i in range(args.repeats)]  # the slowest rank's
     seconds = median(iteration)
     kernels = [max(r["kernel_times"][i] for r in per_rank) for i in range(args.repeats)
@@ -66,7 +75,10 @@ def run_case(worlds: tuple[SpawnedWorld, SpawnedWorld], args: argparse.Namespace
             **shape, "fwd_only": fwd_only, "ms_per_iter": 1000.0 * seconds,
             "kernel_ms": None if kernels is None else 1000.0 * median(kernels),
             "peak_mb_per_rank": max(r["added_mb"] for r in peaks), "tflops": flops / seconds / 1e12,
-            "sent_mb_per_rank": max(r["sent_mb"] for r in per_rank), "imbalance": per_rank[0]["imbalance"]}
+            "sent_mb_per_rank": max(r["sent_mb"] for r in per_rank), "imbalance": per_rank[0]["imbalance"],
+            "kv_rows": max(r["kv_rows"] for r in per_rank),
+            "rows_per_window": max(r["kv_rows"] for r in per_rank) / (shape["window"] - 1)
+            if shape.get("window", 0) > 1 else None}
 
 
 def one_round(args: argparse.Namespace, shape: dict, cases: list[str], fwd_only: bool) -> list[dict]:
@@ -75,27 +87,50 @@ def one_round(args: argparse.Namespace, shape: dict, cases: list[str], fwd_only:
     records: list[dict] = []
     one_doc: dict[tuple, float] = {}
     for documents in args.documents:
-        with spawn(args, 1, False) as timing, spawn(args, 1, True) as memory:
-            baseline = run_case((timing, memory), args, shape, "local", documents, fwd_only)
-        records.append(baseline)
+        baseline = None
+        if args.local:
+            with spawn(args, 1, False) as timing, _memory_world(args, 1) as memory:
+                baseline = run_case((timing, memory), args, shape, "local", documents, fwd_only)
+            records.append(baseline)
+        first = len(records) - (baseline is not None)
         for world_size in args.worlds:
-            with spawn(args, world_size, False) as timing, spawn(args, world_size, True) as memory:
+            with spawn(args, world_size, False) as timing, _memory_world(args, world_size) as memory:
                 for case in cases:
                     if (case == "torch_cp" and documents != "1") or (
                             case.startswith("hybrid") and world_size <= args.ulysses_size):
                         continue
                     record = run_case((timing, memory), args, shape, case, documents, fwd_only)
-                    record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
-                    record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
-                    if record["kernel_ms"] is not None:
-                        record["kernel_ratio"] = record["kernel_ms"] / baseline["ms_per_iter"]
+                    if baseline is not None:
+                        record["ratio"] = record["ms_per_iter"] / baseline["ms_per_iter"]
+                        record["mem_ratio"] = record["peak_mb_per_rank"] / baseline["peak_mb_per_rank"]
+                        if record["kernel_ms"] is not None:
+                            record["kernel_ratio"] = record["kernel_ms"] / baseline["ms_per_iter"]
                     records.append(record)
-        for record in records[records.index(baseline):]:
+        for record in records[first:]:
             key = (record["case"], record["world"])
             if documents == "1":
                 one_doc[key] = record["ms_per_iter"]
             elif key in one_doc:
                 record["vs_1doc"] = record["ms_per_iter"] / one_doc[key]
+    return records
+
+
+def _memory_world(args: argparse.Namespace, world_size: int) -> contextlib.AbstractContextManager:
+    """The memory ranks, or nothing with ``--no-memory`` (the peaks then come from the timing ranks)."""
+    return spawn(args, world_size, True) if args.memory else contextlib.nullcontext()
+
+
+def with_windows(args: argparse.Namespace, shape: dict, cases: list[str], fwd_only: bool) -> list[dict]:
+    """One round at every ``--windows`` W; ``vs_full``: time over the same case's full-attention time."""
+    records, full = [], {}
+    for window in args.windows:
+        for record in one_round(args, {**shape, "window": window}, cases, fwd_only):
+            key = (record["case"], record["world"], record["documents"])
+            if not window:
+                full[key] = record["ms_per_iter"]
+            elif key in full:
+                record["vs_full"] = record["ms_per_iter"] / full[key]
+            records.append(record)
     return records
 
 
@@ -105,7 +140,8 @@ def combine(rounds: list[list[dict]]) -> list[dict]:
     combined = []
     for same in zip(*rounds, strict=True):
         record = dict(same[0], rounds=len(same))
-        for key in ("ms_per_iter", "kernel_ms", "peak_mb_per_rank", "ratio", "kernel_ratio", "mem_ratio", "vs_1doc"):
+        for key in ("ms_per_iter", "kernel_ms", "peak_mb_per_rank", "ratio", "kernel_ratio", "mem_ratio", "vs_1doc",
+                    "vs_full"):
             if same[0].get(key) is not None:
                 record[key] = median([r[key] for r in same])
         record["tflops"] = same[0]["tflops"] * same[0]["ms_per_iter"] / record["ms_per_iter"]
@@ -135,6 +171,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--head-chunks", type=int, default=None, help="kv-head chunks of the ring (default: by device)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--windows", type=int, nargs="+", default=[0], help="sliding windows W (0: full)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory ranks")
+    parser.add_argument("--no-local", dest="local", action="store_false", help="skip the local baseline")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run baseline and cases this many times in turn; report medians of the per-round ratios")
     args = parser.parse_args(argv)
@@ -145,18 +184,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         shape = {"batch": args.batch, "seqlen": seqlen, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
                  "head_dim": args.head_dim, "dtype": args.dtype, "causal": args.causal}
         for fwd_only in [mode == "fwd" for mode in args.modes]:
-            rounds = [one_round(args, shape, cases, fwd_only) for _ in range(args.rounds)]
+            rounds = [with_windows(args, shape, cases, fwd_only) for _ in range(args.rounds)]
             records.extend(combine(rounds))
     num = lambda digits: (lambda x: "" if x is None else f"{x:.{digits}f}")  # noqa: E731
     text = lambda x: "" if x is None else str(x)  # noqa: E731
-    emit(records, [("case", "case", text), ("world", "cp", text), ("seqlen", "seqlen", text),
+    emit(records, [("case", "case", text), ("world", "cp", text), ("seqlen", "seqlen", text), ("window", "W", text),
                    ("documents", "docs", text), ("fwd_only", "fwd_only", text), ("ms_per_iter", "ms/iter", num(1)),
                    ("peak_mb_per_rank", "peak MB/rank", num(1)), ("tflops", "TFLOP/s", num(4)),
                    ("ratio", "ring/local", num(3)), ("ratio_min", "min", num(3)), ("ratio_max", "max", num(3)),
                    ("kernel_ratio", "kernels/local", num(3)),
                    ("mem_ratio", "mem ring/local", num(3)),
                    ("sent_mb_per_rank", "sent MB/rank", num(1)), ("vs_1doc", "vs 1 doc", num(3)),
-                   ("imbalance", "imbalance", num(3))])
+                   ("imbalance", "imbalance", num(3)), ("vs_full", "vs full", num(3)),
+                   ("kv_rows", "K/V rows/rank", text), ("rows_per_window", "rows/(W-1)", num(2))])
     return records
 
 

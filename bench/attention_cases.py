@@ -22,6 +22,7 @@ from bench.common import median, peak_memory_mb, reset_peak_memory
 from cp_train.parallel.cp.attention import as_groups, attend, build_cp_plan
 from cp_train.parallel.cp.balanced_layout import balanced_positions
 from cp_train.parallel.cp.layout import sequence_positions
+from cp_train.parallel.cp.plan.window_plan import kv_rows_received
 from cp_train.parallel.cp.ring.comm import BYTES_SENT
 from cp_train.parallel.cp.spec import build_spec
 from cp_train.parallel.mesh.model_parallel import CPGroups
@@ -125,7 +126,8 @@ def _groups(algorithm: str, ulysses: int) -> CPGroups:
 
 def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, warmup: int,
               repeats: int, head_chunks: int | None = None, ulysses: int = 2) -> dict:
-    """Time ``case`` on every rank; ``shape`` has batch, seqlen, heads, kv_heads, head_dim, dtype, causal."""
+    """Time ``case`` on every rank; ``shape`` has batch, seqlen, heads, kv_heads, head_dim, dtype, causal and
+    optionally ``window`` (W keys including the query; None or 0: unbounded)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     batch, seqlen, causal = shape["batch"], shape["seqlen"], shape["causal"]
@@ -141,13 +143,14 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
     q, k, v, dout = local
     group = _groups(algorithm, ulysses) if ":" in case else None
     one_document = documents == "1"
+    window = shape.get("window") or None
     masked = not one_document or layout == "balanced"  # the balanced layout always follows the documents
-    plan = None if case == "torch_cp" or (case == "local" and one_document) else build_cp_plan(
+    plan = None if case == "torch_cp" or (case == "local" and one_document and window is None) else build_cp_plan(
         group, layout, causal, positions.shape[1], torch.gather(docs, 1, positions) if masked else None,
-        positions if masked else None, algorithm if ":" in case else "ring")
+        positions if masked else None, algorithm if ":" in case else "ring", window=window)
     for x in (q, k, v):
         x.requires_grad_(not fwd_only)
-    ours = case != "torch_cp" and not (case == "local" and one_document)
+    ours = case != "torch_cp" and not (case == "local" and one_document and window is None)
     spec, timed = None, None
     if ours:  # our own call path: time its kernel calls too
         spec = build_spec(q.device, q.dtype, q.shape[0], q.shape[2], k.shape[2], q.shape[-1],
@@ -190,4 +193,5 @@ def time_case(case: str, shape: dict[str, Any], documents: str, fwd_only: bool, 
             sent = sum(BYTES_SENT.values()) - before
     area = None if plan is None else sum(plan.areas) * batch ** (not plan.packed)
     return {"times": times, "kernel_times": kernel_times, "added_mb": median(added), "area": area,
-            "sent_mb": sent / 2**20, "imbalance": None if plan is None else plan.imbalance}
+            "sent_mb": sent / 2**20, "imbalance": None if plan is None else plan.imbalance,
+            "kv_rows": kv_rows_received(plan, positions.shape[1]) if world > 1 else 0}

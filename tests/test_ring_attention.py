@@ -127,10 +127,11 @@ def test_bad_inputs_raise_with_a_message() -> None:
         context_parallel_attention(q, q, q, None, layout="spiral")
     with pytest.raises(ValueError, match="unknown attention backend"):
         context_parallel_attention(q, q, q, None, backend="nonesuch")
-    for kwargs, word in (({"dropout_p": 0.1}, "dropout_p"), ({"window_size": (4, 0)}, "window_size"),
-                         ({"alibi_slopes": torch.ones(4)}, "alibi_slopes")):
+    for kwargs, word in (({"dropout_p": 0.1}, "dropout_p"), ({"alibi_slopes": torch.ones(4)}, "alibi_slopes")):
         with pytest.raises(NotImplementedError, match=word):
             zigzag_ring_flash_attn_func(q, q, q, **kwargs)
+    with pytest.raises(ValueError, match=r"window_size=\(4, 2\) looks right of the query"):
+        zigzag_ring_flash_attn_func(q, q, q, causal=True, window_size=(4, 2))
 
 
 def test_single_process_is_the_local_kernel() -> None:

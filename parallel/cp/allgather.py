@@ -25,6 +25,7 @@ from cp_train.parallel.cp.ring.backward import add_grad, local_grads, step_grads
 from cp_train.parallel.cp.ring.blocks import SavedRows
 from cp_train.parallel.cp.ring.comm import count_sent
 from cp_train.parallel.cp.ring.forward import accumulator_dtype, forward_step, head_chunk_bounds, plan_rows
+from cp_train.parallel.cp.sinks import apply_sinks, sink_grad
 from cp_train.parallel.cp.spec import AttentionSpec
 
 Gather = tuple[list, list[torch.Tensor]]  # (works, [k, v] as they arrive)
@@ -100,7 +101,7 @@ def _start_return(grads: list[list[torch.Tensor] | None], plan: RankPlan, group:
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: CPPlan):
+    def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: CPPlan, sinks=None):
         ring = plan.ring
         q_rows, k_rows, v_rows = plan_rows(q, ring), plan_rows(k, ring), plan_rows(v, ring)
         batch, n, heads, dim = q_rows.shape
@@ -119,9 +120,11 @@ class _AllGatherAttention(torch.autograd.Function):
             for step in range(1, ring.world):
                 forward_step(ring, step, q_c, stores[ring.steps[step].source], out_c, lse_c, spec)
             del stores
+        if sinks is not None:
+            apply_sinks(out, lse, sinks)
         out = out.view(q.shape).to(q.dtype)
         lse = lse.view(q.shape[:3])
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.group, ctx.spec, ctx.plan = group, spec, plan
         lse = lse.transpose(1, 2)
         ctx.mark_non_differentiable(lse)
@@ -130,7 +133,8 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         group, spec, ring = ctx.group, ctx.spec, ctx.plan.ring
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
+        dsinks = sink_grad(dout, out, lse, sinks[0]) if sinks else None
         dout, q_rows, k_rows, v_rows, out, lse = (plan_rows(x, ring) for x in (dout, q, k, v, out, lse))
         batch, n, heads, dim = q_rows.shape
         group_size = heads // k.shape[2]
@@ -189,12 +193,14 @@ class _AllGatherAttention(torch.autograd.Function):
             else:  # a row sent to several ranks gets each one's share
                 target.index_add_(1, sent_rows, arrived.transpose(0, 1))
         dk, dv = (x.view(k.shape).to(k.dtype) for x in (dk, dv))
-        return dq.view(q.shape).to(q.dtype), dk, dv, None, None, None
+        return dq.view(q.shape).to(q.dtype), dk, dv, None, None, None, dsinks
 
 
 def allgather_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                   spec: AttentionSpec, plan: CPPlan) -> tuple[type[torch.autograd.Function], tuple]:
-    """The autograd Function of the all-gather algorithm and its ``apply`` arguments. ``plan``'s index tensors
-    are read on q's device (moved ahead by ``CPPlan.to``; else moved once here)."""
-    return _AllGatherAttention, (q, k, v, group, spec, plan.on_device(q.device))
+                   spec: AttentionSpec, plan: CPPlan, sinks: torch.Tensor | None = None
+                   ) -> tuple[type[torch.autograd.Function], tuple]:
+    """The autograd Function of the all-gather algorithm (also the ring's halo exchange: ``CPPlan.halo``) and its
+    ``apply`` arguments. ``plan``'s index tensors are read on q's device (moved ahead by ``CPPlan.to``; else
+    moved once here)."""
+    return _AllGatherAttention, (q, k, v, group, spec, plan.on_device(q.device), sinks)
 

@@ -7,7 +7,8 @@ for all layers) and the call's frozen ``AttentionSpec`` (``spec.build_spec``), a
 slice. ``attend`` is the internal entry behind it, for callers that validated once and hold a spec and a plan
 already (the model's layers): no checks, a dispatch on ``spec.algorithm`` to ``ring_call``,
 ``allgather_call`` or ``ulysses_call`` (hybrid included). ``group`` is the CP process group, or
-``CPGroups`` with the Ulysses and ring subgroups for ``hybrid``.
+``CPGroups`` with the Ulysses and ring subgroups for ``hybrid``. A sliding ``window`` lives in the plan (its
+mask predicate); learned ``sinks`` ``[H]`` go to the algorithm's Function (``sinks.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from cp_train.parallel.cp.algorithms import canonical_algorithm, check_heads
 from cp_train.parallel.cp.allgather import allgather_call
 from cp_train.parallel.cp.layout import check_layout_name
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, plan_batch
+from cp_train.parallel.cp.plan.window_plan import Window, as_window
 from cp_train.parallel.cp.ring.attention import ring_call
+from cp_train.parallel.cp.sinks import check_sinks
 from cp_train.parallel.cp.spec import AttentionSpec, build_spec
 from cp_train.parallel.cp.ulysses.attention import ulysses_call
 from cp_train.parallel.mesh.model_parallel import CPGroups
@@ -59,31 +62,38 @@ def as_groups(group: dist.ProcessGroup | CPGroups | None) -> CPGroups:
 
 def build_cp_plan(group: dist.ProcessGroup | CPGroups | None, layout: str, causal: bool, local_len: int,
                   document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  algorithm: str = "ring") -> CPPlan | None:
+                  algorithm: str = "ring", window: int | tuple[int, int] | Window | None = None) -> CPPlan | None:
     """This batch's plan (``plan.batch_plan``): what every rank computes at every step, from the documents and
     positions of all CP ranks (one all-gather when ``document_ids`` are given). Build it once per batch and
-    pass it to every layer; None: one document per sample at one rank (the plain local kernel)."""
+    pass it to every layer of one ``window`` (an int W: W keys including the query, HF's ``sliding_window``;
+    flash-attn's ``(left, right)``; None: unbounded; ``window_plan.as_window``); None: one document per sample
+    at one rank without a window (the plain local kernel)."""
     groups = as_groups(group)
     algorithm = canonical_algorithm(algorithm) if groups.size > 1 else "ring"  # one rank: the local kernel
-    return plan_batch(algorithm, groups, layout, causal, local_len, document_ids, position_ids)
+    return plan_batch(algorithm, groups, layout, causal, local_len, document_ids, position_ids,
+                      as_window(window, causal))
 
 
 def attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
-                   plan: CPPlan | None) -> tuple[type[torch.autograd.Function], tuple]:
+                   plan: CPPlan | None, sinks: torch.Tensor | None = None
+                   ) -> tuple[type[torch.autograd.Function], tuple]:
     """The autograd Function that computes ``spec.algorithm``'s attention, and its ``apply`` arguments (the k and
-    v among them are repeated along heads where Ulysses needs it: ``ulysses_call``)."""
-    if spec.algorithm == "ring":
-        return ring_call(q, k, v, groups.cp if groups.size > 1 else None, spec, None if plan is None else plan.ring)
-    if spec.algorithm == "allgather":
-        return allgather_call(q, k, v, groups.cp, spec, plan)
-    return ulysses_call(q, k, v, groups, spec, plan)
+    v among them are repeated along heads where Ulysses needs it: ``ulysses_call``). The ring's halo exchange
+    (``plan.halo``: a window on zigzag) runs the all-gather Function on its plan of the rows each rank uses."""
+    if spec.algorithm == "ring" and (plan is None or not plan.halo):
+        return ring_call(q, k, v, groups.cp if groups.size > 1 else None, spec, None if plan is None else plan.ring,
+                         sinks)
+    if spec.algorithm in ("ring", "allgather"):
+        return allgather_call(q, k, v, groups.cp, spec, plan, sinks)
+    return ulysses_call(q, k, v, groups, spec, plan, sinks)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
-           plan: CPPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+           plan: CPPlan | None, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of inputs that were validated once, with the call's ``spec`` and the batch's ``plan``
-    prebuilt (``spec.algorithm`` is "ring" at cp 1). No checks: the caller vouches for the shapes."""
-    function, args = attention_call(q, k, v, groups, spec, plan)
+    prebuilt (``spec.algorithm`` is "ring" at cp 1; the window is the plan's), ``sinks`` ``[H]`` or None. No
+    checks: the caller vouches for the shapes."""
+    function, args = attention_call(q, k, v, groups, spec, plan, sinks)
     return function.apply(*args)
 
 
@@ -93,7 +103,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                head_chunks: int | None = None, return_lse: bool = False,
                                deterministic: bool | None = None, overlap: bool | None = None,
                                document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                               plan: CPPlan | None = None, algorithm: str = "ring"):
+                               plan: CPPlan | None = None, algorithm: str = "ring",
+                               window: int | tuple[int, int] | Window | None = None,
+                               sinks: torch.Tensor | None = None):
     """Exact attention of this rank's q on the whole sequence's k/v, over the CP group.
 
     q [B, n, H, D]; k, v [B, n, Hk, D] (GQA when Hk < H), all in ``layout``. ``group`` None (or a
@@ -107,7 +119,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ways: ``document_ids`` [B, n] (non-decreasing along each sample) keep attention inside each document and
     ``position_ids`` order tokens within one (default: the layout's; needed by the ``balanced`` layout), or
     ``plan``, the batch's ``build_cp_plan`` of the same group, layout, causality and algorithm, made once for
-    many calls.
+    many calls. ``window``: an int W (query i sees keys i-W+1 .. i of its document: HF's ``sliding_window``;
+    not causal: i-W+1 .. i+W-1) or flash-attn's ``(left, right)`` (-1 unbounded); it goes into the plan, so
+    a ``plan`` built with ``build_cp_plan(..., window=W)`` carries it (a different ``window`` here is an
+    error). ``sinks``: learned per-query-head logits ``[H]`` (fp32 or q's dtype, differentiable; each rank's
+    gradient is its rows' share, summed over CP by the trainer's gradient reduction), applied once after the
+    merge (``sinks.py``).
     """
     groups = as_groups(group)
     check_inputs(q, k, v, layout, groups.size)
@@ -121,10 +138,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"plan= was built for the {plan.algorithm} algorithm but the call runs {algorithm}: "
                          f"build it with build_cp_plan(..., algorithm={algorithm!r})")
     check_heads(algorithm, q.shape[2], k.shape[2], groups.ulysses_size if algorithm == "hybrid" else groups.size)
+    check_sinks(sinks, q.shape[2], q.dtype)
+    window = as_window(window, causal)
+    if plan is not None and window is not None and plan.window != window:
+        raise ValueError(f"plan= was built for window {plan.window} but the call asks for {window}: build it with "
+                         "build_cp_plan(..., window=...) of the same window")
     if plan is None:
-        plan = plan_batch(algorithm, groups, layout, causal, q.shape[1], document_ids, position_ids)
+        plan = plan_batch(algorithm, groups, layout, causal, q.shape[1], document_ids, position_ids, window)
     spec = build_spec(q.device, q.dtype, q.shape[0], q.shape[2], k.shape[2], q.shape[-1], algorithm=algorithm,
                       layout=layout, causal=causal, softmax_scale=softmax_scale, backend=backend,
                       head_chunks=head_chunks, deterministic=deterministic, overlap=overlap, plan=plan)
-    out, lse = attend(q, k, v, groups, spec, plan)
+    out, lse = attend(q, k, v, groups, spec, plan, sinks)
     return (out, lse) if return_lse else out

@@ -3,7 +3,9 @@
 Each takes this rank's slice ``[batch, local_seqlen, heads, head_dim]`` in the layout its name says
 and returns this rank's output slice; ``group`` is the CP process group (None: the default group).
 With ``return_attn_probs=True`` they return ``(out, lse, None)``, lse ``[batch, heads, local_seqlen]``
-fp32. The varlen forms are in ``dropins_varlen.py``.
+fp32. ``window_size=(left, right)`` is flash-attn's sliding window (-1: unbounded; ``right`` > 0 only without
+causal): converted once here (``window_plan.as_window``; HF's W is ``left + 1``). The varlen forms are in
+``dropins_varlen.py``.
 """
 
 from __future__ import annotations
@@ -11,17 +13,18 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from cp_train.parallel.cp.attention import context_parallel_attention
+from cp_train.parallel.cp.plan.window_plan import Window, as_window
 
 
-def check_package_options(dropout_p: float, window_size: tuple[int, int], alibi_slopes: object) -> None:
-    """The ring-flash-attn arguments this ring does not implement must keep their defaults."""
+def check_package_options(dropout_p: float, window_size: tuple[int, int], alibi_slopes: object,
+                          causal: bool = True) -> Window | None:
+    """The ring-flash-attn arguments this ring does not implement must keep their defaults; returns the
+    ``Window`` of ``window_size`` (None: unbounded)."""
     if dropout_p:
         raise NotImplementedError(f"dropout_p={dropout_p} is not supported yet; pass dropout_p=0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size={tuple(window_size)} (sliding window) is not supported yet; "
-                                  "pass window_size=(-1, -1)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not supported yet; pass alibi_slopes=None")
+    return as_window(tuple(window_size), causal)
 
 
 def default_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -31,10 +34,10 @@ def default_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 def _package_api(layout: str, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                  deterministic, return_attn_probs, group):
-    check_package_options(dropout_p, window_size, alibi_slopes)
+    window = check_package_options(dropout_p, window_size, alibi_slopes, causal)
     # the ring adds its blocks in a fixed order; ``deterministic`` reaches the kernels' backward
     out, lse = context_parallel_attention(q, k, v, default_group(group), layout, causal, softmax_scale,
-                                          return_lse=True, deterministic=deterministic or None)
+                                          return_lse=True, deterministic=deterministic or None, window=window)
     return (out, lse, None) if return_attn_probs else out
 
 

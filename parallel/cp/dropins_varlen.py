@@ -50,7 +50,7 @@ def _local_pieces(cu_seqlens: torch.Tensor, world: int, zigzag: bool) -> tuple[t
 
 def _varlen(zigzag: bool, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size,
             alibi_slopes, deterministic, return_attn_probs, group):
-    check_package_options(dropout_p, window_size, alibi_slopes)
+    window = check_package_options(dropout_p, window_size, alibi_slopes, causal)
     if q.dim() != 3:
         raise ValueError(f"q must be [local_tokens, heads, head_dim], got shape {tuple(q.shape)}")
     if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[0]:
@@ -58,8 +58,8 @@ def _varlen(zigzag: bool, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_sc
     group = default_group(group)
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
     docs, positions = _local_pieces(cu_seqlens.cpu(), world, zigzag)
-    ring = plan_for_documents(docs, positions, rank, causal)
-    plan = CPPlan("ring", ring, None, ring.packed, ring.areas, ring.max_calls)
+    ring = plan_for_documents(docs, positions, rank, causal, window)
+    plan = CPPlan("ring", ring, None, ring.packed, ring.areas, ring.max_calls, window=window)
     out, lse = context_parallel_attention(q[None], k[None], v[None], group, "zigzag" if zigzag else "contiguous",
                                           causal, softmax_scale, return_lse=True,
                                           deterministic=deterministic or None, plan=plan)

@@ -3,7 +3,7 @@
     handle = plan_handle(groups, spec, plan)       # once per forward, outside compiled code (a CPU tensor)
     out = cp_attention(q, k, v, handle)            # in every layer: ``torch.ops.cp_train.attention``
 
-``torch.ops.cp_train.attention(q, k, v, handle) -> (out, lse, ticket)`` runs the autograd Function of
+``torch.ops.cp_train.attention(q, k, v, handle, sinks=None) -> (out, lse, ticket)`` runs the autograd Function of
 ``spec.algorithm`` (``attention.attention_call``) as plain code: its collectives, index tensors and Python
 control flow stay inside the operator, which the compiler sees as one node with a fake implementation
 (shapes only). The compiled graph holds tensors alone: a new plan (other document boundaries) is a new
@@ -14,7 +14,8 @@ value of the same ``handle`` tensor, never a recompile.
   checkpoint recompute may need it). Reading a CPU scalar is no device sync.
 * ``ticket``: an int64 scalar on the CPU naming what the Function saved for its backward (its ``ctx``) but
   q, k, v, out and lse, which autograd saves (a compiled graph may reuse the memory of tensors it sees as
-  dead); ``torch.ops.cp_train.attention_backward(dout, q, k, v, out, lse, ticket)`` runs the backward.
+  dead); ``torch.ops.cp_train.attention_backward(dout, q, k, v, out, lse, ticket)`` runs the backward; it returns
+  ``(dq, dk, dv, dsinks)``, dsinks empty without sinks.
   The saved state lives as long as the ticket tensor: until the backward ran and autograd freed it, or at
   once when nothing will run a backward (evaluation, a checkpointed forward that is recomputed later).
 
@@ -108,10 +109,10 @@ def _restore(call: _SavedCall, visible: tuple[torch.Tensor, ...]) -> None:
 
 
 @torch.library.custom_op("cp_train::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups, spec, plan = handle_contents(handle)
-    function, args = attention_call(q, k, v, groups, spec, plan)
+    function, args = attention_call(q, k, v, groups, spec, plan, sinks)
     call = _SavedCall()
     out, lse = function.forward(call, *args)
     out, lse = out.contiguous(), lse.to(accumulator_dtype(q.dtype)).contiguous()
@@ -121,8 +122,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-      handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor,
+      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, n, heads, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty(batch, heads, n, dtype=accumulator_dtype(q.dtype)),
             torch.empty((), dtype=torch.int64, device="cpu"))
@@ -130,37 +131,48 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @torch.library.custom_op("cp_train::attention_backward", mutates_args=())
 def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, ticket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        lse: torch.Tensor, ticket: torch.Tensor, sinks: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     call: _SavedCall = _lookup(_SAVED, ticket)
-    _restore(call, (q, k, v, out, lse))
-    dq, dk, dv = call.function.backward(call, dout, None)[:3]
+    visible = (q, k, v, out, lse)
+    _restore(call, visible)
+    grads = call.function.backward(call, dout, None)
+    dq, dk, dv = grads[:3]
     call.saved_tensors = ()
     if dk.shape[2] != k.shape[2]:  # Ulysses repeated each kv head (``ulysses_call``): sum the copies' gradients
         dk, dv = (x.unflatten(2, (k.shape[2], -1)).sum(3) for x in (dk, dv))
-    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    dsinks = grads[-1].to(sinks.dtype) if sinks is not None else q.new_empty(0)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dsinks
 
 
 @_attention_backward.register_fake
 def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-      ticket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      ticket: torch.Tensor, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, _handle = inputs
+    q, k, v, _handle, sinks = inputs
     out, lse, ticket = output
-    ctx.save_for_backward(q, k, v, out, lse, ticket)
+    ctx.save_for_backward(q, k, v, out, lse, ticket, *(() if sinks is None else (sinks,)))
+    ctx.has_sinks = sinks is not None
 
 
 def _backward(ctx: Any, dout: torch.Tensor, _dlse: Any, _dticket: Any) -> tuple:
-    dq, dk, dv = torch.ops.cp_train.attention_backward(dout, *ctx.saved_tensors)
-    return dq, dk, dv, None
+    saved = ctx.saved_tensors
+    sinks = saved[6] if ctx.has_sinks else None
+    dq, dk, dv, dsinks = torch.ops.cp_train.attention_backward(dout, *saved[:6], sinks)
+    return dq, dk, dv, None, dsinks if ctx.has_sinks else None
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """out ``[B, n, H, D]`` of q ``[B, n, H, D]``, k, v ``[B, n, Hk, D]`` with the attention named by ``handle``
-    (``plan_handle``); differentiable in q, k and v."""
-    return torch.ops.cp_train.attention(q, k, v, handle)[0]
+    (``plan_handle``; the window is its plan's) and learned ``sinks`` ``[H]`` (None: none); differentiable in
+    q, k, v and sinks."""
+    return torch.ops.cp_train.attention(q, k, v, handle, sinks)[0]

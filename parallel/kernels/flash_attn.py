@@ -80,11 +80,21 @@ def parameter_names(fn: Callable[..., Any]) -> dict[str, bool]:
             if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
 
 
-def _window(names: dict[str, bool] | str) -> dict[str, Any]:
-    """No sliding window, in the form the function takes (a call form or its argument names)."""
+def _window(names: dict[str, bool] | str, window: tuple[int, int] = (-1, -1)) -> dict[str, Any]:
+    """flash-attn's ``window`` ``(left, right)`` (-1: unbounded; default none) in the form the function takes (a
+    call form or its argument names): a tuple ``window_size`` (2.5, 2.6, early FA3) or two ints (2.7+, FA3)."""
     if "window_size_left" in names or names == "2.7":
-        return {"window_size_left": -1, "window_size_right": -1}
-    return {"window_size": (-1, -1)}
+        return {"window_size_left": window[0], "window_size_right": window[1]}
+    return {"window_size": tuple(window)}
+
+
+def with_window(options: dict[str, Any], window: tuple[int, int] | None) -> dict[str, Any]:
+    """``options`` (a call's fixed keywords, no window) with flash-attn's ``window`` in their form; the same
+    dict without one. ``window`` comes from ``window_plan.flash_window``: its left is >= 0 or -1 (unbounded),
+    never a computed negative (flash-attn reads any negative as unbounded)."""
+    if window is None:
+        return options
+    return {**options, **_window(options, window)}
 
 
 @dataclass(frozen=True)
@@ -120,19 +130,23 @@ class FlashAttn2:
                    getattr(interface, "_flash_attn_varlen_backward", None), options, varlen_options,
                    1 if form == "2.7" else 5, form == "2.5", deterministic)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+    native_window = True  # dense calls take flash-attn's window_size (``window=``)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                window: tuple[int, int] | None = None) -> OutLse:
         check_square_causal(self.name, q, k, causal)
-        result = self.fwd(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False, **self.options)
+        result = self.fwd(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False,
+                          **with_window(self.options, window))
         return result[0], result[self.lse_index]
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> QKVGrads:
+                 scale: float, window: tuple[int, int] | None = None) -> QKVGrads:
         check_square_causal(self.name, rows.q, k, causal)
         dout, q, out, lse = rows
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.bwd(dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv,
                  softmax_scale=scale, causal=causal, deterministic=self.deterministic, rng_state=None,
-                 **self.options)
+                 **with_window(self.options, window))
         return dq, dk, dv
 
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
@@ -199,17 +213,22 @@ class FlashAttn3:
         return replace(self, fwd_fixed={**self.fwd_fixed, "sm_margin": margin},
                        bwd_fixed={**self.bwd_fixed, "sm_margin": margin})
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+    native_window = True  # dense calls take FA3's window (``window=``)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                window: tuple[int, int] | None = None) -> OutLse:
         check_square_causal(self.name, q, k, causal)
-        result = self.fwd(**{**self.fwd_fixed, "q": q, "k": k, "v": v, "softmax_scale": scale, "causal": causal})
+        result = self.fwd(**{**with_window(self.fwd_fixed, window), "q": q, "k": k, "v": v, "softmax_scale": scale,
+                             "causal": causal})
         return result[0], result[1]
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> QKVGrads:
+                 scale: float, window: tuple[int, int] | None = None) -> QKVGrads:
         check_square_causal(self.name, rows.q, k, causal)
         dout, q, out, lse = rows
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self.bwd(**{**self.bwd_fixed, "dout": dout.contiguous(), "q": q, "k": k, "v": v, "out": out,
+        self.bwd(**{**with_window(self.bwd_fixed, window), "dout": dout.contiguous(), "q": q, "k": k, "v": v,
+                    "out": out,
                     "softmax_lse": lse.contiguous(), "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale,
                     self.causal_name: causal})
         return dq, dk, dv

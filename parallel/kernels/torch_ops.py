@@ -93,6 +93,11 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(was_on, warn_only=warn_only)
 
 
+def _window_kwargs(window: tuple[int, int] | None) -> dict[str, int]:
+    """PyTorch's flash op's window keywords for flash-attn's ``window`` (none: the op's defaults)."""
+    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
+
+
 @dataclass(frozen=True)
 class TorchCudaFlash:
     """PyTorch's CUDA flash attention (fp16/bf16)."""
@@ -100,26 +105,30 @@ class TorchCudaFlash:
     deterministic: bool = False
     name: str = "torch cuda flash"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
+    native_window = True  # dense calls take window_size_left/right (``window=``, flash-attn's form)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                window: tuple[int, int] | None = None) -> OutLse:
         check_square_causal(self.name, q, k, causal)
         out, lse = torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal,
-                                                           False, scale=scale)[:2]
+                                                           False, scale=scale, **_window_kwargs(window))[:2]
         return out, lse
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> QKVGrads:
+                 scale: float, window: tuple[int, int] | None = None) -> QKVGrads:
         check_square_causal(self.name, rows.q, k, causal)
-        return self._backward(rows, k, v, None, None, rows.q.shape[1], k.shape[1], causal, scale)
+        return self._backward(rows, k, v, None, None, rows.q.shape[1], k.shape[1], causal, scale, window)
 
     def _backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor | None,
-                  cu_k: torch.Tensor | None, max_q: int, max_k: int, causal: bool, scale: float) -> QKVGrads:
+                  cu_k: torch.Tensor | None, max_q: int, max_k: int, causal: bool, scale: float,
+                  window: tuple[int, int] | None = None) -> QKVGrads:
         """Both backwards: dense with no offsets (``cu_q``/``cu_k`` None, the maxima the sequence lengths)."""
         dout, q, out, lse = rows
         rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout's RNG state: never read
         with deterministic_algorithms(self.deterministic):
             return torch.ops.aten._flash_attention_backward(
                 dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state,
-                rng_state[0], scale=scale)
+                rng_state[0], scale=scale, **_window_kwargs(window))
 
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
                        causal: bool, scale: float) -> OutLse:

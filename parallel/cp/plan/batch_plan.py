@@ -3,7 +3,9 @@
 ``plan_batch`` gathers every CP rank's documents and positions once per batch (nothing for one
 document per sample in a static layout: that plan is cached) and returns a ``CPPlan``:
 
-- ``ring``: the ring plan over the CP group (``rank_plan.py``).
+- ``ring``: the ring plan over the CP group (``rank_plan.py``); with a sliding window where sending each
+  rank the rows it uses from their owners moves fewer rows than relaying them around the ring
+  (``window_plan.halo_is_cheaper``: zigzag), the all-gather plan's halo exchange (``halo``).
 - ``allgather``: this rank's queries attend every rank's gathered K/V block where it lands, one step
   per block in ring order (``gathered_plan``; no ``order``).
 - ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; for one
@@ -14,7 +16,7 @@ document per sample in a static layout: that plan is cached) and returns a ``CPP
 
 ``order`` indexes rows gathered rank after rank, per sample ``[1 or B, rows]``, or the folded
 ``[1, B*rows]`` when the plan is packed (samples differ). ``areas`` are every CP rank's query-key pairs
-(per head: Ulysses ranks count their share of the heads).
+(per head: Ulysses ranks count their share of the heads). ``window`` (``segments.Window``) bounds every mask.
 """
 
 from __future__ import annotations
@@ -27,9 +29,19 @@ import torch
 
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.documents import gather_mask_inputs
-from cp_train.parallel.cp.plan.rank_plan import CPU, Apply, MovedOnce, RankPlan, build_plan, gathered_plan, plan_device
-from cp_train.parallel.cp.plan.segments import pack_keys, runs, visible_intervals
+from cp_train.parallel.cp.plan.rank_plan import (
+    CPU,
+    Apply,
+    MovedOnce,
+    RankPlan,
+    build_plan,
+    gathered_plan,
+    pair_segments,
+    plan_device,
+)
+from cp_train.parallel.cp.plan.segments import Window, pack_keys, runs, visible_intervals, window_pairs
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
+from cp_train.parallel.cp.plan.window_plan import halo_is_cheaper
 from cp_train.parallel.mesh.model_parallel import CPGroups
 
 
@@ -46,6 +58,8 @@ class CPPlan(MovedOnce):
     documents: UlyssesDocuments | None = None  # ulysses with documents: home rows and the cross blocks
     pairs: int = 0  # visible query-key pairs (per head) of the whole micro-batch, every sample and CP rank
     inverse: torch.Tensor | None = field(default=None, compare=False)  # ``order``'s inverse permutation, flat
+    window: Window | None = None  # the sliding window every mask of the plan has (None: unbounded)
+    halo: bool = False  # ring: ``ring`` is the all-gather plan of a halo exchange (``window_plan``)
     device: torch.device = field(default=CPU, compare=False)  # where every index tensor is
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # a moved copy (``on_device``)
 
@@ -125,29 +139,39 @@ def _gathered(x: torch.Tensor, tokens: _Tokens, ranks: range) -> torch.Tensor:
     return part.view(len(ranks), tokens.batch, -1).transpose(0, 1).reshape(1, -1)
 
 
-def _work(tokens: _Tokens, everyone: torch.Tensor, causal: bool) -> tuple[tuple[int, ...], int]:
+def _work(tokens: _Tokens, everyone: torch.Tensor, causal: bool,
+          window: Window | None = None) -> tuple[tuple[int, ...], int]:
     """Each rank's query-key pairs against the sorted keys of ``everyone``, and the most dense kernel calls
     any rank makes for them."""
     areas, calls = [], 0
     for rank in range(tokens.keys.shape[0]):
-        start, stop = visible_intervals(tokens.keys[rank], tokens.docs[rank], everyone, tokens.span, causal)
+        start, stop = visible_intervals(tokens.keys[rank], tokens.docs[rank], everyone, tokens.span, causal,
+                                        window)
         areas.append(int((stop - start).clamp_min(0).sum()))
         calls = max(calls, sum(len(segment.dense_calls()) for segment in runs(start, stop)))
     return tuple(areas), calls
 
 
-def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool) -> CPPlan:
+def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool,
+          window: Window | None = None) -> CPPlan:
     world = tokens.keys.shape[0]
     every = range(world)
     if algorithm == "ring":
         _check_sorted(tokens.keys)
-        ring = build_plan(tokens.keys, tokens.docs, tokens.span, rank, causal, tokens.packed)
-        return CPPlan(algorithm, ring, None, tokens.packed, ring.areas, ring.max_calls)
+        keys, docs, span, packed = tokens.keys, tokens.docs, tokens.span, tokens.packed
+        segments = pair_segments(keys, docs, span, causal, window)
+        ring = build_plan(keys, docs, span, rank, causal, packed, window, segments)
+        halo = window is not None and world > 2 and halo_is_cheaper(segments)
+        if halo:
+            ring = gathered_plan(keys, docs, span, rank, causal, packed, ring.areas, ring.max_calls, window,
+                                 segments)
+        return CPPlan(algorithm, ring, None, packed, ring.areas, ring.max_calls, window=window, halo=halo)
     if algorithm == "allgather":  # every rank's block as it arrives, in rank order: nothing to reorder
         _check_sorted(tokens.keys)
-        areas, max_calls = _work(tokens, torch.sort(tokens.keys.flatten()).values, causal)
-        ring = gathered_plan(tokens.keys, tokens.docs, tokens.span, rank, causal, tokens.packed, areas, max_calls)
-        return CPPlan(algorithm, ring, None, tokens.packed, areas, max_calls)
+        areas, max_calls = _work(tokens, torch.sort(tokens.keys.flatten()).values, causal, window)
+        ring = gathered_plan(tokens.keys, tokens.docs, tokens.span, rank, causal, tokens.packed, areas, max_calls,
+                             window)
+        return CPPlan(algorithm, ring, None, tokens.packed, areas, max_calls, window=window)
     group = range(rank - rank % ulysses, rank - rank % ulysses + ulysses) if algorithm == "hybrid" else every
     order = torch.argsort(_gathered(tokens.keys, tokens, group), dim=1)
     identity = torch.equal(order, torch.arange(order.shape[1]).expand_as(order))
@@ -155,16 +179,16 @@ def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool
     if algorithm == "ulysses":  # home documents stay; the cross rows: 1/world of the heads, block by block
         _check_sorted(tokens.keys)
         documents, areas, calls = ulysses_documents_plan(tokens.keys, tokens.docs, tokens.span, rank, causal,
-                                                         tokens.packed)
+                                                         tokens.packed, window)
         return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, documents,
-                      inverse=inverse)
+                      inverse=inverse, window=window)
     else:  # hybrid: the ring across the Ulysses groups on their tokens in sequence order
         groups = [range(g * ulysses, (g + 1) * ulysses) for g in range(world // ulysses)]
         keys = torch.stack([torch.sort(_gathered(tokens.keys, tokens, g).flatten()).values for g in groups])
-        ring = build_plan(keys, keys // tokens.span, tokens.span, rank // ulysses, causal, tokens.packed)
+        ring = build_plan(keys, keys // tokens.span, tokens.span, rank // ulysses, causal, tokens.packed, window)
         areas = tuple(area // ulysses for area in ring.areas for _ in range(ulysses))  # 1/ulysses of the heads
     return CPPlan(algorithm, ring, None if identity else order, tokens.packed, areas, ring.max_calls,
-                  inverse=inverse)
+                  inverse=inverse, window=window)
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
@@ -176,54 +200,66 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses: int, rank: int, n: int) -> CPPlan:
+def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses: int, rank: int, n: int,
+                 window: Window | None = None) -> CPPlan:
     positions = torch.stack([sequence_positions(n * world, r, world, layout) for r in range(world)])[:, None]
-    plan = _plan(algorithm, _tokens(torch.zeros_like(positions), positions), rank, ulysses, causal)
-    if algorithm == "ulysses":  # one document: the plain causal kernel on the sequence in order
+    plan = _plan(algorithm, _tokens(torch.zeros_like(positions), positions), rank, ulysses, causal, window)
+    if algorithm == "ulysses" and window is None:  # one document: the plain causal kernel on the sequence
         plan = CPPlan(algorithm, None, plan.order, plan.packed, plan.areas, 1, inverse=plan.inverse)
+    elif algorithm == "ulysses":  # one document with a window: one rank's plan of the sequence in order
+        sequence = torch.arange(n * world)[None]
+        whole = _plan("ring", _tokens(torch.zeros_like(sequence)[None], sequence[None]), 0, 1, causal, window)
+        plan = CPPlan(algorithm, whole.ring, plan.order, plan.packed, plan.areas, whole.max_calls,
+                      inverse=plan.inverse, window=window)
     return plan
 
 
 def layout_plan(algorithm: str, layout: str, world: int, rank: int, local_len: int, ulysses: int = 1,
-                causal: bool = True) -> CPPlan:
+                causal: bool = True, window: Window | None = None) -> CPPlan:
     """The plan ``plan_batch`` returns for one document per sample in a static ``layout`` (cached; no process
     group needed): what rank ``rank`` of ``world`` runs, for the planner (``cp_train.plan``)."""
-    return _static_plan(algorithm, layout, causal, world, ulysses, rank, local_len)
+    return _static_plan(algorithm, layout, causal, world, ulysses, rank, local_len, window)
 
 
 def plan_batch(algorithm: str, groups: CPGroups, layout: str, causal: bool, local_len: int,
-                  document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
-                  ) -> CPPlan | None:
-    """This rank's plan for ``algorithm`` (None: cp = 1 and one document, the plain local kernel).
+                  document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  window: Window | None = None) -> CPPlan | None:
+    """This rank's plan for ``algorithm`` (None: cp = 1, one document and no window, the plain local kernel).
 
     ``document_ids`` [B, n] restrict attention to each token's document (``position_ids`` [B, n] or [n]
-    order tokens within one; default: the layout's); they are gathered over ``groups.cp`` once.
+    order tokens within one; default: the layout's); they are gathered over ``groups.cp`` once. ``window``
+    bounds every mask (``segments.Window``).
     """
     world, rank = groups.size, groups.rank
     if document_ids is None and layout not in STATIC_LAYOUTS and world > 1:
         raise ValueError(f"the {layout!r} layout places tokens by their documents: pass document_ids and "
                          f"position_ids")
     if document_ids is None:
-        if world == 1:
+        if world == 1 and window is None:
             return None
-        return _static_plan(algorithm, layout, causal, world, groups.ulysses_size, rank, local_len)
+        algorithm = algorithm if world > 1 else "ring"
+        return _static_plan(algorithm, layout, causal, world, groups.ulysses_size, rank, local_len, window)
     docs, positions = gather_mask_inputs(document_ids, position_ids, groups.cp, layout)
-    return plan_from_gathered(algorithm, world, rank, groups.ulysses_size, causal, docs, positions)
+    return plan_from_gathered(algorithm, world, rank, groups.ulysses_size, causal, docs, positions, window)
 
 
 def plan_from_gathered(algorithm: str, world: int, rank: int, ulysses: int, causal: bool, docs: torch.Tensor,
-                       positions: torch.Tensor) -> CPPlan:
+                       positions: torch.Tensor, window: Window | None = None) -> CPPlan:
     """``plan_batch`` from every CP rank's ``docs`` and ``positions`` ``[world, B, n]`` (int64, CPU, rank
     order): what the all-gather would return. No communication."""
     tokens = _tokens(docs, positions)
-    plan = _plan(algorithm if world > 1 else "ring", tokens, rank, ulysses, causal)
-    return dataclasses.replace(plan, pairs=_pairs(tokens, causal))
+    plan = _plan(algorithm if world > 1 else "ring", tokens, rank, ulysses, causal, window)
+    return dataclasses.replace(plan, pairs=_pairs(tokens, causal, window))
 
 
-def _pairs(tokens: _Tokens, causal: bool) -> int:
-    """Visible query-key pairs of every sample: per document of ``c`` tokens ``c (c + 1) / 2``, or ``c * c``."""
+def _pairs(tokens: _Tokens, causal: bool, window: Window | None = None) -> int:
+    """Visible query-key pairs of every sample: per document of ``c`` tokens ``c (c + 1) / 2``, or ``c * c``
+    (``window_pairs`` with a window)."""
     counts = torch.bincount(tokens.docs.flatten())
-    pairs = int((counts * (counts + 1) // 2 if causal else counts * counts).sum())
+    if window is not None:
+        pairs = sum(window_pairs(int(c), causal, window) for c in counts.tolist() if c)
+    else:
+        pairs = int((counts * (counts + 1) // 2 if causal else counts * counts).sum())
     return pairs if tokens.packed else pairs * tokens.batch
 
 
@@ -237,6 +273,8 @@ class SamplePlanner:
     rank: int
     ulysses: int = 1
     causal: bool = True
+    window: Window | None = None
 
     def __call__(self, docs: torch.Tensor, positions: torch.Tensor) -> CPPlan:
-        return plan_from_gathered(self.algorithm, self.world, self.rank, self.ulysses, self.causal, docs, positions)
+        return plan_from_gathered(self.algorithm, self.world, self.rank, self.ulysses, self.causal, docs, positions,
+                                  self.window)

@@ -27,6 +27,7 @@ from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.plan.segments import (
     Interval,
     Segment,
+    Window,
     locate,
     pack_keys,
     runs,
@@ -87,8 +88,9 @@ class StepPlan:
 
     @property
     def many_calls(self) -> bool:
-        """Whether the step is many dense calls (packed documents): varlen calls where the spec asks for them."""
-        return len(self.calls) >= MANY_CALLS
+        """Whether the step is many dense calls (packed documents): varlen calls where the spec asks for them
+        (not with a sliding window, whose inverted triangles run as dense calls on reversed rows)."""
+        return len(self.calls) >= MANY_CALLS and not any(segment.slide for segment in self.segments)
 
     def apply(self, fn: Apply, varlen: bool) -> StepPlan:
         """This step with ``fn`` applied to its index tensors; ``varlen``: its varlen calls built first (when
@@ -176,24 +178,27 @@ class RankPlan(MovedOnce):
 
 
 
-def _segments(keys: torch.Tensor, docs: torch.Tensor, span: int, causal: bool) -> list[list[list[Segment]]]:
+def pair_segments(keys: torch.Tensor, docs: torch.Tensor, span: int, causal: bool,
+              window: Window | None = None) -> list[list[list[Segment]]]:
     """``[q_rank][source]`` -> segments in the source block's own rows."""
     world = keys.shape[0]
     found = []
     for q_rank in range(world):
         row = []
         for source in range(world):
-            start, stop = visible_intervals(keys[q_rank], docs[q_rank], keys[source], span, causal)
+            start, stop = visible_intervals(keys[q_rank], docs[q_rank], keys[source], span, causal, window)
             row.append(runs(start, stop))
         found.append(row)
     return found
 
 
 def build_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, causal: bool,
-               packed: bool = False) -> RankPlan:
-    """The plan of ``rank`` from every rank's sorted token keys ``[world, rows]`` (``pack_keys``)."""
+               packed: bool = False, window: Window | None = None,
+               segments: list[list[list[Segment]]] | None = None) -> RankPlan:
+    """The plan of ``rank`` from every rank's sorted token keys ``[world, rows]`` (``pack_keys``); ``segments``:
+    ``pair_segments``' of the same arguments, when the caller has them."""
     world, rows = keys.shape
-    segments = _segments(keys, docs, span, causal)
+    segments = segments if segments is not None else pair_segments(keys, docs, span, causal, window)
     every: list[Interval] = [(0, rows)]
 
     def used(source: int, hop: int) -> list[Interval]:
@@ -217,7 +222,7 @@ def build_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, cau
         onward = [] if last else needed(source, step + 1)
         steps.append(StepPlan(
             source=source,
-            segments=tuple(Segment(s.q, locate(held, s.kv), s.causal) for s in mine),
+            segments=tuple(dataclasses.replace(s, kv=locate(held, s.kv)) for s in mine),
             grad_kv=tuple(locate(accumulator, s.kv) for s in mine),
             held_rows=size(held), acc_rows=size(accumulator),
             kv_send=selector(onward, held) if onward else None,
@@ -233,7 +238,8 @@ def build_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, cau
 
 
 def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, causal: bool, packed: bool,
-                  areas: tuple[int, ...], max_calls: int) -> RankPlan:
+                  areas: tuple[int, ...], max_calls: int, window: Window | None = None,
+                  segments: list[list[list[Segment]]] | None = None) -> RankPlan:
     """All-gather's plan: ``rank``'s queries against every rank's block, nothing travelling on. Step ``t``
     attends the block of rank ``(rank - t) % world`` (step 0 the rank's own, which every query row sees).
 
@@ -245,7 +251,7 @@ def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, 
     the same on every rank."""
     world, rows = keys.shape
     every: list[Interval] = [(0, rows)]
-    segments = _segments(keys, docs, span, causal)
+    segments = segments if segments is not None else pair_segments(keys, docs, span, causal, window)
     used = [[union([seg.kv for seg in segments[q][source]]) for source in range(world)] for q in range(world)]
     whole = all(used[q][s] == every for q in range(world) for s in range(world) if q != s)
     steps = []
@@ -253,7 +259,7 @@ def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, 
         source, destination = (rank - step) % world, (rank + step) % world
         held = every if step == 0 or whole else used[rank][source]
         sent = every if whole else used[destination][rank]
-        compact = tuple(Segment(seg.q, locate(held, seg.kv), seg.causal) for seg in segments[rank][source])
+        compact = tuple(dataclasses.replace(seg, kv=locate(held, seg.kv)) for seg in segments[rank][source])
         steps.append(StepPlan(source=source, segments=compact, grad_kv=tuple(seg.kv for seg in compact),
                               held_rows=size(held), acc_rows=size(held),
                               kv_send=selector(sent, every) if step and sent else None,
@@ -276,15 +282,17 @@ def _send_index(steps: list[StepPlan], rank: int, world: int) -> torch.Tensor:
 
 
 @functools.cache
-def plan_for_layout(layout: str, causal: bool, world: int, rank: int, rows: int) -> RankPlan:
+def plan_for_layout(layout: str, causal: bool, world: int, rank: int, rows: int,
+                    window: Window | None = None) -> RankPlan:
     """One document per sample in ``layout``: ``rows`` local tokens per rank."""
     positions = torch.stack([sequence_positions(rows * world, r, world, layout) for r in range(world)])
     docs = torch.zeros_like(positions)
     keys, span = pack_keys(docs, positions)
-    return build_plan(keys, docs, span, rank, causal)
+    return build_plan(keys, docs, span, rank, causal, window=window)
 
 
-def plan_for_documents(docs: torch.Tensor, positions: torch.Tensor, rank: int, causal: bool) -> RankPlan:
+def plan_for_documents(docs: torch.Tensor, positions: torch.Tensor, rank: int, causal: bool,
+                       window: Window | None = None) -> RankPlan:
     """The plan for packed documents: ``docs`` and ``positions`` ``[world, batch, n]`` (every rank's, CPU int64),
     documents non-decreasing along each sample, positions increasing within a document, each rank's tokens
     in sequence order. Raises ``ValueError`` saying what is wrong otherwise."""
@@ -303,4 +311,4 @@ def plan_for_documents(docs: torch.Tensor, positions: torch.Tensor, rank: int, c
     if (keys[:, 1:] <= keys[:, :-1]).any():
         raise ValueError("document_ids must be non-decreasing along each sample, and positions increasing within a "
                          "document, in every CP rank's token order; check the document ids and the CP layout")
-    return build_plan(keys, ranked, span, rank, causal, packed=not uniform)
+    return build_plan(keys, ranked, span, rank, causal, packed=not uniform, window=window)

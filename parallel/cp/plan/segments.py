@@ -1,34 +1,49 @@
 """The attention mask between two CP ranks' tokens as a few kernel-sized segments (pure functions).
 
 A token attends to the tokens of its own document that come earlier-or-equal (causal) or to its
-whole document (not causal). Each rank's tokens are given by ``keys``: one int64 per token,
+whole document (not causal), within a sliding ``Window`` when one is given (``(left, right)`` keys either
+side of the query, None unbounded). Each rank's tokens are given by ``keys``: one int64 per token,
 ``(document, position)`` packed so that the order of keys is the order along the sequence; every
 rank holds its tokens in increasing key order (true of every CP layout here). A query's visible keys
 in another rank's block are then one interval of that block's rows, found by binary search, and the
-query rows cut into *runs*: consecutive rows seeing the same interval (a full rectangle) or an interval
-growing by one key per row (a causal rectangle, aligned bottom-right). Rows that see nothing are in
-no run. Intervals of rows are ``(start, stop)`` pairs; row sets are sorted lists of disjoint intervals.
+query rows cut into *runs*: consecutive rows seeing the same interval (a full rectangle), an interval
+growing by one key per row (a causal rectangle, aligned bottom-right), one sliding by one key per row (a
+band) or one shrinking from the left by one key per row (an inverted triangle). Rows that see nothing are
+in no run. Intervals of rows are ``(start, stop)`` pairs; row sets are sorted lists of disjoint intervals.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 Interval = tuple[int, int]
-NONE, FLAT, DIAG = 0, 1, 2
+NONE, FLAT, DIAG, SLIDE, SHRINK = 0, 1, 2, 3, 4
+STEPS = {FLAT: (0, 0), DIAG: (0, 1), SLIDE: (1, 1), SHRINK: (1, 0)}  # (start, stop) change from row to row
+
+
+class Window(NamedTuple):
+    """Keys visible around a query at position ``i`` of its document: ``i - left ... i + right`` (None:
+    unbounded; a causal mask stops at ``i`` whatever ``right`` says). HF's ``sliding_window = W`` is
+    ``Window(W - 1, 0)``."""
+
+    left: int | None
+    right: int | None
 
 
 @dataclass(frozen=True)
 class Segment:
-    """Query rows ``q`` attend to rows ``kv`` of a K/V block. ``causal``: query row ``q[0] + t`` sees the
-    first ``len(kv) - len(q) + t + 1`` keys (bottom-right aligned; ``len(kv) >= len(q)``); else all keys."""
+    """Query rows ``q`` attend to rows ``kv`` of a K/V block. Query row ``q[0] + t`` sees keys from ``t``
+    (``slide``) or 0 up to the first ``len(kv) - len(q) + t + 1`` (``causal``: bottom-right aligned,
+    ``len(kv) >= len(q)``) or all keys. ``causal`` and ``slide``: a band; ``slide`` alone: an inverted triangle."""
 
     q: Interval
     kv: Interval
     causal: bool
+    slide: bool = False
 
     @property
     def rows(self) -> int:
@@ -41,17 +56,49 @@ class Segment:
     @property
     def area(self) -> int:
         """Query-key pairs computed."""
-        if not self.causal:
-            return self.rows * self.keys
-        return self.rows * (self.keys - self.rows) + self.rows * (self.rows + 1) // 2
+        rows, keys = self.rows, self.keys
+        area = rows * keys
+        if self.causal:
+            area -= rows * (rows - 1) // 2
+        if self.slide:
+            area -= rows * (rows - 1) // 2
+        return area
 
     def dense_calls(self) -> list[Segment]:
-        """The same pairs as calls of a dense kernel whose causal masks are square: a causal rectangle
-        wider than tall is a full rectangle plus a causal square."""
+        """The same pairs as calls of a dense kernel whose masks are square: full rectangles, causal squares
+        and inverted-triangle squares (``slide`` without ``causal``; ``band.py``)."""
+        if self.slide:
+            return _sliding_calls(self)
         if not self.causal or self.keys == self.rows:
             return [self]
         split = self.kv[1] - self.rows
         return [Segment(self.q, (self.kv[0], split), False), Segment(self.q, (split, self.kv[1]), True)]
+
+
+def _sliding_calls(segment: Segment) -> list[Segment]:
+    """A band or an inverted triangle as full rectangles, causal squares and inverted squares (``slide`` alone,
+    square: row ``t`` sees keys ``t...``; the ring runs it as a causal call on rows and keys reversed).
+
+    An inverted triangle wider than tall is an inverted square plus a full rectangle. A band of width ``w``
+    (row ``t`` sees keys ``t .. t + w - 1``) goes ``w`` rows at a time: an inverted square on the block's first
+    keys, then a causal part on the next ``w - 1`` keys (its first row sees none of them)."""
+    (q0, q1), (k0, k1) = segment.q, segment.kv
+    rows, keys = q1 - q0, k1 - k0
+    if not segment.causal:
+        calls = [Segment((q0, q1), (k0, k0 + rows), False, True)]
+        return calls + ([Segment((q0, q1), (k0 + rows, k1), False)] if keys > rows else [])
+    width = keys - rows + 1
+    calls = []
+    for at in range(0, rows, width):
+        block = min(width, rows - at)
+        lo = k0 + at
+        calls.append(Segment((q0 + at, q0 + at + block), (lo, lo + block), False, True))
+        rest = (lo + block, lo + block + width - 1)
+        if width - 1 >= block:
+            calls.extend(Segment((q0 + at, q0 + at + block), rest, True).dense_calls())
+        elif width > 1:  # block == width: its first row sees none of the rest
+            calls.append(Segment((q0 + at + 1, q0 + at + block), rest, True))
+    return calls
 
 
 def pack_keys(documents: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -62,16 +109,22 @@ def pack_keys(documents: torch.Tensor, positions: torch.Tensor) -> tuple[torch.T
 
 
 def visible_intervals(q_keys: torch.Tensor, q_docs: torch.Tensor, kv_keys: torch.Tensor, span: int,
-                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool, window: Window | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For each query key, the rows ``[start, stop)`` of the sorted ``kv_keys`` it may see (int64 CPU tensors).
 
-    ``q_docs`` are the queries' documents and ``span`` the key stride per document (``pack_keys``). The
+    ``q_docs`` are the queries' documents and ``span`` the key stride per document (``pack_keys``);
+    ``window`` bounds the keys around each query (positions within a document are consecutive integers). The
     queries come in increasing key order, which NumPy's binary search exploits (2-3x torch's on the CPU).
     """
-    kv = kv_keys.numpy()
+    kv, keys = kv_keys.numpy(), q_keys.numpy()
     first = q_docs.numpy().astype(np.int64) * span
+    last = keys if causal else first + (span - 1)
+    if window is not None and window.left is not None:
+        first = np.maximum(first, keys - window.left)
+    if window is not None and window.right is not None and not causal:
+        last = np.minimum(last, keys + window.right)
     start = np.searchsorted(kv, first, side="left")
-    stop = np.searchsorted(kv, q_keys.numpy() if causal else first + (span - 1), side="right")
+    stop = np.searchsorted(kv, last, side="right")
     return torch.from_numpy(start), torch.from_numpy(stop)
 
 
@@ -85,9 +138,11 @@ def runs(start: torch.Tensor, stop: torch.Tensor) -> list[Segment]:
     valid = stop_np > start_np
     if not valid.any():
         return []
-    same = (start_np[1:] == start_np[:-1]) & valid[1:] & valid[:-1]
-    link = np.where(same & (stop_np[1:] == stop_np[:-1]), FLAT,
-                    np.where(same & (stop_np[1:] == stop_np[:-1] + 1), DIAG, NONE))
+    both = valid[1:] & valid[:-1]
+    d_start, d_stop = start_np[1:] - start_np[:-1], stop_np[1:] - stop_np[:-1]
+    link = np.full(len(both), NONE, dtype=np.int64)
+    for kind, (a, b) in STEPS.items():
+        link[both & (d_start == a) & (d_stop == b)] = kind
     found: list[tuple[int, int, int]] = []  # (first row, last row, kind) of each closed run
     current = (0, 0, NONE) if valid[0] else None  # the run holding the last row visited
     edges = np.flatnonzero(np.diff(link)) + 1
@@ -109,8 +164,19 @@ def runs(start: torch.Tensor, stop: torch.Tensor) -> list[Segment]:
             current = (lo + 1, hi, kind if hi > lo + 1 else NONE)
     if current is not None:
         found.append(current)
-    return [Segment((first, last + 1), (int(start_np[first]), int(stop_np[last])), kind == DIAG and last > first)
+    return [Segment((first, last + 1), (int(start_np[first]), int(stop_np[last])),
+                    kind in (DIAG, SLIDE) and last > first, kind in (SLIDE, SHRINK) and last > first)
             for first, last, kind in found]
+
+
+def window_pairs(rows: int, causal: bool, window: Window | None = None) -> int:
+    """Query-key pairs of one document of ``rows`` tokens under ``causal`` and ``window``."""
+    if window is None or (window.left is None and (causal or window.right is None)):
+        return rows * (rows + 1) // 2 if causal else rows * rows
+    i = torch.arange(rows)
+    lo = i - window.left if window.left is not None else torch.zeros_like(i)
+    hi = i if causal else (i + window.right if window.right is not None else torch.full_like(i, rows - 1))
+    return int((hi.clamp(max=rows - 1) - lo.clamp(min=0) + 1).sum())
 
 
 def union(intervals: list[Interval]) -> list[Interval]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cp_train.parallel.cp.plan.rank_plan import Apply, RankPlan, Selector, StepPlan, apply_rows
-from cp_train.parallel.cp.plan.segments import Segment, runs, visible_intervals
+from cp_train.parallel.cp.plan.segments import Window, runs, visible_intervals, window_pairs
 
 TOLERANCE = (102, 100)  # the busiest rank's work may exceed the mean by 2%
 
@@ -49,21 +49,21 @@ class UlyssesDocuments:
                                 tuple(block.apply(fn, device, varlen) for block in self.blocks))
 
 
-def document_work(rows: int, causal: bool) -> int:
+def document_work(rows: int, causal: bool, window: Window | None = None) -> int:
     """Query-key pairs of one document of ``rows`` tokens."""
-    return Segment((0, rows), (0, rows), causal).area
+    return window_pairs(rows, causal, window)
 
 
 Choice = dict[int, int]  # document -> the rank that attends it at home
 
 
-def home_documents(docs: torch.Tensor, causal: bool) -> Choice:
+def home_documents(docs: torch.Tensor, causal: bool, window: Window | None = None) -> Choice:
     """``{document: its rank}`` for the documents attended at home, from every rank's dense document numbers
     ``docs`` ``[world, rows]``: only documents wholly on one rank, chosen as the module docstring says."""
     world = docs.shape[0]
     numbers, counts = torch.unique(docs, return_counts=True)
     rows = dict(zip(numbers.tolist(), counts.tolist(), strict=True))
-    work = {d: document_work(n, causal) for d, n in rows.items()}
+    work = {d: document_work(n, causal, window) for d, n in rows.items()}
     held = [set(torch.unique(docs[rank]).tolist()) for rank in range(world)]
     whole = []  # per rank: its whole documents, least work first
     for rank in range(world):
@@ -122,13 +122,13 @@ def _levelled(whole: list[list[int]], work: dict[int, int], total: int,
 
 
 def _block_plan(keys: list[torch.Tensor], docs: list[torch.Tensor], span: int, index: int, causal: bool,
-                packed: bool) -> RankPlan:
+                packed: bool, window: Window | None = None) -> RankPlan:
     """Rank ``index``'s cross queries against every rank's cross rows (``keys``/``docs`` per rank)."""
     world = len(keys)
     steps = []
     for step in range(world):
         source = (index - step) % world
-        segments = tuple(runs(*visible_intervals(keys[index], docs[index], keys[source], span, causal)))
+        segments = tuple(runs(*visible_intervals(keys[index], docs[index], keys[source], span, causal, window)))
         held = keys[source].numel()
         steps.append(StepPlan(source, segments, tuple(s.kv for s in segments), held, held, None, (0, 0), None,
                               (0, 0)))
@@ -137,11 +137,11 @@ def _block_plan(keys: list[torch.Tensor], docs: list[torch.Tensor], span: int, i
 
 
 def _home_plan(keys: torch.Tensor, docs: torch.Tensor, home: torch.Tensor, span: int, causal: bool,
-               packed: bool) -> RankPlan | None:
+               packed: bool, window: Window | None = None) -> RankPlan | None:
     """One rank's home queries (``home``: a bool per row) against its own rows, as a one-step plan."""
     if not bool(home.any()):
         return None
-    start, stop = visible_intervals(keys, docs, keys, span, causal)
+    start, stop = visible_intervals(keys, docs, keys, span, causal, window)
     stop = torch.where(home, stop, start)  # cross rows: nothing here
     segments = tuple(runs(start, stop))
     rows = keys.numel()
@@ -150,16 +150,17 @@ def _home_plan(keys: torch.Tensor, docs: torch.Tensor, home: torch.Tensor, span:
 
 
 def ulysses_documents_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, causal: bool,
-                           packed: bool) -> tuple[UlyssesDocuments, tuple[int, ...], int]:
+                           packed: bool, window: Window | None = None
+                           ) -> tuple[UlyssesDocuments, tuple[int, ...], int]:
     """(``rank``'s plan, every rank's work ``home_r + cross // u``, the most kernel calls in any one step of any
     rank: the same on every rank) from every rank's sorted keys and dense documents ``[world, rows]``."""
     world = keys.shape[0]
-    home = home_documents(docs, causal)
+    home = home_documents(docs, causal, window)
     stays = torch.isin(docs, torch.tensor(sorted(home), dtype=docs.dtype))
     away = [torch.nonzero(~stays[r]).flatten() for r in range(world)]
     cross_keys, cross_docs = [keys[r][away[r]] for r in range(world)], [docs[r][away[r]] for r in range(world)]
-    blocks = tuple(_block_plan(cross_keys, cross_docs, span, i, causal, packed) for i in range(world))
-    homes = [_home_plan(keys[r], docs[r], stays[r], span, causal, packed) for r in range(world)]
+    blocks = tuple(_block_plan(cross_keys, cross_docs, span, i, causal, packed, window) for i in range(world))
+    homes = [_home_plan(keys[r], docs[r], stays[r], span, causal, packed, window) for r in range(world)]
     loads = [sum(s.area for s in plan.steps[0].segments) if plan else 0 for plan in homes]
     cross = sum(s.area for block in blocks for step in block.steps for s in step.segments)
     calls = max([block.max_calls for block in blocks] + [plan.max_calls for plan in homes if plan])

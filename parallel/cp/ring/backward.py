@@ -78,7 +78,12 @@ def call_backward(spec: AttentionSpec, segment: Segment, rows: SavedRows, held: 
     """One dense kernel call's dq (its query rows) and dk, dv (its key rows of the [k, v] store ``held``)."""
     part, keys = slice(*segment.q), slice(*segment.kv)
     grad = BackwardRows(rows.dout[:, part], rows.q[:, part], rows.out[:, part], rows.lse[:, part].transpose(1, 2))
-    return spec.kernel.backward(grad, held[0][:, keys], held[1][:, keys], segment.causal, spec.scale)
+    k, v = held[0][:, keys], held[1][:, keys]
+    if segment.slide:  # an inverted triangle: the causal call on rows and keys reversed (``call_forward``)
+        grad = BackwardRows(*(x.flip(1) for x in grad[:3]), grad.lse.flip(2))
+        dq, dk, dv = spec.kernel.backward(grad, k.flip(1), v.flip(1), True, spec.scale)
+        return dq.flip(1), dk.flip(1), dv.flip(1)
+    return spec.kernel.backward(grad, k, v, segment.causal, spec.scale)
 
 
 def _land(homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]], home: Selector) -> None:

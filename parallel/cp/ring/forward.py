@@ -95,8 +95,12 @@ def call_forward(spec: AttentionSpec, call: Segment, q: torch.Tensor, held: list
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One dense kernel call of a step: out ``[B, m, h, D]`` and lse ``[B, m, h]`` of its ``m`` query rows."""
     keys = slice(*call.kv)
-    out, lse = spec.kernel.forward(q[:, slice(*call.q)], held[0][:, keys], held[1][:, keys], call.causal,
-                                   spec.scale)
+    q, k, v = q[:, slice(*call.q)], held[0][:, keys], held[1][:, keys]
+    if call.slide:  # an inverted triangle: the causal call on rows and keys reversed
+        q, k, v = (x.flip(1) for x in (q, k, v))
+        out, lse = spec.kernel.forward(q, k, v, True, spec.scale)
+        return out.flip(1), lse.flip(2).transpose(1, 2)
+    out, lse = spec.kernel.forward(q, k, v, call.causal, spec.scale)
     return out, lse.transpose(1, 2)
 
 

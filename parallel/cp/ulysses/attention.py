@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
+from cp_train.parallel.cp.plan.window_plan import flash_window
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.comm import RingComm, count_sent
 from cp_train.parallel.cp.ring.forward import accumulator_dtype, ring_forward
+from cp_train.parallel.cp.sinks import apply_sinks, sink_grad
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.cp.ulysses.documents import Pending, UlyssesDocumentsAttention
 from cp_train.parallel.kernels.contract import BackwardRows
@@ -82,6 +84,17 @@ def _in_rank_order(x: torch.Tensor, plan: CPPlan, batch: int) -> torch.Tensor:
     return x.reshape(batch, -1, *x.shape[2:])
 
 
+def native_window(spec: AttentionSpec, plan: CPPlan) -> tuple[int, int] | None:
+    """flash-attn's window for a kernel that takes one (``native_window``) when ``plan`` is Ulysses' one document
+    with a window (a one-rank plan of the whole sequence); None: the plan's segments run (the CPU kernel, cuDNN:
+    full, causal and inverted-triangle calls)."""
+    if plan.window is None or plan.ring is None or plan.ring.world != 1 or plan.documents is not None:
+        return None
+    if not getattr(spec.kernel, "native_window", False):
+        return None
+    return flash_window(plan.window, spec.causal)
+
+
 def chunk_count(heads: int, kv_heads: int, u: int, wanted: int) -> int:
     """Head chunks (at most ``wanted``) whose q and kv heads both split over the ``u`` ranks of the group."""
     return max(c for c in range(1, wanted + 1) if heads % (c * u) == 0 and kv_heads % (c * u) == 0)
@@ -89,8 +102,9 @@ def chunk_count(heads: int, kv_heads: int, u: int, wanted: int) -> int:
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, ring_group, spec: AttentionSpec, plan: CPPlan, chunks: int):
+    def forward(ctx, q, k, v, group, ring_group, spec: AttentionSpec, plan: CPPlan, chunks: int, sinks=None):
         batch, n, heads, dim = q.shape
+        u, member = dist.get_world_size(group), dist.get_rank(group)
         kv_heads = k.shape[2]
         comm = RingComm(ring_group) if ring_group is not None else None
         q_step, kv_step = heads // chunks, kv_heads // chunks
@@ -105,17 +119,22 @@ class _UlyssesAttention(torch.autograd.Function):
         for c in range(chunks):
             q_h, k_h, v_h = (_in_order(_done(p), plan) for p in pending)
             pending = post(c + 1) if c + 1 < chunks else []
-            if plan.ring is None:
-                out_h, lse_h = spec.kernel.forward(q_h, k_h, v_h, spec.causal, spec.scale)
+            if plan.ring is None or native_window(spec, plan) is not None:  # the window goes to the kernel
+                window = native_window(spec, plan)
+                out_h, lse_h = spec.kernel.forward(q_h, k_h, v_h, spec.causal, spec.scale,
+                                                   **({} if window is None else {"window": window}))
                 lse_h = lse_h.transpose(1, 2)
             else:
                 out_h, lse_h = ring_forward(q_h, k_h, v_h, comm, spec, plan.ring)
+            if sinks is not None:  # this rank's heads of the chunk (``_post_seq_to_heads``)
+                first = c * q_step + member * (q_step // u)
+                apply_sinks(out_h, lse_h, sinks[first:first + q_step // u])
             out_h = out_h.to(q.dtype)
             saved += [q_h, k_h, v_h, out_h, lse_h]
             back.append((c, [_post_heads_to_seq(_in_rank_order(out_h, plan, batch), group),
                              _post_heads_to_seq(_in_rank_order(lse_h.to(lse.dtype), plan, batch), group)]))
         _land(back, (out, lse), (q_step, q_step))
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, *(() if sinks is None else (out, lse, sinks)))
         ctx.group, ctx.comm, ctx.spec, ctx.plan, ctx.chunks = group, comm, spec, plan, chunks
         ctx.shapes = (batch, n, heads, kv_heads, dim)
         lse = lse.transpose(1, 2)
@@ -128,6 +147,7 @@ class _UlyssesAttention(torch.autograd.Function):
         batch, n, heads, kv_heads, dim = ctx.shapes
         q_step, kv_step = heads // chunks, kv_heads // chunks
         saved = ctx.saved_tensors
+        dsinks = sink_grad(dout, *saved[5 * chunks:]) if len(saved) > 5 * chunks else None
         dq = torch.empty(batch, n, heads, dim, dtype=dout.dtype, device=dout.device)
         dk = torch.empty(batch, n, kv_heads, dim, dtype=dout.dtype, device=dout.device)
         dv = torch.empty_like(dk)
@@ -140,23 +160,26 @@ class _UlyssesAttention(torch.autograd.Function):
             dout_h = _in_order(_done(pending), plan)
             pending = post(c + 1) if c + 1 < chunks else None
             q_h, k_h, v_h, out_h, lse_h = saved[5 * c: 5 * c + 5]
-            if plan.ring is None:
+            window = native_window(spec, plan)
+            if plan.ring is None or window is not None:
                 grads = spec.kernel.backward(BackwardRows(dout_h, q_h, out_h, lse_h.transpose(1, 2).contiguous()),
-                                             k_h, v_h, spec.causal, spec.scale)
+                                             k_h, v_h, spec.causal, spec.scale,
+                                             **({} if window is None else {"window": window}))
             else:
                 grads = ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, comm, spec, plan.ring)
             back.append((c, [_post_heads_to_seq(_in_rank_order(g.to(dout.dtype), plan, batch), group)
                              for g in grads]))
         _land(back, (dq, dk, dv), (q_step, kv_step, kv_step))
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, dsinks
 
 
 def ulysses_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
-                 plan: CPPlan) -> tuple[type[torch.autograd.Function], tuple]:
+                 plan: CPPlan, sinks: torch.Tensor | None = None) -> tuple[type[torch.autograd.Function], tuple]:
     """The autograd Function of Ulysses (the hybrid form when ``spec.algorithm`` is hybrid) and its ``apply``
     arguments. With fewer kv heads than the group's ranks, the k and v passed on are ``repeat_interleave``d
     along dim 2 (differentiably here; a caller running the Function's backward itself sums their gradients
-    back). ``spec.head_chunks`` bounds the head chunks whose all-to-alls overlap the attention."""
+    back). ``spec.head_chunks`` bounds the head chunks whose all-to-alls overlap the attention. ``sinks`` ``[H]``
+    are applied to each rank's heads before the output travels back."""
     group = groups.ulysses if spec.algorithm == "hybrid" else groups.cp
     plan = plan.on_device(q.device)  # itself when moved ahead (``CPPlan.to``): no host copy in the call
     u = dist.get_world_size(group)
@@ -164,7 +187,7 @@ def ulysses_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGr
         k, v = (x.repeat_interleave(u // k.shape[2], dim=2) for x in (k, v))
     chunks = chunk_count(q.shape[2], k.shape[2], u, max(1, spec.head_chunks))
     if plan.documents is not None:
-        return UlyssesDocumentsAttention, (q, k, v, group, spec, plan, chunks)
+        return UlyssesDocumentsAttention, (q, k, v, group, spec, plan, chunks, sinks)
     ring_group = groups.ring if spec.algorithm == "hybrid" else None
-    return _UlyssesAttention, (q, k, v, group, ring_group, spec, plan, chunks)
+    return _UlyssesAttention, (q, k, v, group, ring_group, spec, plan, chunks, sinks)
 

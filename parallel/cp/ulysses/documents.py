@@ -27,6 +27,7 @@ from cp_train.parallel.cp.ring.backward import add_grad, local_grads, step_grads
 from cp_train.parallel.cp.ring.blocks import SavedRows
 from cp_train.parallel.cp.ring.comm import BYTES_SENT
 from cp_train.parallel.cp.ring.forward import accumulator_dtype, forward_step, plan_rows
+from cp_train.parallel.cp.sinks import apply_sinks, sink_grad
 from cp_train.parallel.cp.spec import AttentionSpec
 
 Pending = tuple[object, Callable[[], torch.Tensor]]  # (work, the result once it completed)
@@ -102,7 +103,7 @@ def _unflatten(flat: list[torch.Tensor], layout: list[list[int]]) -> list[list[l
 
 class UlyssesDocumentsAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: CPPlan, chunks: int):
+    def forward(ctx, q, k, v, group, spec: AttentionSpec, plan: CPPlan, chunks: int, sinks=None):
         docs: UlyssesDocuments = plan.documents
         u, rank = len(docs.counts), dist.get_rank(group)
         shape, kv_shape = q.shape, k.shape
@@ -122,6 +123,8 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
         pending = post(0) if travels else []
         if docs.home is not None:  # while the first chunk travels
             forward_step(docs.home, 0, q, [k, v], out, lse, spec)
+            if sinks is not None:  # every row here (the cross rows are overwritten when they land)
+                apply_sinks(out, lse, sinks)
         saved, back = [], []
         for c in range(chunks if travels else 0):
             for work, _ in pending:
@@ -135,6 +138,10 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
                 for index, step in enumerate(block.steps):
                     forward_step(block, index, q_b[i], [k_b[step.source], v_b[step.source]], out_b[i], lse_b[i],
                                  spec)
+            if sinks is not None:  # this rank's heads of the chunk, on every block (one flat buffer)
+                first = c * q_step + rank * (q_step // u)
+                for o, s in zip(out_b, lse_b, strict=True):
+                    apply_sinks(o, s, sinks[first:first + q_step // u])
             out_flat = out_flat.to(q.dtype)
             out_b = [part.view(o.shape) for part, o in zip(out_flat.split([o.numel() for o in out_b]), out_b,
                                                              strict=True)]
@@ -146,7 +153,9 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
         _land(back, (out, lse), cross)
         # the received blocks go through save_for_backward too, so that checkpointing frees them with the rest
         ctx.layout = [[len(part) for part in chunk] for chunk in saved]
-        ctx.save_for_backward(q, k, v, out, lse, *(x for chunk in saved for part in chunk for x in part))
+        ctx.sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, *(x for chunk in saved for part in chunk for x in part),
+                              *(() if sinks is None else (sinks,)))
         ctx.group, ctx.spec, ctx.plan, ctx.chunks, ctx.shapes = group, spec, plan, chunks, (shape, kv_shape)
         lse = lse.view(*shape[:3]).transpose(1, 2)
         ctx.mark_non_differentiable(lse)
@@ -158,6 +167,8 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
         docs: UlyssesDocuments = plan.documents
         u, rank = len(docs.counts), dist.get_rank(group)
         q, k, v, out, lse, *flat = ctx.saved_tensors
+        sinks = flat.pop() if ctx.sinks else None
+        dsinks = None if sinks is None else sink_grad(plan_rows(dout, plan), out, lse, sinks)
         received = _unflatten(flat, ctx.layout)
         q_shape, kv_shape = ctx.shapes
         dout = plan_rows(dout, plan)
@@ -203,4 +214,4 @@ class UlyssesDocumentsAttention(torch.autograd.Function):
                           _post_home(dk_flat.to(dout.dtype), kv_shapes, rank, group),
                           _post_home(dv_flat.to(dout.dtype), kv_shapes, rank, group)]))
         _land(back, (dq, dk, dv), cross)
-        return dq.view(q_shape), dk.view(kv_shape), dv.view(kv_shape), None, None, None, None
+        return dq.view(q_shape), dk.view(kv_shape), dv.view(kv_shape), None, None, None, None, dsinks
