@@ -10,6 +10,8 @@ import importlib
 _EXPORTS = {  # public name -> the module that defines it
     "GPTModel": "cp_train.model.gpt",
     "ModelConfig": "cp_train.model.config",
+    "load_hf": "cp_train.model.hf.llama",
+    "save_hf": "cp_train.model.hf.llama",
     "load_llama": "cp_train.model.hf.llama",
     "save_llama": "cp_train.model.hf.llama",
     "model_flops_per_token": "cp_train.model.flops",

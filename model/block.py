@@ -11,7 +11,6 @@ from torch.utils.checkpoint import checkpoint
 from cp_train.model.attention import Attention
 from cp_train.model.config import NORMS, ModelConfig
 from cp_train.model.mlp import MLP
-from cp_train.parallel.cp.op import cp_attention
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 from cp_train.parallel.tp.sequence_parallel import sequence_parallel_norm
 
@@ -52,17 +51,20 @@ def rms_norm(hidden: int, eps: float, kind: str = "auto", dtype: torch.dtype | N
 class BlockInputs:
     """What every block of one forward shares, built once by ``GPTModel.forward``: the RoPE tables
     ``cos``/``sin`` of this rank's global positions (``model.rope.rope_tables``) and the attention ``handle``
-    (``cp_train.parallel.cp.op.plan_handle``: a CPU scalar naming the attention spec and the batch's CP plan).
-    Tensors only, so a compiled block sees a new plan as a new value, not a new graph.
+    (``cp_train.parallel.cp.op.plan_handle``: a CPU scalar naming the attention spec and the batch's CP plan) of the
+    full layers, and ``handles``: the handle of each window the layers use (key None: ``handle``; a window lives in
+    its plan). Tensors only, so a compiled block sees a new plan as a new value, not a new graph.
 
     A plain class on purpose: FSDP2 searches each sharded module's arguments for tensors that need gradients,
     through dataclasses too, and searching the plan (index tensors, none needing gradients) took 150-450 us
     per block call at cp 2-8."""
 
-    __slots__ = ("cos", "sin", "handle")
+    __slots__ = ("cos", "sin", "handle", "handles")
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, handle: torch.Tensor) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, handle: torch.Tensor,
+                 handles: dict[int | None, torch.Tensor] | None = None) -> None:
         self.cos, self.sin, self.handle = cos, sin, handle
+        self.handles = {None: handle, **(handles or {})}
 
 
 class Block(nn.Module):
@@ -92,7 +94,7 @@ class Block(nn.Module):
         return norm(x) if self.norm_group is None else sequence_parallel_norm(norm, x, self.norm_group)
 
     def _forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        x = x + self.attention(self._norm(self.attention_norm, x), inputs.cos, inputs.sin, inputs.handle)
+        x = x + self.attention(self._norm(self.attention_norm, x), inputs.cos, inputs.sin, inputs)
         return x + self.mlp(self._norm(self.mlp_norm, x))
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -107,7 +109,7 @@ class Block(nn.Module):
         """Checkpoints around the attention: the norms, projections, RoPE and MLP are recomputed in the
         backward, the CP attention (and its communication) is not: it keeps q, k, v, its output and lse."""
         q, k, v = checkpoint(self._project, x, inputs.cos, inputs.sin, use_reentrant=False)
-        out = cp_attention(q, k, v, inputs.handle)
+        out = self.attention.attend(q, k, v, inputs)
         return checkpoint(self._after_attention, x, out, use_reentrant=False)
 
     def _checkpointed(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:

@@ -10,13 +10,24 @@ from cp_train.model.rope import resolve_rope_scaling
 from cp_train.parallel.cp.layout import check_layout, check_layout_name
 from cp_train.parallel.kernels.select import BACKENDS
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names of a layer's attention
 CHECKPOINTING = ("none", "selective", "full")  # model.activation_checkpointing: what a block recomputes
 NORMS = ("auto", "torch", "apex")  # model.norm: which RMSNorm module the blocks and the final norm use
 
 
 @dataclass
 class ModelConfig:
-    """Shape and options of a Llama-style GPT decoder (RMSNorm, RoPE, GQA, SwiGLU, no biases).
+    """Shape and options of a Llama-style GPT decoder (RMSNorm, RoPE, GQA, SwiGLU), with the attention options of
+    Mistral, Qwen2, Qwen3 and granite_swa / gpt-oss.
+
+    Attention options: ``head_dim`` (None: hidden / heads; may differ from it); ``qkv_bias`` (q, k, v biased,
+    o not: Qwen2); ``attention_bias`` (q, k, v and o biased); ``qk_norm`` (an RMSNorm over head_dim per head of
+    q and k, after the projection and before RoPE: Qwen3); ``layer_types`` (per layer ``full_attention`` or
+    ``sliding_attention``; None: every layer sliding when ``sliding_window`` is set, else full);
+    ``sliding_window`` W (HF's: a query sees W keys, itself included); ``attention_sinks`` (one learned logit per
+    query head and layer joining the softmax's denominator, initialised normal(0, ``init_std``) as gpt-oss does).
+    ``hf_architecture``: the Hugging Face class the model came from (None: the simplest that represents it),
+    which an export writes.
 
     ``mlp_chunks``: the MLP runs over this many slices of the local sequence, each under
     activation checkpointing (1: one plain pass). ``loss_chunk_tokens``: the LM head and its cross entropy
@@ -51,12 +62,20 @@ class ModelConfig:
     attention_backend: str | None = None
     init_std: float = 0.02
     seed: int = 1234
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    qkv_bias: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    attention_sinks: bool = False
+    hf_architecture: str | None = None
 
     def __post_init__(self) -> None:
         self.resolve()
 
     def resolve(self) -> None:
-        """Fill the derived defaults left as None (``num_kv_heads``, ``ffn_hidden_size``) and spell
+        """Fill the derived defaults left as None (``num_kv_heads``, ``ffn_hidden_size``, ``head_dim``) and spell
         ``activation_checkpointing`` as a mode (true: full, false: none); idempotent."""
         mode = str(self.activation_checkpointing).lower()
         if mode in ("true", "false"):
@@ -65,10 +84,50 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 64 * max(1, round(8 * self.hidden_size / 3 / 64))
+        if self.head_dim is None and isinstance(self.hidden_size, int) and isinstance(self.num_heads, int) \
+                and self.num_heads > 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window W of layer ``layer`` (None: full causal attention)."""
+        kinds = self.layer_types
+        sliding = kinds[layer] == "sliding_attention" if kinds is not None else self.sliding_window is not None
+        return self.sliding_window if sliding else None
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def windows(self) -> list[int | None]:
+        """Every layer's sliding window (None: full attention)."""
+        return [self.layer_window(i) for i in range(self.num_layers)]
+
+    @property
+    def has_bias(self) -> tuple[bool, bool]:
+        """Whether the fused q/k/v projection and the output projection have biases."""
+        return self.qkv_bias or self.attention_bias, self.attention_bias
+
+    def check_attention_options(self) -> None:
+        """Raise ``ValueError`` naming the field when the attention options do not describe a model."""
+        for name in ("qkv_bias", "attention_bias", "qk_norm", "attention_sinks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 2 \
+                or self.head_dim % 2:
+            raise ValueError(f"head_dim must be an even integer >= 2 for RoPE, got {self.head_dim!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 (keys a query sees, itself included) or "
+                             f"null, got {window!r}")
+        kinds = self.layer_types
+        if kinds is not None:
+            if len(kinds) != self.num_layers:
+                raise ValueError(f"layer_types has {len(kinds)} entries for num_layers = {self.num_layers}: give one "
+                                 f"per layer")
+            unknown = sorted({str(k) for k in kinds} - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types: unknown {', '.join(unknown)}; each is one of {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in kinds and window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is null: set it")
 
     def validate(self, tp: int = 1, cp: int = 1, seq_len: int | None = None, layout: str = "zigzag") -> None:
         """Raise ``ValueError`` saying what to change when this model cannot run at (tp, cp).
@@ -95,12 +154,14 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 1, got {self.rope_theta}")
         resolve_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        if self.hidden_size % heads != 0:
+        explicit = self.head_dim is not None and self.head_dim != self.hidden_size // heads
+        if not explicit and self.hidden_size % heads != 0:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {heads}; "
-                             f"make hidden_size a multiple of num_heads")
-        if self.head_dim % 2 != 0:
+                             f"make hidden_size a multiple of num_heads or set head_dim")
+        if not explicit and self.head_dim % 2 != 0:
             raise ValueError(f"head_dim = hidden_size / num_heads = {self.head_dim} must be even for RoPE; "
                              f"change hidden_size or num_heads")
+        self.check_attention_options()
         if heads % kv_heads != 0:
             raise ValueError(f"num_heads {heads} is not divisible by num_kv_heads {kv_heads}; "
                              f"num_kv_heads must divide num_heads")

@@ -121,6 +121,17 @@ class GPTModel(nn.Module):
         p = self.parallel
         return build_cp_plan(p.cp, p.attention_layout, True, local_len, document_ids, position_ids, p.algorithm)
 
+    def layer_plans(self, local_len: int, document_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                    plan: CPPlan | None, device: torch.device | None = None) -> dict[int | None, CPPlan | None]:
+        """``{window: plan}`` for the layers' attention: ``plan`` (the full layers') under None, and the batch's
+        plan of each sliding window the layers use (``build_cp_plan(..., window=W)``, moved to ``device``)."""
+        p, plans = self.parallel, {None: plan}
+        for window in sorted({w for w in self.config.windows if w is not None}):
+            built = build_cp_plan(p.cp, p.attention_layout, True, local_len, document_ids, position_ids, p.algorithm,
+                                  window=window)
+            plans[window] = built if built is None or device is None else built.to(device)
+        return plans
+
     def sample_planner(self) -> SamplePlanner:
         """``build_cp_plan`` for a data loader that holds whole samples (``cp_train.data.loader``): the same plan,
         made from every CP rank's document ids without communication."""
@@ -134,7 +145,8 @@ class GPTModel(nn.Module):
         (None: those of the layout; restarting at each document is fine); labels ``[B, n]`` global class ids
         (``-100``: ignored, loss 0); document_ids ``[B, n]`` the tokens' documents, non-decreasing along each
         sample (None: one document per sample): attention stays inside each document. ``plan``: this
-        batch's ``build_cp_plan`` when the caller built it already.
+        batch's ``build_cp_plan`` when the caller built it already (the full layers'; the plans of sliding-window
+        layers are built here, ``layer_plans``).
 
         Returns the per-token loss ``[B, n]`` (fp32) with labels, else logits ``[B, n, vocab/tp]``.
         """
@@ -142,6 +154,7 @@ class GPTModel(nn.Module):
         batch, n = tokens.shape
         if plan is None:
             plan = self.build_cp_plan(n, document_ids, position_ids)
+        plans = self.layer_plans(n, document_ids, position_ids, plan, tokens.device)
         if position_ids is None:
             position_ids = self.local_positions(n, tokens.device)
         position_ids = position_ids.expand(batch, n)
@@ -149,8 +162,10 @@ class GPTModel(nn.Module):
         cos, sin = rope_tables(position_ids, config.head_dim, config.rope_theta, scaling=config.rope_scaling,
                                max_position_embeddings=config.max_position_embeddings)
         x = self.embedding(tokens)
-        spec = attention_spec(config, self.parallel, x.device, _compute_dtype(x), batch, plan)
-        inputs = BlockInputs(cos, sin, plan_handle(self.parallel.cp, spec, plan))
+        handles = {window: plan_handle(self.parallel.cp, attention_spec(config, self.parallel, x.device,
+                                                                        _compute_dtype(x), batch, p), p)
+                   for window, p in plans.items()}
+        inputs = BlockInputs(cos, sin, handles[None], handles)
         for layer in self.layers:
             x = layer(x, inputs)
         if labels is None:

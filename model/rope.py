@@ -63,6 +63,9 @@ def resolve_rope_scaling(scaling: dict[str, Any] | None, max_position_embeddings
     if kind is None and any(isinstance(key, str) and ":" in key for key in scaling):
         raise ValueError(f"rope_scaling {scaling!r} reads as keys without values: in YAML put a space after each "
                          f"colon, e.g. {{rope_type: yarn, factor: 4.0}}")
+    if kind == "dynamic":
+        raise ValueError("rope_scaling.rope_type 'dynamic' cannot be trained: its theta depends on the current "
+                         "sequence length, so every length would be another model; use linear, llama3 or yarn")
     if kind not in ROPE_TYPES:
         raise ValueError(f"unknown rope_scaling.rope_type {kind!r}; known types: {', '.join(ROPE_TYPES)}")
     if kind == "default":

@@ -75,7 +75,7 @@ def next_token_labels(tokens: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def _tp_gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def tp_gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
@@ -89,7 +89,7 @@ def full_logits_and_loss(model: GPTModel, tokens: torch.Tensor) -> dict[str, tor
     local = shard_sequence(tokens, rank, cp, layout)
     labels = shard_sequence(next_token_labels(tokens), rank, cp, layout)
     with torch.no_grad():
-        logits = _tp_gather_last(model(local), model.parallel.tp_group)
+        logits = tp_gather_last(model(local), model.parallel.tp_group)
         losses = model(local, labels=labels)
     if cp > 1:
         logits = gather_sequence(logits, model.parallel.cp.cp, layout)

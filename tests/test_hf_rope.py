@@ -70,8 +70,10 @@ def test_defaults_are_filled_as_transformers_fills_them() -> None:
 
 
 @pytest.mark.parametrize("scaling,message", [
-    ({"rope_type": "dynamic", "factor": 2.0}, "unknown rope_scaling.rope_type 'dynamic'; known types: "
-                                              + ", ".join(ROPE_TYPES)),
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type 'dynamic' cannot be trained: its theta "
+                                              "depends on the current sequence length"),
+    ({"rope_type": "longrope", "factor": 2.0}, "unknown rope_scaling.rope_type 'longrope'; known types: "
+                                               + ", ".join(ROPE_TYPES)),
     ({"factor": 2.0}, "unknown rope_scaling.rope_type None"),
     ({"rope_type:yarn": None, "factor:4.0": None}, "reads as keys without values: in YAML put a space after each"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "rope_type 'llama3' is missing high_freq_factor"),

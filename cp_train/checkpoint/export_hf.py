@@ -1,4 +1,6 @@
-"""Export a training checkpoint (DCP, any tp/cp/dp layout) as a Hugging Face Llama directory.
+"""Export a training checkpoint (DCP, any tp/cp/dp layout) as a Hugging Face model directory: the architecture
+the model came from (``model.hf_architecture``: Llama, Mistral, Qwen2, Qwen3), granite_swa for a model with
+sinks, Llama by default; a model no architecture represents exactly is refused, naming the field.
 
     cp-train-export-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--tokenizer-from HF_DIR]
 
@@ -53,7 +55,7 @@ def _tokenizer_source(meta: dict[str, Any], given: str | None) -> Path | None:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
                       tokenizer_from: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write the model of ``checkpoint`` as an HF Llama directory ``out``; ``dtype`` None keeps the stored one."""
+    """Write the model of ``checkpoint`` as an HF model directory ``out``; ``dtype`` None keeps the stored one."""
     if not Path(checkpoint).is_dir():
         raise InputError(f"{checkpoint} is not a directory: pass a run's checkpoint directory (checkpoint.save) or "
                          f"one of its step_* directories")

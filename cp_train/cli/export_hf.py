@@ -1,4 +1,5 @@
-"""Export a training checkpoint (DCP, any tp/cp/dp layout) as a Hugging Face Llama directory::
+"""Export a training checkpoint (DCP, any tp/cp/dp layout) as a Hugging Face model directory (the architecture the
+model came from; granite_swa with sinks)::
 
     cp-train-export-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--tokenizer-from HF_DIR]
 

@@ -1,8 +1,9 @@
 """``checkpoint.init_from_hf``: a run whose model shape comes from a Hugging Face Llama's ``config.json``.
 
 ``apply_hf_model(config)`` (called when the config is built) copies the architecture fields
-(vocab, layers, hidden, heads, kv heads, ffn, ``rms_norm_eps``, tied embeddings) into
-``config.model``; a ``model.*`` key the user set to another value is an error listing every such
+(vocab, layers, hidden, heads, kv heads, ffn, ``rms_norm_eps``, tied embeddings, and the attention options:
+head_dim, biases, qk-norm, layer types, sliding window, sinks) and the HF class into ``config.model``;
+a ``model.*`` key the user set to another value is an error listing every such
 key. The RoPE fields (``max_position_embeddings``, ``rope_theta``, ``rope_scaling``) are taken from
 the HF config unless the user set them: that is how a context extension is configured. A user
 ``rope_scaling`` of type llama3 or yarn without ``original_max_position_embeddings`` gets the HF
@@ -13,7 +14,14 @@ model's ``max_position_embeddings`` (the context it was trained at). The weights
 from __future__ import annotations
 
 from cp_train.config.schema import Config, ConfigError
-from cp_train.model.hf.config import ARCHITECTURE_FIELDS, ROPE_FIELDS, HFConfigError, model_fields, read_hf_config
+from cp_train.model.hf.config import (
+    ARCHITECTURE_FIELDS,
+    ATTENTION_FIELDS,
+    ROPE_FIELDS,
+    HFConfigError,
+    model_fields,
+    read_hf_config,
+)
 
 
 def user_model_keys(config: Config) -> set[str]:
@@ -33,14 +41,14 @@ def apply_hf_model(config: Config) -> None:
     except (FileNotFoundError, HFConfigError) as error:
         raise ConfigError(f"checkpoint.init_from_hf: {error}") from None
     model, user = config.model, user_model_keys(config)
+    shape = {**ARCHITECTURE_FIELDS, **{name: name for name in ATTENTION_FIELDS}}
     conflicts = [f"model.{name}={getattr(model, name)!r} (config.json {hf_name}: {fields[name]!r})"
-                 for name, hf_name in ARCHITECTURE_FIELDS.items()
-                 if name in user and getattr(model, name) != fields[name]]
+                 for name, hf_name in shape.items() if name in user and getattr(model, name) != fields[name]]
     if conflicts:
         raise ConfigError(f"checkpoint.init_from_hf={path} takes the model's shape from {path}/config.json, but "
                           f"these keys were set to other values: {', '.join(conflicts)}; remove them from the "
                           f"config and the command line")
-    for name in ARCHITECTURE_FIELDS:
+    for name in (*shape, "hf_architecture"):
         setattr(model, name, fields[name])
     for name in ROPE_FIELDS:
         if name not in user:

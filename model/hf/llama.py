@@ -1,7 +1,8 @@
-"""Load a Hugging Face Llama into a ``GPTModel`` (any TP x CP layout) and save one back; no transformers needed.
+"""Load a Hugging Face Llama, Mistral, Qwen2, Qwen3 or granite_swa model into a ``GPTModel`` (any TP x CP layout)
+and save one back; no transformers needed. ``load_llama``/``save_llama`` are the same functions.
 
-    model = load_llama("Llama-3.2-1B", state.model_parallel("zigzag"))
-    save_llama(model, "out/")          # every rank calls it; global rank 0 writes
+    model = load_hf("Qwen2.5-0.5B", state.model_parallel("zigzag"))
+    save_hf(model, "out/")             # every rank calls it; global rank 0 writes; the architecture it came from
 
 ``load_llama`` builds the ``ModelConfig`` from ``config.json`` (``hf/config.py``), creates the
 model without initialising it (meta device) and fills each parameter with this rank's TP shard,
@@ -32,7 +33,7 @@ from cp_train.parallel.mesh.model_parallel import ModelParallel
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
-__all__ = ["empty_model", "load_llama", "load_llama_weights", "save_llama"]
+__all__ = ["empty_model", "load_hf", "load_llama", "load_llama_weights", "save_hf", "save_llama"]
 
 
 def empty_model(config: ModelConfig, parallel: ModelParallel | None = None, dtype: torch.dtype | None = None,
@@ -75,11 +76,11 @@ def load_llama_weights(model: GPTModel, path: str | Path) -> None:
 
 def _load_qkv(files: WeightFiles, entries: list[HFTensor], out: torch.Tensor, region: tuple[slice, ...],
               config: ModelConfig) -> None:
-    """Rows ``region[0]`` (columns ``region[1]``) of the full fused QKV weight, laid out per kv head g as its
-    query heads' rows, then k_g, then v_g, read from HF's q, k and v tensors."""
+    """Rows ``region[0]`` (columns ``region[1]``; none for the bias) of the full fused QKV weight or bias, laid out
+    per kv head g as its query heads' rows, then k_g, then v_g, read from HF's q, k and v tensors."""
     group, d = config.num_heads // config.num_kv_heads, config.head_dim
     parts = {entry.part: entry for entry in entries}
-    rows, columns = region
+    rows, columns = region[0], [s.start for s in region[1:]]
     per_head = (group + 2) * d
     for g in range(rows.start // per_head, -(-rows.stop // per_head)):
         base = g * per_head  # fused rows of kv head g: q [base, base+group*d), k, v one head each
@@ -89,13 +90,14 @@ def _load_qkv(files: WeightFiles, entries: list[HFTensor], out: torch.Tensor, re
             if lo < hi:
                 entry = parts[part]
                 files.read_block(entry.name, entry.shape, out[lo - rows.start:hi - rows.start],
-                                 [source + lo - first, columns.start])
+                                 [source + lo - first, *columns])
 
 
-def load_llama(path: str | Path, parallel: ModelParallel | None = None, dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None) -> GPTModel:
-    """The HF Llama in directory ``path`` as a ``GPTModel`` on the TP and CP groups of ``parallel`` (None: no TP
-    or CP), split over CP in its layout and attending with its algorithm.
+def load_hf(path: str | Path, parallel: ModelParallel | None = None, dtype: torch.dtype | None = None,
+            device: torch.device | str | None = None) -> GPTModel:
+    """The HF model (Llama, Mistral, Qwen2, Qwen3 or granite_swa; ``hf/families.py``) in directory ``path`` as a
+    ``GPTModel`` on the TP and CP groups of ``parallel`` (None: no TP or CP), split over CP in its layout and
+    attending with its algorithm.
 
     ``dtype``: parameter dtype (None: torch's default, fp32; the stored weights are cast); ``device``:
     where the parameters live (None: CPU). Each rank reads only its TP shard of every tensor.
@@ -148,21 +150,23 @@ def write_hf_model(config: ModelConfig, path: str | Path, full: FullTensor, dtyp
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_config: dict[str, Any] | None = None) -> Path:
     """Write ``config.json`` and the weights given by ``full(param_name) -> full tensor`` (see ``hf_tensor_stream``)."""
     path = Path(path)
+    text = json.dumps(hf_config(config, str(dtype).removeprefix("torch."), extra_config), indent=2)  # checks first
     if write:
         path.mkdir(parents=True, exist_ok=True)
     element = torch.empty((), dtype=dtype).element_size()
     sizes = [(e.name, element * int(torch.Size(e.shape).numel())) for e in hf_tensors(config)]
     write_weights(path, sizes, hf_tensor_stream(config, full, dtype), max_shard_bytes, write)
     if write:
-        text = json.dumps(hf_config(config, str(dtype).removeprefix("torch."), extra_config), indent=2)
         (path / "config.json").write_text(text + "\n")
     return path
 
 
-def save_llama(model: GPTModel, path: str | Path, dtype: torch.dtype | None = None,
-               max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_config: dict[str, Any] | None = None,
-               write: bool | None = None) -> Path:
-    """Write ``model`` as an HF Llama directory (``config.json`` + safetensors) at ``path``; returns ``path``.
+def save_hf(model: GPTModel, path: str | Path, dtype: torch.dtype | None = None,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_config: dict[str, Any] | None = None,
+            write: bool | None = None) -> Path:
+    """Write ``model`` as an HF model directory (``config.json`` + safetensors) at ``path``; returns ``path``. The
+    architecture is the one the model came from (``config.hf_architecture``; granite_swa with sinks; see
+    ``families.choose_architecture``); a model no architecture represents exactly is an ``HFConfigError``.
 
     Collective over ``model.parallel.tp_group`` when TP-sharded: every rank of the world calls it, one tensor
     is gathered at a time. ``write`` (None: global rank 0, or every process without torch.distributed)
@@ -175,3 +179,7 @@ def save_llama(model: GPTModel, path: str | Path, dtype: torch.dtype | None = No
     dtype = dtype or next(model.parameters()).dtype
     return write_hf_model(model.config, path, lambda name: _full_tensor(model, name), dtype, write,
                           max_shard_bytes, extra_config)
+
+
+load_llama = load_hf  # the names before the other families
+save_llama = save_hf

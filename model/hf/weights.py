@@ -1,9 +1,10 @@
-"""Which Hugging Face Llama tensor feeds which ``GPTModel`` parameter, and safetensors files in and out.
+"""Which Hugging Face tensor feeds which ``GPTModel`` parameter, and safetensors files in and out.
 
 Mapping (HF -> model): ``model.embed_tokens`` -> ``embedding``; ``input_layernorm`` /
 ``post_attention_layernorm`` -> ``attention_norm`` / ``mlp_norm``; ``q_proj``/``k_proj``/``v_proj``
--> the fused ``attention.qkv``, laid out per kv head g as its ``heads/kv_heads`` query heads, then
-k_g, then v_g; ``o_proj`` -> ``attention.proj``; ``gate/up/down_proj`` -> ``mlp.gate/up/down``;
+(weights and biases) -> the fused ``attention.qkv``, laid out per kv head g as its ``heads/kv_heads`` query
+heads, then k_g, then v_g; ``o_proj`` (weight and bias) -> ``attention.proj``; ``q_norm``/``k_norm`` ->
+``attention.q_norm``/``k_norm``; ``sinks`` -> ``attention.sinks``; ``gate/up/down_proj`` -> ``mlp.gate/up/down``;
 ``model.norm`` -> ``norm``; ``lm_head`` -> ``lm_head`` (absent when the embeddings are tied).
 
 ``WeightFiles(dir)`` reads ``model.safetensors`` or the shards named by
@@ -40,18 +41,35 @@ class HFTensor:
     part: str | None = None  # "q", "k" or "v" of the fused attention.qkv
 
 
+def _attention_tensors(config: ModelConfig, hf: str, ours: str) -> list[HFTensor]:
+    """One layer's attention tensors: q/k/v (weights, and biases when biased), o, qk-norms, sinks."""
+    h, d = config.hidden_size, config.head_dim
+    q_rows, kv_rows = config.num_heads * d, config.num_kv_heads * d
+    qkv_bias, proj_bias = config.has_bias
+    out = []
+    for kind, biased in (("weight", True), ("bias", qkv_bias)):
+        if biased:
+            columns = (h,) if kind == "weight" else ()
+            out += [HFTensor(f"{hf}.self_attn.{part}_proj.{kind}", (rows, *columns), f"{ours}.attention.qkv.{kind}",
+                             part) for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]
+    out.append(HFTensor(f"{hf}.self_attn.o_proj.weight", (h, q_rows), f"{ours}.attention.proj.weight"))
+    if proj_bias:
+        out.append(HFTensor(f"{hf}.self_attn.o_proj.bias", (h,), f"{ours}.attention.proj.bias"))
+    if config.qk_norm:
+        out += [HFTensor(f"{hf}.self_attn.{x}_norm.weight", (d,), f"{ours}.attention.{x}_norm.weight") for x in "qk"]
+    if config.attention_sinks:
+        out.append(HFTensor(f"{hf}.self_attn.sinks", (config.num_heads,), f"{ours}.attention.sinks"))
+    return out
+
+
 def hf_tensors(config: ModelConfig) -> list[HFTensor]:
     """Every tensor of the HF checkpoint of ``config``, in HF's order."""
-    h, d = config.hidden_size, config.head_dim
-    q_rows, kv_rows, ffn = config.num_heads * d, config.num_kv_heads * d, config.ffn_hidden_size
+    h, ffn = config.hidden_size, config.ffn_hidden_size
     out = [HFTensor("model.embed_tokens.weight", (config.vocab_size, h), "embedding.weight")]
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         out += [HFTensor(f"{hf}.input_layernorm.weight", (h,), f"{ours}.attention_norm.weight"),
-                HFTensor(f"{hf}.self_attn.q_proj.weight", (q_rows, h), f"{ours}.attention.qkv.weight", "q"),
-                HFTensor(f"{hf}.self_attn.k_proj.weight", (kv_rows, h), f"{ours}.attention.qkv.weight", "k"),
-                HFTensor(f"{hf}.self_attn.v_proj.weight", (kv_rows, h), f"{ours}.attention.qkv.weight", "v"),
-                HFTensor(f"{hf}.self_attn.o_proj.weight", (h, q_rows), f"{ours}.attention.proj.weight"),
+                *_attention_tensors(config, hf, ours),
                 HFTensor(f"{hf}.post_attention_layernorm.weight", (h,), f"{ours}.mlp_norm.weight"),
                 HFTensor(f"{hf}.mlp.gate_proj.weight", (ffn, h), f"{ours}.mlp.gate.weight"),
                 HFTensor(f"{hf}.mlp.up_proj.weight", (ffn, h), f"{ours}.mlp.up.weight"),
@@ -63,11 +81,13 @@ def hf_tensors(config: ModelConfig) -> list[HFTensor]:
 
 
 def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The full fused ``[(heads + 2 kv_heads) * d, hidden]`` weight as HF's ``{"q", "k", "v"}``."""
+    """The full fused ``[(heads + 2 kv_heads) * d, hidden]`` weight (or ``[(heads + 2 kv_heads) * d]`` bias) as
+    HF's ``{"q", "k", "v"}``."""
     kv, group, d = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
-    grouped = qkv.view(kv, group + 2, d, qkv.shape[-1])
-    return {"q": grouped[:, :group].reshape(kv * group * d, -1), "k": grouped[:, group].reshape(kv * d, -1),
-            "v": grouped[:, group + 1].reshape(kv * d, -1)}
+    rest = tuple(qkv.shape[1:])
+    grouped = qkv.view(kv, group + 2, d, *rest)
+    return {"q": grouped[:, :group].reshape(kv * group * d, *rest), "k": grouped[:, group].reshape(kv * d, *rest),
+            "v": grouped[:, group + 1].reshape(kv * d, *rest)}
 
 
 class WeightFiles:
