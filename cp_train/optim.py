@@ -1,7 +1,9 @@
-"""AdamW, the warmup + decay learning-rate schedule, and clipping by the global gradient norm."""
+"""AdamW, the warmup + decay learning-rate schedule (and its continuation on a resume), and clipping by the global
+gradient norm."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from typing import Any
@@ -51,24 +53,54 @@ def _apex_fused_adam(groups: list[dict[str, Any]], hyper: dict[str, Any]) -> tor
 
 
 class LRSchedule:
-    """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then cosine / linear decay to ``min_lr`` over
-    ``decay_steps`` (default: the rest of the run), or constant. A pure function of the step index."""
+    """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then ``decay`` to ``min_lr``: ``cosine`` or ``linear``
+    over ``decay_steps`` (default: the rest of the run), ``wsd`` (warmup-stable-decay: ``lr`` until the last
+    ``decay_fraction`` of the steps after warmup, or the last ``decay_steps``, then linear to ``min_lr`` at the
+    last step), or ``constant``. A pure function of the step index, unless a resume that changed
+    ``train.steps`` re-planned it (``replan``: from step ``from_step`` at ``start_lr``, the same shape of decay to
+    ``min_lr`` at the new last step; ``continue_schedule``)."""
 
     def __init__(self, optimizer_config: OptimizerConfig, config: ScheduleConfig, train_steps: int) -> None:
         self.lr, self.min_lr = optimizer_config.lr, optimizer_config.min_lr
-        self.warmup, self.decay = config.warmup_steps, config.decay
-        self.decay_steps = config.decay_steps or max(1, train_steps - config.warmup_steps)
+        self.warmup, self.decay, self.train_steps = config.warmup_steps, config.decay, train_steps
+        self.decay_fraction = getattr(config, "decay_fraction", 0.2)
+        if self.decay == "wsd":
+            self.decay_steps = config.decay_steps or self._wsd_steps(train_steps - self.warmup)
+        else:
+            self.decay_steps = config.decay_steps or max(1, train_steps - config.warmup_steps)
+        self.replan: dict[str, float] | None = None
+
+    def _wsd_steps(self, steps: int) -> int:
+        return max(1, round(self.decay_fraction * steps))
+
+    def _decay(self, start: float, progress: float) -> float:
+        progress = min(1.0, max(0.0, progress))
+        if self.decay in ("linear", "wsd"):
+            return start - (start - self.min_lr) * progress
+        return self.min_lr + 0.5 * (start - self.min_lr) * (1.0 + math.cos(math.pi * progress))
 
     def __call__(self, step: int) -> float:
         """The learning rate of 0-based step ``step`` (the ``step + 1``-th optimizer step)."""
+        if self.replan is not None and step >= self.replan["from_step"]:
+            return self._replanned(step)
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         if self.decay == "constant":
             return self.lr
-        progress = min(1.0, (step - self.warmup) / self.decay_steps)
-        if self.decay == "linear":
-            return self.lr - (self.lr - self.min_lr) * progress
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+        if self.decay == "wsd":
+            stable = self.train_steps - self.decay_steps
+            return self.lr if step < stable else self._decay(self.lr, (step - stable + 1) / self.decay_steps)
+        return self._decay(self.lr, (step - self.warmup) / self.decay_steps)
+
+    def _replanned(self, step: int) -> float:
+        assert self.replan is not None
+        first, start, end = int(self.replan["from_step"]), self.replan["start_lr"], int(self.replan["end_step"])
+        if self.decay == "constant":
+            return start
+        if self.decay == "wsd":
+            window = self._wsd_steps(end - first)
+            return start if step < end - window else self._decay(start, (step - (end - window) + 1) / window)
+        return self._decay(start, (step - first) / max(1, end - 1 - first))
 
     def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         lr = self(step)
@@ -76,9 +108,52 @@ class LRSchedule:
             group["lr"] = lr
         return lr
 
-    def state_dict(self) -> dict[str, float | int | str]:
+    def state_dict(self) -> dict[str, Any]:
         return {"lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup, "decay": self.decay,
-                "decay_steps": self.decay_steps}
+                "decay_steps": self.decay_steps, "decay_fraction": self.decay_fraction,
+                "train_steps": self.train_steps, "replan": self.replan}
+
+
+def saved_schedule(saved_config: dict[str, Any], saved_state: dict[str, Any]) -> LRSchedule:
+    """The schedule a checkpoint trained with: from its saved config, and its re-planned decay if any."""
+    def made(kind: type, values: dict[str, Any]) -> Any:
+        names = {f.name for f in dataclasses.fields(kind)}
+        return kind(**{k: v for k, v in values.items() if k in names})
+
+    schedule = LRSchedule(made(OptimizerConfig, saved_config["optimizer"]),
+                          made(ScheduleConfig, saved_config["schedule"]), saved_config["train"]["steps"])
+    schedule.replan = saved_state.get("replan")
+    return schedule
+
+
+def continue_schedule(schedule: LRSchedule, saved: LRSchedule, step: int, restart: bool) -> str | None:
+    """Make ``schedule`` (this run's, resumed after ``step`` steps) continue ``saved`` (the checkpoint's); the
+    note to log. Unchanged ``train.steps``: a re-planned decay of the checkpoint goes on. Changed: where this run's
+    plain schedule would move the LR away from that of the last step trained, the decay is re-planned from that
+    LR to ``min_lr`` at the new last step (``restart``: the plain schedule instead, as ``--restart-schedule``
+    asks; also when ``optimizer.lr``, ``min_lr`` or the schedule's settings changed: the new ones are followed)."""
+    changed = saved.train_steps != schedule.train_steps
+
+    def settings(s: LRSchedule) -> tuple:
+        return s.lr, s.min_lr, s.warmup, s.decay, s.decay_fraction
+
+    why = "--restart-schedule" if restart else None
+    if settings(saved) != settings(schedule):  # the user asked for another schedule: it is followed
+        why = "optimizer.lr, optimizer.min_lr or the schedule's settings changed"
+    if why is None and not changed:
+        schedule.replan = saved.replan
+    fresh, before = schedule(step), saved(step - 1)  # the LR of the last step trained
+    if abs(fresh - before) <= 0.01 * abs(before):  # the plain schedule continues it (wsd while stable, say)
+        return None
+    old_end, new_end = saved.train_steps, schedule.train_steps
+    if why is not None or not changed:
+        return (f"LR schedule restarted ({why or 'the schedule changed'}): lr {before:.2e} -> {fresh:.2e} at step "
+                f"{step + 1}")
+    schedule.replan = {"from_step": step, "start_lr": before, "end_step": new_end}
+    return (f"train.steps {old_end} -> {new_end}: LR schedule re-planned from step {step} (a restart would jump to "
+            f"{fresh:.2e}; --restart-schedule does that): lr {saved(step - 1):.2e} -> {schedule(step):.2e} at steps "
+            f"{step} -> {step + 1}, end lr {saved(old_end - 1):.2e} -> {schedule(new_end - 1):.2e} at steps "
+            f"{old_end} -> {new_end} ({schedule.decay})")
 
 
 def global_grad_norm(parameters: list[nn.Parameter], tp_group: dist.ProcessGroup | None,

@@ -78,11 +78,27 @@ def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     run_dir = build.run_dir_of(config, run_name)
     agree(lambda: _check_directories(config, state, run_dir))
     ckpt = config.checkpoint
-    resumed_from = agree(lambda: resume_source(ckpt.load, ckpt.save if ckpt.auto_resume else None))
+    share = (state.rank, state.world_size)  # every rank verifies its share of the checkpoint's checksums
+    resumed_from = agree(lambda: resume_source(ckpt.load, ckpt.save if ckpt.auto_resume else None, share))
     hf_dir = None if resumed_from is not None else ckpt.init_from_hf
     notes = ((hf_init_message(config),) if hf_dir is not None else ()) + tuple(config.deprecations)
+    notes += cp_tokens_warning(config)
     return RunEnvironment(config, state, dp, device, autocast_dtype, sources, run_name, run_dir, resumed_from, hf_dir,
                           notes)
+
+
+CP_MIN_TOKENS = 512  # tokens per CP rank below which CP's exchanges cost more than the attention they split
+
+
+def cp_tokens_warning(config: Config) -> tuple[str, ...]:
+    """A warning when each CP rank holds fewer than ``CP_MIN_TOKENS`` tokens of a sample."""
+    cp, seq_len = config.parallel.cp, config.data.seq_len
+    if cp <= 1 or seq_len // cp >= CP_MIN_TOKENS:
+        return ()
+    smaller = max(1, seq_len // CP_MIN_TOKENS)
+    return (f"warning: each CP rank holds {seq_len // cp} tokens (data.seq_len {seq_len} / cp {cp}), fewer than CP "
+            f"pays for (about {CP_MIN_TOKENS}): use a smaller --cp-size ({smaller} at this length) or a longer "
+            f"--seq-len (at least {CP_MIN_TOKENS * cp})",)
 
 
 def _check_directories(config: Config, state: ParallelState, run_dir: Path) -> None:
@@ -110,7 +126,7 @@ class TrainingState:
         """Load the checkpoint ``env.resumed_from`` (resharded to this layout) into the model and optimizer (and
         restore the RNG); returns (step, consumed samples, notes to log)."""
         assert env.resumed_from is not None
-        return restore_run(env.resumed_from, env.config, self.sharded, self.optimizer, env.state)
+        return restore_run(env.resumed_from, env.config, self.sharded, self.optimizer, env.state, self.schedule)
 
     def sizes(self, state: ParallelState) -> dict[str, int]:
         """Parameter counts: the whole model's and this rank's (``build.describe``)."""
@@ -156,17 +172,19 @@ def build_run_data(env: RunEnvironment, model: GPTModel, consumed_samples: int) 
     return RunData(train_data, valid_data, planner, loader)
 
 
-def open_sinks(env: RunEnvironment, first_step: int) -> MetricsSinks:
+def open_sinks(env: RunEnvironment, first_step: int, wandb: dict[str, str] | None = None) -> MetricsSinks:
     """The metrics sinks of a run starting (or resumed) at ``first_step`` (rank 0 writes; it also writes the
-    run's ``config.yaml``)."""
+    run's ``config.yaml``); ``wandb``: the id and group of the wandb run to continue (a checkpoint's). Collective:
+    an error opening them (wandb's, say) stops every rank alike and rank 0 alone reports it."""
     config, state = env.config, env.state
     logging = config.logging
     settings = SinkSettings(
         run_dir=env.run_dir, run_name=env.run_name, total_steps=config.train.steps, first_step=first_step,
         append=first_step > 0, console=logging.console, config=config.to_dict(),
         layout={**state.dims, "world_size": state.world_size, "seq_len": config.data.seq_len},
-        use_wandb=logging.wandb, wandb_project=logging.wandb_project, wandb_mode=logging.wandb_mode)
-    sinks = MetricsSinks(settings, enabled=state.rank == 0)
+        use_wandb=logging.wandb, wandb_project=logging.wandb_project, wandb_mode=logging.wandb_mode,
+        wandb_id=(wandb or {}).get("id"), wandb_group=(wandb or {}).get("group"))
+    sinks = agree(lambda: MetricsSinks(settings, enabled=state.rank == 0))
     if state.rank == 0:
         (env.run_dir / "config.yaml").write_text(dump_yaml(config))
     return sinks

@@ -16,30 +16,24 @@ would take a read per step), but neither evaluated nor saved.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cp_train import run_parts
-from cp_train.checkpoint.dcp import save_checkpoint
+from cp_train import run_log, run_parts
+from cp_train.checkpoint.dcp import read_meta, save_checkpoint
 from cp_train.data.loader import CP_PLAN
+from cp_train.eval.periodic import PeriodicEval
 from cp_train.loss import device_sums, global_loss_tokens, host_sum, masked_loss_sum, reduce_loss, reduce_sums
 from cp_train.memory.dry_run import fsdp_reduce_for_run
 from cp_train.metrics.prediction import PlannerCheck
 from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
-from cp_train.metrics.throughput import (
-    IntervalMeter,
-    peak_memory_gib,
-    peak_memory_reserved_gib,
-    peak_tflops,
-    reset_peak_memory,
-)
+from cp_train.metrics.throughput import IntervalMeter, peak_tflops, reset_peak_memory
 from cp_train.optim import clip_gradients, global_grad_norm
 from cp_train.parallel.dp.ddp import gradient_sync
-from cp_train.parallel.kernels.select import chosen_backends
+from cp_train.preemption import Preemption
 from cp_train.results import NonFiniteLossError, StepResult, TrainResult
 
 if TYPE_CHECKING:
@@ -89,6 +83,9 @@ class Trainer:
         self.grad_callback: Callable[[int], None] | None = None  # called after the gradient sum (tests)
         self._unread = UnreadSteps()  # steps whose scalars are still on the device
         self._last_saved = self.step if self.env.resumed_from is not None else -1
+        self.resumed_meta = read_meta(self.env.resumed_from) if self.env.resumed_from is not None else None
+        self._wandb: dict[str, str] | None = None  # the wandb run's id and group (rank 0), saved in checkpoints
+        self.long_eval = PeriodicEval(config)  # eval.every: long-context tasks (cp_train/eval)
 
     # the parts' attributes under their own names
     dp, device, autocast_dtype, sources, run_name, run_dir = _parts(
@@ -221,26 +218,25 @@ class Trainer:
         if not ckpt.save or self._last_saved == self.step:
             return
         self.read_steps()  # a diverged model is not saved
-        meta = {"step": self.step, "consumed_samples": self.loader.consumed_samples,
-                "scheduler": {"step": self.step, **self.schedule.state_dict()},
-                "layout": {**self.state.dims, "world_size": self.state.world_size,
-                           "cp_layout": self.config.parallel.cp_layout,
-                           "cp_algorithm": self.config.parallel.cp_algorithm, "fsdp": self.config.parallel.fsdp},
-                "config": self.config.to_dict(), "torch": torch.__version__}
+        meta = run_log.checkpoint_meta(self)
         path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state, keep=ckpt.keep)
         self._last_saved = self.step
         self._note(f"saved checkpoint {path}")
 
     # ------------------------------------------------------------------------------------ loop
     def train(self, until_step: int | None = None) -> TrainResult:
-        """Train to ``train.steps`` (or stop after ``until_step``), logging, evaluating and saving on the way."""
+        """Train to ``train.steps`` (or stop after ``until_step``), logging, evaluating and saving on the way; a
+        SIGTERM or SIGUSR1 saves and stops at the next log step (``preemption``)."""
         config, state = self.config, self.state
         last = min(config.train.steps, until_step or config.train.steps)
-        sinks = run_parts.open_sinks(self.env, first_step=self.step)
+        sinks = run_parts.open_sinks(self.env, self.step, (self.resumed_meta or {}).get("wandb"))
+        self._wandb = sinks.wandb_state()
+        for event in run_log.layout_event(self.resumed_meta, self):
+            sinks.log(event)
         sizes = self.training.sizes(state)
         peak, peak_source = peak_tflops(self.device, config.logging.peak_tflops, config.logging.cpu_peak_tflops)
         sinks.message(run_parts.start_line(self.env, state, sizes, f"{peak} TFLOP/s per device ({peak_source})"))
-        check = PlannerCheck(config, state.world_size, self.device, peak, peak_source)
+        check = PlannerCheck(config, state.world_size, self.device, peak, peak_source, self.data.train_data)
         self.prediction = check.prediction
         for line in check.notes:
             self._note(line)
@@ -252,34 +248,38 @@ class Trainer:
         first = self.step
         times: dict[int, tuple[float, float]] = {}  # step -> (step time, data time), until the meter has it
         try:
-            while self.step < last:
-                started = time.perf_counter()
-                micro_batches = next(batches)
-                loaded = time.perf_counter()
-                log, evaluate, save = run_parts.due_events(config, self.step + 1, last)
-                read = self._step(micro_batches, read=log or evaluate or save)  # checked before the update
-                if self.step == first + 1:  # gradients and optimizer state exist now: measure them
-                    sinks.log(self._setup_record(sizes, first))
-                times[self.step] = (time.perf_counter() - started, loaded - started)
-                meter.add_steps(read, times)
-                if log:
-                    out = read[-1][1]
-                    record = meter.record(self.step, out.lr, out.grad_norm, self.loader.consumed_samples,
-                                          config.data.seq_len, peak_memory_gib(self.device),
-                                          peak_memory_reserved_gib(self.device))
-                    sinks.log(record)
-                    for line in check.observe(record):
-                        self._note(line)
-                    self._flush(sinks)
-                paused = time.perf_counter()
-                if evaluate:
-                    self._log_eval(sinks)
-                if save:
-                    self.save()
-                    self._flush(sinks)
-                meter.exclude(time.perf_counter() - paused)
+            with Preemption() as preemption:
+                while self.step < last:
+                    started = time.perf_counter()
+                    micro_batches = next(batches)
+                    loaded = time.perf_counter()
+                    log, evaluate, save = run_parts.due_events(config, self.step + 1, last)
+                    read = self._step(micro_batches, read=log or evaluate or save)  # checked before the update
+                    if self.step == first + 1:  # gradients and optimizer state exist now: measure them
+                        sinks.log(run_log.setup_record(self, sizes, first))
+                    times[self.step] = (time.perf_counter() - started, loaded - started)
+                    meter.add_steps(read, times)
+                    stop = None
+                    if log:
+                        record, stop = run_log.interval_record(self, meter, read[-1][1], preemption)
+                        sinks.log(record)
+                        for line in check.observe(record):
+                            self._note(line)
+                        self._flush(sinks)
+                    paused = time.perf_counter()
+                    if evaluate and not stop:
+                        run_log.log_eval(self, sinks)
+                    if self.long_eval.due(self.step, last) and not stop:
+                        self.long_eval.run(self, sinks)  # eval.every: cp_train/eval/periodic.py
+                    if save or stop:
+                        self.save()
+                        self._flush(sinks)
+                    if stop:
+                        self._note(preemption.stopped(stop, self.step))
+                        break
+                    meter.exclude(time.perf_counter() - paused)
             if self.step == first:
-                sinks.log(self._setup_record(sizes, first))
+                sinks.log(run_log.setup_record(self, sizes, first))
             self.save()
             for line in check.summary():
                 self._note(line)
@@ -288,21 +288,6 @@ class Trainer:
             sinks.close()
         self.result.final_step = self.step
         return self.result
-
-    def _setup_record(self, sizes: dict[str, int], step: int) -> dict:
-        parallel = self.config.parallel
-        return self.training.setup_record(sizes, {
-            "step": step, **self.state.dims, "world_size": self.state.world_size, "fsdp": parallel.fsdp,
-            "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward, "fsdp_reduce": self.fsdp_reduce,
-            "sequence_parallel": self.model.parallel.sequence_parallel,
-            "attention_kernels": ", ".join(chosen_backends()),
-            "compiled": ", ".join(self.model.compiled_parts) or "nothing", "prediction": self.prediction})
-
-    def _log_eval(self, sinks: MetricsSinks) -> None:
-        loss = self.evaluate()
-        self.result.eval_losses[self.step] = loss
-        sinks.log({"kind": "eval", "step": self.step, "loss": loss,
-                   "perplexity": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss})
 
     def _flush(self, sinks: MetricsSinks) -> None:
         for text in self._pending_messages:

@@ -93,7 +93,7 @@ def test_bad_values_name_the_key(override, message) -> None:
     (["--set", "train=3"], r"train is a config section, not a key: set one of its keys, train\.KEY=VALUE \(keys of "
                            r"train: steps, "),
     (["--set", "explicit_keys.x=1"], r"unknown config key 'explicit_keys.x': sections are model, parallel, data, "
-                                     r"optimizer, schedule, train, checkpoint, logging$"),
+                                     r"optimizer, schedule, train, checkpoint, logging, eval$"),
 ])
 def test_unknown_or_malformed_overrides(argv, message) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -147,7 +147,7 @@ VALIDATION_ERRORS = [
     ({"optimizer.beta2": 1.0}, 2, r"optimizer.beta2 must be in \[0, 1\)"),
     ({"optimizer.clip_grad": -1.0}, 2, "optimizer.clip_grad must be >= 0"),
     ({"train.dtype": "fp8"}, 2, "train.dtype must be one of auto, bf16, fp32; got 'fp8'"),
-    ({"schedule.decay": "step"}, 2, "schedule.decay must be one of cosine, linear, constant"),
+    ({"schedule.decay": "step"}, 2, "schedule.decay must be one of cosine, linear, wsd, constant"),
     ({"optimizer.implementation": "apex"}, 2, "optimizer.implementation must be one of"),
     ({"optimizer.impl": "deepspeed"}, 2, "optimizer.impl must be one of auto, torch, apex; got 'deepspeed'"),
     ({"optimizer.impl": "apex", "optimizer.implementation": "fused"}, 2,
@@ -240,8 +240,9 @@ def test_train_script_reports_config_errors(capsys, monkeypatch) -> None:
     assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--seq-len", "250"]) == 2
     assert "data.seq_len 250 is not divisible by 2*cp = 4" in capsys.readouterr().err
     assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--tensor-parallel", "2"]) == 2
-    assert capsys.readouterr().err == ("train.py: error: unrecognized arguments: --tensor-parallel 2 (see python "
-                                       "train.py --help)\n")
+    assert capsys.readouterr().err == ("train.py: error: unrecognized arguments: --tensor-parallel 2: did you mean "
+                                       "--tensor-model-parallel-size 2 (--set parallel.tp=2)? (see python train.py "
+                                       "--help)\n")
     assert train_script.main(["--config", str(CONFIGS / "cpu-tiny.yaml"), "--set", "optimizer.eps=nan"]) == 2
     assert capsys.readouterr().err == "train.py: error: optimizer.eps must be a finite number, got 'nan'\n"
 

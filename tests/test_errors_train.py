@@ -136,7 +136,8 @@ def test_lost_latest_and_fewer_steps_than_the_checkpoint_stop_with_the_fix(base)
     copy = checkpoint_copy(base, "no-latest")
     (copy / LATEST).unlink()
     outcomes = run_many({"no latest": ["--config", base["config"], "--save", str(copy)],
-                         "beyond": ["--config", base["config"], "--load", str(base["ckpt"]), "--train-steps", "3"]})
+                         "beyond": ["--config", base["config"], "--load", str(base["ckpt"]), "--train-steps", "3",
+                                    "--lr-warmup-iters", "1"]})
     assert_one_line(outcomes["no latest"], 2, rf"checkpoint\.save \(--save\) {re.escape(str(copy))} holds checkpoints "
                                               rf"but no `latest`: resume from the newest complete one with --load "
                                               rf"{re.escape(str(copy))}/{step_dir_name(6)}, or start a new run")

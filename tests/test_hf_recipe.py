@@ -40,7 +40,8 @@ def test_readme_cpu_recipe(tmp_path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
                str(free_port()), "train.py", "--config", "launch/configs/cpu-hf-extend.yaml", "--init-from-hf",
                str(tiny), "--tokenizer-model", str(tiny), "--data-path", str(tmp_path / "data"), "--train-steps", "2",
-               "--eval-interval", "0", "--set", f"logging.dir={run_dir}", "--set", "logging.wandb=false",
+               "--lr-warmup-iters", "1", "--eval-interval", "0", "--set", f"logging.dir={run_dir}", "--set",
+               "logging.wandb=false",
                "--set", f"checkpoint.save={run_dir}/checkpoints", "--set", "checkpoint.interval=0"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

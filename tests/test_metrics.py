@@ -171,7 +171,7 @@ def test_plot_writes_pngs(tmp_path) -> None:
                                      "tflops_per_device": 0.01, "mfu": 0.05}) + "\n")
         handle.write(json.dumps({"kind": "eval", "step": 10, "loss": 0.6}) + "\n")
     written = plot_main([str(tmp_path), "--out", str(tmp_path / "plots")])
-    assert [p.name for p in written] == ["loss.png", "throughput.png"]
+    assert [p.name for p in written] == ["loss.png", "throughput.png", "memory.png"]
     assert all(p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
     with pytest.raises(InputError, match="metrics.jsonl is missing: pass a run directory"):
         read_records(tmp_path / "plots")

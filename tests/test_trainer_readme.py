@@ -25,7 +25,8 @@ def test_readme_training_command_with_cp2(tmp_path) -> None:
     env.update({"CP_TRAIN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), "train.py", "--config", "launch/configs/cpu-tiny.yaml",
-               "--train-steps", str(STEPS), "--set", f"logging.dir={run_dir}", "--set", f"logging.interval={INTERVAL}"]
+               "--train-steps", str(STEPS), "--lr-warmup-iters", "4", "--set", f"logging.dir={run_dir}", "--set",
+               f"logging.interval={INTERVAL}"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert f"step {STEPS}/{STEPS} [####################] 100%" in done.stdout
@@ -50,4 +51,4 @@ def test_readme_training_command_with_cp2(tmp_path) -> None:
     for expected in (b"cpu-tiny-tp1-cp2-dp1-seq256", b"train/loss", b"train/mfu", b"eval/loss"):
         assert expected in stored, expected
     assert "cp: 2" in (run_dir / "config.yaml").read_text()
-    assert [p.name for p in plot_main([str(run_dir)])] == ["loss.png", "throughput.png"]
+    assert [p.name for p in plot_main([str(run_dir)])] == ["loss.png", "throughput.png", "memory.png"]

@@ -165,7 +165,8 @@ def test_log_records_hold_what_every_step_logged(runs) -> None:
     records = runs[0]["interval"]["records"]
     assert [record["step"] for record in records] == sorted(LOGGED) and sorted(every) == list(range(1, STEPS + 1))
     timing = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_s", "data_time_s",
-              "peak_memory_gib", "time"}
+              "peak_memory_gib", "time", "tflops_per_device_dense", "mfu_dense", "step_time_max_s",
+              "peak_memory_max_gib", "peak_memory_pct"}
     for record in records:
         steps = range(record["step"] - INTERVAL + 1, record["step"] + 1)
         mean_loss, imbalance = 0.0, 0.0

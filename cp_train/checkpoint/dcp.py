@@ -7,6 +7,7 @@ Layout of a checkpoint directory ``ROOT``::
     ROOT/step_00000100/*.distcp
     ROOT/step_00000100/rng/rank_00003.pt   every rank's RNG states
     ROOT/step_00000100/meta.json  step, consumed_samples, scheduler, layout, config
+    ROOT/step_00000100/manifest.json  every file's length and checksum (``integrity.py``), written last
 
 Model and optimizer tensors are saved as DTensors of their full shape on the ``("dp_cp", "tp")`` mesh,
 with placements derived from the mesh dims that split each one (``ShardedState``): TP-sharded
@@ -15,7 +16,7 @@ replicated elsewhere. DCP writes each shard once and loads them into any other l
 with FSDP on or off. A crash during a save leaves
 ``latest`` on the previous checkpoint; the partial directory is ignored (and replaced by the next save).
 A save that fails (a full disk, say) raises ``RunFailure`` on every rank naming the directory and the
-checkpoint ``latest`` still names. ``files.py`` checks a checkpoint's files before loading.
+checkpoint ``latest`` still names. ``files.py`` checks a checkpoint's files (and their checksums) before loading.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from cp_train.checkpoint.files import (  # noqa: F401  (re-exported)
     read_meta,
     step_dir_name,
 )
+from cp_train.checkpoint.integrity import MANIFEST, HashingFileSystem, file_digest, write_manifest
 from cp_train.checkpoint.rng import capture_rng_state
 from cp_train.errors import InputError, RunFailure, agree, one_line
 from cp_train.model.shards import data_shards, full_shape, local_tensor, tensor_parallel_dim
@@ -210,23 +212,36 @@ def save_checkpoint(root: str | os.PathLike, step: int, sharded: ShardedState, m
                 shutil.rmtree(target)
             (target / "rng").mkdir(parents=True)
 
+    writer = dcp.FileSystemWriter(target)
+    writer.fs = hashing = HashingFileSystem()  # every shard's checksum, over the bytes as written
+    digests: dict[str, tuple[int, str]] = {}
+
     def write_rng() -> None:
-        with open(target / "rng" / f"rank_{state.rank:05d}.pt", "wb") as handle:
+        name = f"rng/rank_{state.rank:05d}.pt"
+        with open(target / name, "wb") as handle:
             torch.save(capture_rng_state(), handle)
+        digests.update({name: file_digest(target / name), **hashing.digests})
 
     def publish() -> None:
         if state.rank == 0:
-            _atomic_write(target / META, json.dumps(meta, indent=2) + "\n")
+            text = json.dumps({**meta, "checksums": MANIFEST}, indent=2) + "\n"
+            _atomic_write(target / META, text)
+            files = {name: digest for part in every_rank for name, digest in part.items()}
+            write_manifest(target, {**files, META: file_digest(target / META)})
             _atomic_write(root / LATEST, target.name + "\n")
 
     on_every_rank(prepare)
     try:
-        dcp.save(sharded.state_dict(), storage_writer=dcp.FileSystemWriter(target))
+        dcp.save(sharded.state_dict(), storage_writer=writer)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as error:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
         raise save_failure(error, target, previous) from None
     on_every_rank(write_rng)
+    every_rank: list[dict[str, tuple[int, str]]] = [digests]
+    if dist.get_world_size() > 1:
+        every_rank = [{}] * dist.get_world_size()
+        dist.all_gather_object(every_rank, digests)
     on_every_rank(publish)
     if state.rank == 0:
         prune(root, keep)

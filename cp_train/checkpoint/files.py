@@ -2,9 +2,11 @@
 
 A checkpoint ``ROOT/step_XXXXXXXX/`` is complete when its ``meta.json`` parses, its DCP ``.metadata``
 loads, and every shard file ``.metadata`` refers to exists and is long enough. ``ROOT/latest`` names the
-newest complete checkpoint (it moves only after a save finished). Every problem is an ``InputError``
-naming the file and the ``--load`` that would work instead; RNG files are optional (a missing one means
-the RNG is re-derived, see ``checkpoint.load_checkpoint``).
+newest complete checkpoint (it moves only after a save finished). A checkpoint that verifies is complete
+and every file matches its checksum in ``manifest.json`` (``integrity.py``; the ranks of a run share the
+reading). Every problem is an ``InputError`` naming the file and the ``--load`` of the newest checkpoint that
+verifies; RNG files are optional (a missing one means the RNG is re-derived, see
+``checkpoint.load_checkpoint``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
+from cp_train.checkpoint.integrity import ChecksumMismatch, verify_files
 from cp_train.errors import InputError
 
 LATEST = "latest"
@@ -75,27 +78,38 @@ def check_shards(path: Path) -> None:
             raise InputError(f"shard {shard} is truncated ({actual} bytes, {DCP_METADATA} needs {size})")
 
 
-def check_complete(path: Path) -> dict[str, Any]:
-    """``path``'s meta when ``path`` is a complete checkpoint; InputError naming the first problem."""
+Share = tuple[int, int] | None  # (rank, world): verify this rank's share of the checksums; None: all of them
+
+
+def check_complete(path: Path, share: Share = None, verify: bool = True) -> dict[str, Any]:
+    """``path``'s meta when ``path`` is a complete checkpoint whose files match their checksums (``verify``;
+    ``share``: only this rank's part of them); InputError naming the first problem."""
     meta = read_meta(path)
     check_shards(path)
+    if verify:
+        verify_files(path, rank=share[0] if share else 0, world=share[1] if share else 1)
     return meta
 
 
-def is_complete(path: Path) -> bool:
+def is_complete(path: Path, verify: bool = True) -> bool:
     try:
-        check_complete(path)
+        check_complete(path, verify=verify)
     except InputError:
         return False
     return True
 
 
-def newest_complete(root: Path, before: Path | None = None) -> Path | None:
-    """The newest complete checkpoint in ``root`` (older than ``before`` when given), or None."""
+def newest_complete(root: Path, before: Path | None = None, verify: bool = True) -> Path | None:
+    """The newest complete checkpoint in ``root`` that verifies (``verify``; older than ``before`` when
+    given), or None."""
     for path in reversed(step_dirs(root)):
-        if (before is None or path.name < before.name) and is_complete(path):
+        if (before is None or path.name < before.name) and is_complete(path, verify):
             return path
     return None
+
+
+def _kind(error: InputError) -> str:
+    return "a damaged checkpoint" if isinstance(error, ChecksumMismatch) else "an incomplete checkpoint"
 
 
 RESUME_FROM = "resume from the newest complete checkpoint with --load {}"
@@ -113,17 +127,21 @@ def _is_checkpoint_dir(path: Path) -> bool:
     return STEP_DIR.fullmatch(path.name) is not None or (path / META).exists() or (path / DCP_METADATA).exists()
 
 
-def find_checkpoint(path: str | os.PathLike, use: str = RESUME_FROM) -> Path | None:
+def find_checkpoint(path: str | os.PathLike, use: str = RESUME_FROM, share: Share = None,
+                    verify: bool = True) -> Path | None:
     """The complete checkpoint ``path`` names: ``path`` itself when it is one checkpoint directory, else
     ``path/latest``'s target; None when ``path`` holds none yet. InputError naming the file when the
-    checkpoint named is incomplete or damaged, and what to do (``use`` filled with the newest complete one)."""
+    checkpoint named is incomplete or damaged, and what to do (``use`` filled with the newest complete one).
+    ``share``: (rank, world), this rank verifies its share of the checksums (see ``check_complete``); none
+    when not ``verify``."""
     given = Path(path)
     if _is_checkpoint_dir(given):
         try:
-            check_complete(given)
+            check_complete(given, share, verify)
         except InputError as error:
             instead = _instead(given.parent, given, use)
-            raise InputError(f"checkpoint {given} is incomplete: {error}; {instead}") from None
+            state = "damaged" if isinstance(error, ChecksumMismatch) else "incomplete"
+            raise InputError(f"checkpoint {given} is {state}: {error}; {instead}") from None
         return given
     pointer = given / LATEST
     if not pointer.is_file():
@@ -133,20 +151,21 @@ def find_checkpoint(path: str | os.PathLike, use: str = RESUME_FROM) -> Path | N
     try:
         if not target.is_dir():
             raise InputError(f"{target} does not exist")
-        check_complete(target)
+        check_complete(target, share, verify)
     except InputError as error:
-        raise InputError(f"{pointer} names {name}, an incomplete checkpoint: {error}; "
+        raise InputError(f"{pointer} names {name}, {_kind(error)}: {error}; "
                          f"{_instead(given, target, use)}") from None
     return target
 
 
-def resume_source(load: str | None, save: str | None) -> Path | None:
+def resume_source(load: str | None, save: str | None, share: Share = None) -> Path | None:
     """The checkpoint a run resumes from: ``load`` (checkpoint.load: a directory with ``latest``, or one
-    checkpoint), else ``save``'s ``latest`` (auto-resume; None: off), else None. InputError naming the path."""
+    checkpoint), else ``save``'s ``latest`` (auto-resume; None: off), else None. InputError naming the path.
+    ``share``: (rank, world) of this rank, which verifies its share of the checksums."""
     if load:
         if not Path(load).exists():
             raise InputError(f"checkpoint.load (--load) {load} does not exist")
-        found = find_checkpoint(load)
+        found = find_checkpoint(load, share=share)
         if found is None:
             newest = newest_complete(Path(load))
             hint = f"; its newest complete checkpoint is {newest}: --load {newest}" if newest else ""
@@ -154,7 +173,7 @@ def resume_source(load: str | None, save: str | None) -> Path | None:
         return found
     if not save:
         return None
-    found = find_checkpoint(save)
+    found = find_checkpoint(save, share=share)
     newest = newest_complete(Path(save)) if found is None and Path(save).is_dir() else None
     if newest is not None:  # starting afresh would mix two runs in one directory and prune the good checkpoint
         raise InputError(f"checkpoint.save (--save) {save} holds checkpoints but no `latest`: resume from the newest "
@@ -182,7 +201,7 @@ def prune(root: Path, keep: int) -> list[Path]:
     deleted ones."""
     if keep <= 0:
         return []
-    complete = [p for p in step_dirs(root) if is_complete(p)]
+    complete = [p for p in step_dirs(root) if is_complete(p, verify=False)]
     if len(complete) <= keep:
         return []
     oldest_kept = complete[-keep]

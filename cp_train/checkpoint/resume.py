@@ -18,6 +18,7 @@ from cp_train.checkpoint.dcp import ShardedState, load_checkpoint, read_meta
 from cp_train.checkpoint.rng import derived_seed, restore_rng_state, seed_everything
 from cp_train.config.schema import Config
 from cp_train.errors import InputError
+from cp_train.optim import LRSchedule, continue_schedule, saved_schedule
 from cp_train.parallel.mesh.state import ParallelState
 
 DATA_STREAM_KEYS = ("train.global_batch_size", "data.seq_len", "data.prefix", "data.tokenizer", "data.seed",
@@ -25,7 +26,8 @@ DATA_STREAM_KEYS = ("train.global_batch_size", "data.seq_len", "data.prefix", "d
                     "data.document_mask")
 MODEL_KEYS = ("model.vocab_size", "model.num_layers", "model.hidden_size", "model.num_heads",
               "model.num_kv_heads", "model.ffn_hidden_size", "model.tie_embeddings", "model.rope_theta",
-              "model.norm_eps", "model.rope_scaling")
+              "model.norm_eps", "model.rope_scaling", "model.head_dim", "model.qkv_bias", "model.attention_bias",
+              "model.qk_norm", "model.attention_sinks")
 GUARDED_KEYS = DATA_STREAM_KEYS + MODEL_KEYS
 QUIET_SECTIONS = ("logging", "checkpoint")  # where a run is written and read: changes are not worth a note
 
@@ -67,10 +69,12 @@ def check_resume(saved: dict[str, Any], config: Config, checkpoint: str) -> list
 
 
 def restore_run(path: Path, config: Config, sharded: ShardedState, optimizer: torch.optim.Optimizer,
-                state: ParallelState) -> tuple[int, int, list[str]]:
+                state: ParallelState, schedule: LRSchedule | None = None) -> tuple[int, int, list[str]]:
     """Load checkpoint ``path`` into ``sharded`` (model and optimizer, resharded to this layout) after
     ``check_resume``; this run's optimizer settings win over the saved ones, and the RNG is restored (or
-    re-derived from ``train.seed`` where it cannot be). Returns (step, consumed samples, notes to log)."""
+    re-derived from ``train.seed`` where it cannot be). ``schedule`` (this run's) continues the checkpoint's
+    (``optim.continue_schedule``: the LR stays continuous when ``train.steps`` changed, unless
+    ``schedule.restart``). Returns (step, consumed samples, notes to log)."""
     meta = read_meta(path)
     if int(meta["step"]) > config.train.steps:
         raise InputError(f"checkpoint {path} is at step {meta['step']}, beyond train.steps {config.train.steps}: "
@@ -85,6 +89,10 @@ def restore_run(path: Path, config: Config, sharded: ShardedState, optimizer: to
             group["weight_decay"] = config.optimizer.weight_decay
     step = int(meta["step"])
     notes = [f"resumed from {path} at step {step}, consumed_samples {meta['consumed_samples']}", *changes]
+    if schedule is not None:
+        saved = saved_schedule(meta["config"], meta.get("scheduler") or {})
+        note = continue_schedule(schedule, saved, step, config.schedule.restart)
+        notes += [note] if note else []
     if rng_state is not None:
         restore_rng_state(rng_state)
     else:

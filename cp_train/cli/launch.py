@@ -4,8 +4,8 @@ It takes torchrun's own arguments and runs torchrun's own launcher (``torch.dist
 worker fails, plain torchrun logs the failure, prints a Python traceback of its own launcher and a
 failure summary, and exits with 1 whatever the workers' exit codes were. This launcher prints one line
 naming the first rank that failed instead, and exits with that rank's exit code: 2 for a config or input
-error, 1 for a failed run, 128 + N for a rank killed by signal N. ``launch/torchrun.sh`` and
-``launch/slurm.sbatch`` use it.
+error, 1 for a failed run, 128 + N for a rank killed by signal N. SIGUSR1 is passed on to the ranks (which
+save a checkpoint and stop: ``cp_train.preemption``). ``launch/torchrun.sh`` and ``launch/slurm.sbatch`` use it.
 """
 
 from __future__ import annotations
@@ -69,8 +69,29 @@ def summarize(failure: ChildFailedError) -> tuple[str, int]:
     return f"{PROG}: {Path(failure.name).name} failed with exit code {code} ({ranks})", code
 
 
+def children() -> list[int]:
+    """The process ids of this process's children (its ranks; Linux /proc)."""
+    found: list[int] = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            found += [int(pid) for pid in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def forward_to_ranks(signum: int, frame: object = None) -> None:
+    """Pass ``signum`` (SIGUSR1: Slurm's warning before the time limit) on to every rank: they save and stop."""
+    for pid in children():
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    signal.signal(signal.SIGUSR1, forward_to_ranks)  # torchrun itself would die of it
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(QUIETED_LOGGERS):
             logging.getLogger(name).setLevel(logging.CRITICAL)

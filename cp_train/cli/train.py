@@ -16,18 +16,21 @@ import os
 import sys
 from argparse import Namespace
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from cp_train.cli.launch import stop_with_launcher
 from cp_train.config.flags import parse_args
-from cp_train.config.schema import Config
-from cp_train.config.validate import validate
+from cp_train.config.schema import Config, ConfigError
+from cp_train.config.validate import check_input_files, check_schedule, validate
 from cp_train.errors import run_entry_point, this_rank
 from cp_train.parallel.mesh.collectives import explain_collective_failure, trace_collectives
 from cp_train.parallel.mesh.state import parallel_context
 from cp_train.parallel.spawn import free_port
 from cp_train.trainer import run_training
+
+DEFAULT_CPU_CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "cpu-tiny.yaml"
 
 
 def dry_run(config: Config, args: Namespace) -> int:
@@ -51,12 +54,36 @@ def dry_run(config: Config, args: Namespace) -> int:
     return 0 if planned.fits else 1
 
 
+def machine_default(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config`` of the shipped config that fits this machine when it names none and trains:
+    ``cpu-tiny.yaml`` without CUDA (the dataclass defaults on CUDA)."""
+    if any(arg == "--config" or arg.startswith("--config=") for arg in argv) or "--dry-run" in argv or (
+            "-h" in argv or "--help" in argv) or torch.cuda.is_available() or not DEFAULT_CPU_CONFIG.is_file():
+        return argv
+    if this_rank() == 0:
+        print(f"[cp-train] no --config: using {DEFAULT_CPU_CONFIG} (this machine has no CUDA GPU)", flush=True)
+    return ["--config", str(DEFAULT_CPU_CONFIG), *argv]
+
+
+def check_world(config: Config, world: int) -> None:
+    """A world of one process cannot hold tp*cp > 1: ConfigError saying how to launch it."""
+    ranks = config.parallel.tp * config.parallel.cp * (config.parallel.dp or 1)
+    if world == 1 and ranks > 1:
+        raise ConfigError(f"this is one process (world size 1) and parallel.tp*cp*dp = {ranks} needs {ranks}: "
+                          f"launch with torchrun --nproc-per-node {ranks} train.py ... (or set --cp-size 1 "
+                          f"--tp-size 1 to train in one process)")
+
+
 def train(argv: list[str]) -> int:
     stop_with_launcher()
-    config, args = parse_args(argv)
+    config, args = parse_args(machine_default(argv))
     if args.dry_run:
         return dry_run(config, args)
-    dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_input_files(config)  # missing files first, then the settings derived from them
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world(config, world)
+    check_schedule(config)
+    dp = validate(config, world)
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one (on a free port: several may run)
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})

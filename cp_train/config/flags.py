@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import sys
+import typing
 from collections.abc import Sequence
 
-from cp_train.config.schema import Config, ConfigError
+from cp_train.config.schema import Config, ConfigError, field_type
 from cp_train.config.sources import load_config
 from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, this_rank
 
@@ -39,6 +42,31 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--wandb-project": ("logging.wandb_project", str, "wandb project", ()),
     "--wandb-mode": ("logging.wandb_mode", str, "online, offline or disabled (default: online only with "
                      "WANDB_API_KEY)", ()),
+    # Megatron-LM's names for the model, the schedule and the optimizer
+    "--num-layers": ("model.num_layers", int, "transformer blocks", ()),
+    "--hidden-size": ("model.hidden_size", int, "model width", ()),
+    "--num-attention-heads": ("model.num_heads", int, "attention heads", ()),
+    "--num-query-groups": ("model.num_kv_heads", int, "key/value heads (GQA)", ()),
+    "--ffn-hidden-size": ("model.ffn_hidden_size", int, "MLP width", ()),
+    "--max-position-embeddings": ("model.max_position_embeddings", int, "longest sequence the model takes", ()),
+    "--recompute-granularity": ("model.activation_checkpointing", str, "full or selective recomputation", ()),
+    "--lr-warmup-iters": ("schedule.warmup_steps", int, "linear warmup steps", ("--warmup-steps",)),
+    "--lr-decay-iters": ("schedule.decay_steps", int, "decay steps (default: the rest of the run)", ()),
+    "--lr-decay-style": ("schedule.decay", str.lower, "cosine, linear, wsd or constant", ()),
+    "--weight-decay": ("optimizer.weight_decay", float, "AdamW weight decay", ()),
+    "--clip-grad": ("optimizer.clip_grad", float, "global gradient-norm clip (0: off)", ()),
+    "--eval-iters": ("train.eval_iters", int, "validation batches per evaluation", ()),
+    "--gradient-accumulation-steps": ("train.gradient_accumulation_steps", int, "micro-batches per step and DP "
+                                      "rank (sets the global batch)", ()),
+}
+# switches: flag -> (dotted key, value set, help)
+SWITCHES: dict[str, tuple[str, object, str]] = {
+    "--bf16": ("train.dtype", "bf16", "bf16 autocast"),
+    "--recompute-activations": ("model.activation_checkpointing", "selective", "selective recomputation"),
+    "--use-flash-attn": ("model.attention_backend", "flash_attn", "flash-attn kernels (CUDA)"),
+    "--sequence-parallel": ("parallel.sequence_parallel", True, "shard the residual stream over TP"),
+    "--restart-schedule": ("schedule.restart", True, "on a resume that changed train.steps, restart the LR "
+                           "schedule instead of continuing it"),
 }
 
 
@@ -53,44 +81,116 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file or sys.stdout)
 
 
+def _type_name(kind: object) -> str:
+    return kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
+
+
+def config_keys() -> dict[str, list[tuple[str, str, object]]]:
+    """Every config key by section, from the dataclasses: ``{section: [(key, type name, default)]}``."""
+    defaults = Config()
+    keys: dict[str, list[tuple[str, str, object]]] = {}
+    for section in dataclasses.fields(Config):
+        kind = typing.get_type_hints(Config)[section.name]
+        if not dataclasses.is_dataclass(kind):
+            continue
+        keys[section.name] = [(f"{section.name}.{f.name}", _type_name(field_type(f"{section.name}.{f.name}")),
+                               getattr(getattr(defaults, section.name), f.name)) for f in dataclasses.fields(kind)]
+    return keys
+
+
+def _flag_of(key: str) -> str | None:
+    found = (flag for flag, spec in {**FLAGS, **SWITCHES, **BOOLEAN_FLAGS_SPEC}.items() if spec[0] == key)
+    return next(found, None)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser; ``--help`` lists every config key by section with its type and default (and its flag)."""
     parser = _Parser(
-        prog="train.py", description="Context-parallel GPT pretraining. Precedence: YAML < flags < --set.",
+        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Context-parallel GPT pretraining. Precedence: YAML (--config) < flags < --set "
+                    "section.key=value.\nEvery config key can be set with --set; the flags below are shortcuts "
+                    "(Megatron-LM's names work too).",
         epilog="Launch with torchrun, e.g. torchrun --nproc-per-node 2 train.py --config "
                "launch/configs/cpu-tiny.yaml --set train.steps=50")
-    parser.add_argument("--config", help="YAML file (see launch/configs/)")
-    for flag, (key, kind, text, aliases) in FLAGS.items():
-        parser.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=kind.__name__.upper(),
-                            help=f"{text} [{key}]")
-    parser.add_argument("--fsdp", dest="parallel.fsdp", action=argparse.BooleanOptionalAction, default=None,
-                        help="shard parameters, gradients and optimizer state over DP x CP with FSDP2 "
-                             "[parallel.fsdp]")
-    parser.add_argument("--compile", dest="train.compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile each block and the head with its loss [train.compile]")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="build on the meta device and print each rank's parameter, gradient, optimizer and "
-                             "activation memory; train nothing (no torchrun needed)")
-    parser.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
-                        help="--dry-run: memory per device (default: this GPU's, else 80)")
-    parser.add_argument("--reserve-gib", type=float, default=3.0, metavar="GIB",
-                        help="--dry-run: memory per device kept for the CUDA context, NCCL and fragmentation, "
-                             "plus --reserve-fraction of the device (default 3)")
-    parser.add_argument("--reserve-fraction", type=float, default=0.05, metavar="F",
-                        help="--dry-run: the share of the device kept on top of --reserve-gib (default 0.05)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="any config key, e.g. --set model.hidden_size=512 (repeatable; wins over flags)")
-    parser.add_argument(DEBUG_FLAG, action="store_true",
-                        help=f"print the Python traceback of an error (also {DEBUG_ENV}=1)")
+    command = parser.add_argument_group("command")
+    command.add_argument("--config", help="YAML file (see launch/configs/; default: cpu-tiny on a machine without "
+                                          "CUDA)")
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="any config key, e.g. --set model.hidden_size=512 (repeatable; wins over flags)")
+    command.add_argument("--dry-run", action="store_true",
+                         help="build on the meta device and print each rank's parameter, gradient, optimizer and "
+                              "activation memory; train nothing (no torchrun needed)")
+    command.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+                         help="--dry-run: memory per device (default: this GPU's, else 80)")
+    command.add_argument("--reserve-gib", type=float, default=3.0, metavar="GIB",
+                         help="--dry-run: memory per device kept for the CUDA context, NCCL and fragmentation, "
+                              "plus --reserve-fraction of the device (default 3)")
+    command.add_argument("--reserve-fraction", type=float, default=0.05, metavar="F",
+                         help="--dry-run: the share of the device kept on top of --reserve-gib (default 0.05)")
+    command.add_argument(DEBUG_FLAG, action="store_true",
+                         help=f"print the Python traceback of an error (also {DEBUG_ENV}=1)")
+    for section, keys in config_keys().items():
+        unflagged = [f"  {key}: {kind} = {default!r}" for key, kind, default in keys if _flag_of(key) is None]
+        group = parser.add_argument_group(
+            section, f"--set {section}.KEY=VALUE for these keys:\n" + "\n".join(unflagged) if unflagged else None)
+        described = {key: f"{kind} = {default!r}" for key, kind, default in keys}
+        for flag, (key, kind, text, aliases) in FLAGS.items():
+            if key.startswith(section + "."):
+                name = kind.__name__.upper() if kind is not str.lower else "STR"
+                group.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=name,
+                                   help=f"{text} [{key}: {described[key]}]")
+        for flag, (key, value, text) in SWITCHES.items():
+            if key.startswith(section + "."):
+                group.add_argument(flag, dest=key, action="store_const", const=value, default=None,
+                                   help=f"{text}: {key}={value} [{described[key]}]")
+        for flag, key in BOOLEAN_FLAGS.items():
+            if key.startswith(section + "."):
+                group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None,
+                                   help=f"[{key}: {described[key]}]")
     return parser
 
 
+BOOLEAN_FLAGS = {"--fsdp": "parallel.fsdp", "--compile": "train.compile"}  # with --no-... forms
+BOOLEAN_FLAGS_SPEC = {flag: (key,) for flag, key in BOOLEAN_FLAGS.items()}
 # options of the command itself
 NOT_CONFIG = ("config", "overrides", "debug", "dry_run", "device_memory_gib", "reserve_gib", "reserve_fraction")
 
 
+def suggestion(unknown: list[str]) -> str:
+    """``: did you mean ...?`` for the first unknown ``--flag`` of ``unknown``: the nearest flag or config key."""
+    first = next((i for i, token in enumerate(unknown) if token.startswith("--")), None)
+    if first is None:
+        return ""
+    name, _, value = unknown[first][2:].partition("=")
+    if not value and first + 1 < len(unknown) and not unknown[first + 1].startswith("--"):
+        value = unknown[first + 1]
+    name = name.replace("_", "-")
+    keys = [key for section in config_keys().values() for key, _, _ in section]
+    targets = {flag[2:]: spec[0] for flag, spec in FLAGS.items() for flag in (flag, *spec[3])}
+    targets |= {flag[2:]: spec[0] for flag, spec in {**SWITCHES, **BOOLEAN_FLAGS_SPEC}.items()}
+    targets |= {key.split(".", 1)[1].replace("_", "-"): key for key in keys} | {key.replace("_", "-"): key
+                                                                              for key in keys}
+    score = {target: difflib.SequenceMatcher(None, name, target).ratio() for target in targets}
+    best = max(score, key=lambda target: (score[target], -len(target)))
+    if score[best] < 0.6:
+        return ""
+    key = targets[best]
+    flag = "--" + best if "--" + best in {**FLAGS, **SWITCHES, **BOOLEAN_FLAGS} or any(
+        "--" + best in spec[3] for spec in FLAGS.values()) else _flag_of(key)
+    takes_value = flag in FLAGS or any(flag in spec[3] for spec in FLAGS.values())
+    shown = value or (str(SWITCHES[flag][1]).lower() if flag in SWITCHES else "true" if flag else "VALUE")
+    hint = f"--set {key}={shown}"
+    if flag is None:
+        return f": did you mean {hint}?"
+    return f": did you mean {flag}{' ' + shown if takes_value else ''} ({hint})?"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
     """The config from ``argv`` (YAML (``--config``) < flags < ``--set`` overrides) and the parsed options."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{suggestion(unknown)}")
     flags = {key: value for key, value in vars(args).items() if key not in NOT_CONFIG and value is not None}
     return load_config(args.config, flags, args.overrides), args
 

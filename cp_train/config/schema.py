@@ -85,8 +85,10 @@ class OptimizerConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 0
-    decay: str = "cosine"  # cosine | linear | constant
-    decay_steps: int | None = None  # None: train.steps - warmup_steps
+    decay: str = "cosine"  # cosine | linear | wsd (warmup-stable-decay) | constant
+    decay_steps: int | None = None  # None: train.steps - warmup_steps (wsd: decay_fraction of them)
+    decay_fraction: float = 0.2  # wsd: the last fraction of the steps after warmup that decay (linearly) to min_lr
+    restart: bool = False  # a resume that changed train.steps restarts the schedule (else: LR kept continuous)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class TrainConfig:
     steps: int = 100
     micro_batch_size: int = 1
     global_batch_size: int = 8
+    gradient_accumulation_steps: int | None = None  # set: global_batch_size = micro_batch_size * dp * this
     eval_interval: int = 0  # steps between evaluations; 0: off
     eval_iters: int = 1  # global batches of the validation split per evaluation
     seed: int = 1234  # runtime RNG (torch, numpy, random), offset per rank
@@ -132,11 +135,24 @@ class LoggingConfig:
     console: bool = True
 
 
+@dataclass
+class EvalConfig:
+    """Long-context evaluation at validation steps (cp_train/eval, docs/eval.md): every ``every`` steps (0: off)."""
+
+    every: int = 0
+    tasks: list[str] = field(default_factory=lambda: ["loss_by_position", "passkey"])
+    lengths: list[int] = field(default_factory=list)  # empty: data.seq_len
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+    trials: int = 2  # per (length, depth) cell
+    seed: int = 1234
+    loss_samples: int = 4  # held-out samples of loss_by_position
+
 def _default_model() -> ModelConfig:
-    """ModelConfig defaults with vocab_size (the tokenizer's), num_kv_heads and ffn_hidden_size
+    """ModelConfig defaults with vocab_size (the tokenizer's), num_kv_heads, ffn_hidden_size and head_dim
     (derived from the final num_heads / hidden_size in ``build_config``) left to resolve."""
     model = ModelConfig()
     model.vocab_size, model.num_kv_heads, model.ffn_hidden_size = None, None, None  # type: ignore[assignment]
+    model.head_dim = None
     return model
 
 
@@ -150,6 +166,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     explicit_keys: ClassVar[frozenset[str]] = frozenset()  # dotted keys a layer set (per instance, build_config)
     deprecations: ClassVar[tuple[str, ...]] = ()  # notes on deprecated keys read (per instance, build_config)
 
@@ -214,6 +231,8 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         if is_null:
             return None
         kind = next(a for a in args if a is not type(None))
+        if typing.get_origin(kind) is list:  # an optional list (model.layer_types): null stays None
+            return coerce(key, value, kind)
     if kind is str and isinstance(value, str) and value.strip():
         return value.strip()  # a required string is itself, "none" included (a mode's name)
     if is_null:

@@ -4,10 +4,12 @@ the keys and the numbers."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
 from cp_train.config.schema import Config, ConfigError, field_type
+from cp_train.errors import InputError
 from cp_train.model.config import NORMS
 from cp_train.parallel.cp.algorithms import canonical_algorithm, check_algorithm, check_heads
 from cp_train.parallel.cp.layout import LAYOUTS, check_layout
@@ -17,7 +19,7 @@ from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 
 DTYPES = ("auto", "bf16", "fp32")
 FSDP_REDUCE = ("auto", "per_step", "per_microbatch")
-DECAYS = ("cosine", "linear", "constant")
+DECAYS = ("cosine", "linear", "wsd", "constant")
 OPTIMIZERS = ("auto", "fused", "foreach")  # optimizer.implementation: torch's AdamW kernels
 OPTIMIZER_IMPLS = ("auto", "torch", "apex")  # optimizer.impl
 WANDB_MODES = (None, "online", "offline", "disabled")
@@ -134,8 +136,13 @@ def validate(config: Config, world_size: int) -> int:
     _choice("train.dtype", train.dtype, DTYPES)
     _check_device_settings(config)
     _choice("schedule.decay", config.schedule.decay, DECAYS)
+    if not 0 < config.schedule.decay_fraction <= 1:
+        raise ConfigError(f"schedule.decay_fraction must be in (0, 1], got {config.schedule.decay_fraction}")
     _check_impls(config)
     _choice("logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
+    if train.gradient_accumulation_steps is not None:  # Megatron-style: the global batch follows from it
+        _positive(config, ("train.gradient_accumulation_steps",), 1)
+        train.global_batch_size = train.micro_batch_size * dp * train.gradient_accumulation_steps
     per_micro_step = train.micro_batch_size * dp
     if train.global_batch_size % per_micro_step:
         raise ConfigError(f"train.global_batch_size {train.global_batch_size} is not divisible by "
@@ -162,7 +169,11 @@ def validate(config: Config, world_size: int) -> int:
                           f"multiple of {cp * tp} or set parallel.sequence_parallel=false")
     if data.seq_len > model.max_position_embeddings:
         raise ConfigError(f"data.seq_len {data.seq_len} exceeds model.max_position_embeddings "
-                          f"{model.max_position_embeddings}")
+                          f"{model.max_position_embeddings}: for a model trained from scratch raise it "
+                          f"(--max-position-embeddings {data.seq_len}); for a pretrained model extend its context "
+                          f"with RoPE scaling (--set model.rope_scaling='{{rope_type: yarn, factor: "
+                          f"{-(-data.seq_len // model.max_position_embeddings)}.0}}' and "
+                          f"--max-position-embeddings {data.seq_len}; docs/huggingface.md)")
     if not 0 <= data.valid_fraction < 1:
         raise ConfigError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
     if train.eval_interval > 0 and data.valid_fraction == 0:
@@ -193,3 +204,33 @@ def check_parallel_state(config: Config, state: ParallelState, dp: int) -> None:
         raise ValueError(f"parallel.ulysses_size {config.parallel.ulysses_size} differs from the parallel state's "
                          f"Ulysses groups of {ulysses}: initialise it with ulysses_size="
                          f"{config.parallel.ulysses_size}")
+
+
+def check_schedule(config: Config) -> None:
+    """A training run's schedule must leave warmup: ConfigError with the fix when ``schedule.warmup_steps`` is
+    at least ``train.steps`` (checked by the training command, not by the dry run)."""
+    warmup, steps = config.schedule.warmup_steps, config.train.steps
+    if warmup and warmup >= steps:
+        raise ConfigError(f"schedule.warmup_steps {warmup} >= train.steps {steps}: the run would never leave warmup; "
+                          f"lower it (e.g. --lr-warmup-iters {max(1, steps // 10)}, or 0) or raise --train-steps "
+                          f"above {warmup}")
+
+
+def check_input_files(config: Config) -> None:
+    """The files a run reads must exist: checked first, before any setting derived from them is."""
+    data, checkpoint = config.data, config.checkpoint
+    if data.prefix is not None and not data.prefix.endswith((".bin", ".idx")):
+        for suffix in (".idx", ".bin"):
+            if not Path(data.prefix + suffix).is_file():
+                name = Path(data.prefix).name
+                raise InputError(f"data.prefix {data.prefix}: {data.prefix}{suffix} is missing; an indexed dataset "
+                                 f"needs both {name}.idx and {name}.bin (make them with cp-train-preprocess)")
+    if data.tokenizer is not None and not Path(data.tokenizer).exists():
+        raise InputError(f"data.tokenizer {data.tokenizer} does not exist: pass a SentencePiece .model, a Hugging "
+                         f"Face tokenizer.json or its directory; train a SentencePiece model on text files with "
+                         f"python -m cp_train.cli.train_tokenizer --input FILE... --vocab-size 8000 "
+                         f"--output-prefix tok")
+    for key, path in (("checkpoint.init_from_hf (--init-from-hf)", checkpoint.init_from_hf),
+                      ("checkpoint.load (--load)", checkpoint.load)):
+        if path and not Path(path).exists():
+            raise InputError(f"{key} {path} does not exist")

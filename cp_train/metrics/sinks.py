@@ -2,7 +2,8 @@
 
 wandb runs offline unless ``WANDB_API_KEY`` is set or ``logging.wandb_mode`` is ``online``; the
 offline run lands in ``RUN_DIR/wandb/`` (``wandb sync`` uploads it later). The run name and config
-carry tp/cp/dp and seq_len, and the wandb group is the layout, so dashboards group by layout.
+carry tp/cp/dp and seq_len, and the wandb group is the layout, so dashboards group by layout. A resumed run
+continues its wandb run (the id and group its checkpoint saved), also after a layout change (logged as an event).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ def wandb_mode(configured: str | None) -> str:
     if configured:
         return configured
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def layout_group(layout: dict[str, Any]) -> str:
+    """The wandb group of a layout: ``tp1-cp2-dp1-seq256``."""
+    return f"tp{layout.get('tp')}-cp{layout.get('cp')}-dp{layout.get('dp')}-seq{layout.get('seq_len')}"
 
 
 def _duration(seconds: float) -> str:
@@ -54,21 +60,30 @@ def console_line(record: dict[str, Any], total_steps: int, started: float, first
         return (f"setup: {record['parameters']:,} parameters, {record['parameters_per_rank']:,} per rank; state "
                 f"{gib['state']:.3f} GiB per rank (parameters {gib['parameter']:.3f}, gradients "
                 f"{gib['gradient']:.3f}, optimizer {gib['optimizer']:.3f}; the largest rank)")
+    if record.get("kind") == "event":
+        return f"event step {step}: {record['event']} {record.get('detail', '')}".rstrip()
     if record.get("kind") == "eval":
         return f"eval  step {step:>{len(str(total_steps))}}/{total_steps} | val loss {record['loss']:.4f} | " \
                f"val ppl {record['perplexity']:.2f}"
     elapsed = time.perf_counter() - started
     eta = elapsed / max(step - first_step, 1) * (total_steps - step)
     mfu = "n/a" if math.isnan(record["mfu"]) else f"{100 * record['mfu']:.1f}%"
-    memory = f"{record['peak_memory_gib']:.2f}"
+    if "mfu_dense" in record and not math.isnan(record["mfu_dense"]):
+        mfu += f" (causal; dense {100 * record['mfu_dense']:.1f}%)"
+    memory = f"{record.get('peak_memory_max_gib', record['peak_memory_gib']):.2f}"
     if "peak_memory_reserved_gib" in record:
         memory += f"/{record['peak_memory_reserved_gib']:.2f} reserved"
+    if record.get("peak_memory_pct") is not None:
+        memory += f" GiB max, {record['peak_memory_pct']:.0f}%"
+    else:
+        memory += " GiB"
+    step_time = record.get("step_time_max_s", record["step_time_s"])
     return (f"step {step:>{len(str(total_steps))}}/{total_steps} {progress_bar(step, total_steps)} | "
             f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
             f"{_count(record['tokens_per_s'])} tok/s ({_count(record['tokens_per_s_per_device'])}/dev) | "
             f"{record['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu} | "
-            f"step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s | "
-            f"mem {memory} GiB | eta {_duration(eta)}")
+            f"step {step_time:.3f}s data {record['data_time_s']:.3f}s | "
+            f"mem {memory} | eta {_duration(eta)}")
 
 
 def drop_records_after(path: Path, step: int) -> int:
@@ -111,6 +126,8 @@ class SinkSettings:
     use_wandb: bool = False
     wandb_project: str = "cp-train"
     wandb_mode: str | None = None  # None: online with WANDB_API_KEY, else offline (``wandb_mode()``)
+    wandb_id: str | None = None  # the wandb run to continue (a resumed run's, from its checkpoint)
+    wandb_group: str | None = None  # its group (kept when the layout changed); None: the layout's
 
 
 class MetricsSinks:
@@ -124,6 +141,7 @@ class MetricsSinks:
         self.started = time.perf_counter()
         self.jsonl: TextIO | None = None
         self.wandb_run: Any = None
+        self.wandb_group = settings.wandb_group or layout_group(layout)
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,17 +156,21 @@ class MetricsSinks:
                 self.message("wandb is not installed: metrics go to metrics.jsonl only "
                              "(pip install wandb, or set logging.wandb=false to silence this)")
                 return
+            resume = {"id": settings.wandb_id, "resume": "allow"} if settings.wandb_id else {}
             try:
                 self.wandb_run = wandb.init(
                     project=settings.wandb_project, name=settings.run_name, dir=str(run_dir), mode=wandb_mode(mode),
-                    group=f"tp{layout['tp']}-cp{layout['cp']}-dp{layout['dp']}-seq{layout['seq_len']}",
-                    config={**settings.config, "layout": layout}, tags=[f"cp{layout['cp']}", f"seq{layout['seq_len']}"],
-                    reinit="finish_previous")
+                    group=self.wandb_group, config={**settings.config, "layout": layout},
+                    tags=[f"cp{layout['cp']}", f"seq{layout['seq_len']}"], reinit="finish_previous", **resume)
             except wandb.Error as error:  # no API key for an online run, a bad project name, ...
                 self.close()
                 why = one_line(str(error))
                 raise InputError(f"wandb could not start its {wandb_mode(mode)} run ({why}): set WANDB_API_KEY or run "
                                  f"`wandb login`, or use --wandb-mode offline or disabled") from None
+
+    def wandb_state(self) -> dict[str, str] | None:
+        """The wandb run's id and group, for a checkpoint to resume it with (None without a wandb run)."""
+        return {"id": self.wandb_run.id, "group": self.wandb_group} if self.wandb_run is not None else None
 
     def message(self, text: str) -> None:
         if self.enabled and self.console:
@@ -169,6 +191,8 @@ class MetricsSinks:
             self.wandb_run.summary.update({f"setup/{k}": v for k, v in record.items() if isinstance(v, int | float)})
             self.wandb_run.config.update({k: v for k, v in record.items() if isinstance(v, str)},
                                          allow_val_change=True)  # the attention kernels, say
+        elif self.wandb_run is not None and record.get("kind") == "event":
+            self.wandb_run.log({f"event/{record['event']}": 1}, step=record["step"])
         elif self.wandb_run is not None:
             prefix = "eval/" if record.get("kind") == "eval" else "train/"
             self.wandb_run.log({prefix + k: v for k, v in record.items() if isinstance(v, int | float)

@@ -5,6 +5,11 @@
 - TFLOP/s per device: ``model_flops_per_token(model, seq_len)`` (model FLOPs, no recomputation; with
   per-document masks the attention counts the pairs the mask leaves, ``model.flops.attention_flops``) times
   the global tokens/s, divided by the world size.
+- ``mfu_dense`` / ``tflops_per_device_dense``: the same with attention counted in full (every key visible to
+  every query, torchtitan's convention), where ``mfu`` counts what the causal (and document) mask leaves
+  (NVIDIA's and Megatron's convention: causal attention at half).
+- step time and peak memory: also the max over all ranks (``max_over_ranks``), memory as a percentage of
+  the device's (``device_memory_gib``: CUDA's total memory, or the machine's ``MemTotal`` on CPU).
 - MFU: TFLOP/s per device over the device's peak: ``logging.peak_tflops`` if set, else the dense
   bf16 tensor-core peak of the GPU found in ``PEAK_TFLOPS`` by name, else ``logging.cpu_peak_tflops`` on CPU.
   A GPU missing from the table has no known peak: MFU is NaN (one warning names ``logging.peak_tflops``).
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cp_train.model.config import ModelConfig
 from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
@@ -87,6 +93,28 @@ def peak_memory_reserved_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
 
 
+def device_memory_gib(device: torch.device) -> float | None:
+    """The device's memory: CUDA's total, or the machine's ``MemTotal`` on CPU; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / 2**30
+    except OSError:
+        pass
+    return None
+
+
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """``values`` maxed element-wise over every rank of the default group (collective; itself in a world of one)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak since ``reset_peak_memory``: CUDA max allocated, or ``VmHWM`` (peak RSS) on CPU; 0 if unknown."""
     if device.type == "cuda":
@@ -118,12 +146,14 @@ class IntervalMeter:
     flops_per_pair: float = 0.0  # attention FLOPs per visible query-key pair
     flops_sum: float = 0.0  # model FLOPs of the steps that counted their attention pairs
     flops_steps: int = 0
+    full_flops_per_token: float = 0.0  # attention counted in full, every key visible (torchtitan's convention)
 
     @classmethod
     def for_model(cls, model: ModelConfig, seq_len: int, global_batch: int, world_size: int,
                   peak: float) -> IntervalMeter:
         return cls(global_batch * seq_len, model_flops_per_token(model, seq_len), world_size, peak,
-                   dense_flops_per_token=6.0 * matmul_params(model), flops_per_pair=attention_flops(model, 1))
+                   dense_flops_per_token=6.0 * matmul_params(model), flops_per_pair=attention_flops(model, 1),
+                   full_flops_per_token=model_flops_per_token(model, seq_len, causal=False))
 
     def add(self, loss: float, step_time: float, data_time: float, imbalance: float = 1.0,
             attention_pairs: float | None = None) -> None:
@@ -157,10 +187,12 @@ class IntervalMeter:
         tokens_per_s = self.tokens_per_step * self.steps / elapsed
         flops = self.flops_sum + (self.steps - self.flops_steps) * self.tokens_per_step * self.flops_per_token
         tflops = flops / elapsed / self.world_size / 1e12
+        dense = self.full_flops_per_token * self.tokens_per_step * self.steps / elapsed / self.world_size / 1e12
         record = {
             "kind": "train", "step": step, "loss": self.loss_sum / steps, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
             "tflops_per_device": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else 0.0,
+            "tflops_per_device_dense": dense, "mfu_dense": dense / self.peak_tflops if self.peak_tflops else 0.0,
             "step_time_s": self.step_time / steps, "data_time_s": self.data_time / steps,
             "peak_memory_gib": memory_gib, "consumed_samples": consumed_samples,
             "consumed_tokens": consumed_samples * seq_len, "attention_imbalance": self.imbalance_sum / steps,

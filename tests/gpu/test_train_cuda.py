@@ -20,7 +20,8 @@ def _train(tmp_path: Path, name: str, *flags: str) -> dict[int, float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
                str(free_port()), "train.py", "--config", "launch/configs/cpu-tiny.yaml", "--cp-size", "1",
                "--set", "parallel.backend=nccl",  # cpu-tiny sets gloo: CPU ranks
-               "--train-steps", str(STEPS), "--set", "train.deterministic=true", "--set", "logging.wandb=false",
+               "--train-steps", str(STEPS), "--lr-warmup-iters", "2", "--set", "train.deterministic=true", "--set",
+               "logging.wandb=false",
                "--set", "logging.interval=1", "--set", "train.eval_interval=0", "--set", f"logging.dir={run_dir}",
                *flags]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -1,0 +1,99 @@
+"""The records a training run logs, built from the trainer's state: setup, intervals (with the max over ranks
+of step time and memory), evaluations, and the event of a layout change on resume."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cp_train.metrics.throughput import (
+    IntervalMeter,
+    device_memory_gib,
+    max_over_ranks,
+    peak_memory_gib,
+    peak_memory_reserved_gib,
+)
+from cp_train.metrics.window_bytes import kv_bytes_per_layer
+from cp_train.parallel.kernels.select import chosen_backends
+from cp_train.preemption import Preemption
+from cp_train.results import StepResult
+
+if TYPE_CHECKING:
+    from cp_train.metrics.sinks import MetricsSinks
+
+Trainer = Any  # the running ``cp_train.trainer.Trainer`` (not imported: it imports this module)
+
+
+def interval_record(trainer: Trainer, meter: IntervalMeter, out: StepResult, preemption: Preemption
+                    ) -> tuple[dict[str, Any], str | None]:
+    """The record of the interval ending at ``trainer.step`` (``out``: its last step's scalars), and the signal
+    that stops the run if any rank got one. Step time and peak memory are also maxed over every rank (one
+    collective, which carries the signal too), memory also as a percentage of the device's."""
+    config, device = trainer.config, trainer.device
+    memory = peak_memory_gib(device)
+    record = meter.record(trainer.step, out.lr, out.grad_norm, trainer.loader.consumed_samples, config.data.seq_len,
+                          memory, peak_memory_reserved_gib(device))
+    step_time, memory, signal_code = max_over_ranks([record["step_time_s"], memory, preemption.code()], device)
+    total = device_memory_gib(device)
+    record.update({"step_time_max_s": step_time, "peak_memory_max_gib": memory,
+                   "peak_memory_pct": 100.0 * memory / total if total else None})
+    return record, Preemption.name(signal_code)
+
+
+def setup_record(trainer: Trainer, sizes: dict[str, int], step: int) -> dict[str, Any]:
+    """The ``{"kind": "setup"}`` record (collective: it measures every rank's state bytes)."""
+    parallel, state = trainer.config.parallel, trainer.state
+    return trainer.training.setup_record(sizes, {
+        "step": step, **state.dims, "world_size": state.world_size, "fsdp": parallel.fsdp,
+        "fsdp_reshard_after_forward": parallel.fsdp_reshard_after_forward, "fsdp_reduce": trainer.fsdp_reduce,
+        "sequence_parallel": trainer.model.parallel.sequence_parallel,
+        "attention_kernels": ", ".join(chosen_backends()),
+        "compiled": ", ".join(trainer.model.compiled_parts) or "nothing", "prediction": trainer.prediction,
+        "kv_bytes_per_layer": _kv_bytes(trainer),
+        "mfu_convention": "mfu: attention under the causal (and document) mask; mfu_dense: attention in full"})
+
+
+def _kv_bytes(trainer: Trainer) -> dict[str, int]:
+    """K/V bytes this rank receives per attention layer, full and per sliding window (``window_bytes.py``)."""
+    model, mp = trainer.config.model, trainer.model.parallel
+    dtype = trainer.autocast_dtype or next(trainer.model.parameters()).dtype
+    return kv_bytes_per_layer(model.windows, mp.algorithm, mp.attention_layout, mp.cp_size, mp.cp_rank,
+                              mp.cp.ulysses_size if mp.algorithm == "hybrid" else 1,
+                              trainer.config.data.seq_len // mp.cp_size, trainer.config.train.micro_batch_size,
+                              model.num_kv_heads // mp.tp_size, model.head_dim, dtype)
+
+
+def log_eval(trainer: Trainer, sinks: MetricsSinks) -> None:
+    """Evaluate (collective) and log the record."""
+    loss = trainer.evaluate()
+    trainer.result.eval_losses[trainer.step] = loss
+    sinks.log({"kind": "eval", "step": trainer.step, "loss": loss,
+               "perplexity": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss})
+
+
+def checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
+    """A checkpoint's ``meta.json``: step, consumed samples, schedule, layout, config and the wandb run."""
+    parallel, state = trainer.config.parallel, trainer.state
+    return {"step": trainer.step, "consumed_samples": trainer.loader.consumed_samples,
+            "scheduler": {"step": trainer.step, **trainer.schedule.state_dict()},
+            "layout": {**state.dims, "world_size": state.world_size, "cp_layout": parallel.cp_layout,
+                       "cp_algorithm": parallel.cp_algorithm, "fsdp": parallel.fsdp},
+            "config": trainer.config.to_dict(), "torch": torch.__version__, "wandb": trainer._wandb}
+
+
+def layout_name(layout: dict[str, Any]) -> str:
+    return f"tp{layout.get('tp')}-cp{layout.get('cp')}-dp{layout.get('dp')}"
+
+
+def layout_event(saved: dict[str, Any] | None, trainer: Trainer) -> list[dict[str, Any]]:
+    """The ``{"kind": "event", "event": "layout_change"}`` record of a run resumed (``saved``: its checkpoint's
+    meta) in another layout, or none."""
+    if saved is None:
+        return []
+    before, after = layout_name(saved.get("layout", {})), layout_name(dict(trainer.state.dims))
+    if before == after:
+        return []
+    return [{"kind": "event", "step": trainer.step, "event": "layout_change", "from": before, "to": after,
+             "detail": f"{before} -> {after}"}]
