@@ -151,8 +151,9 @@ class Trainer:
                 loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])
                 (loss_sum / divisor).backward()
             local_sum += loss_sum.detach().double()
-            if plan is not None:
-                areas, pairs = [a + b for a, b in zip(areas, plan.areas, strict=True)], pairs + plan.pairs
+            if plan is not None:  # the pairs each layer's (window's) plan counts, averaged over the layers
+                areas = [a + b for a, b in zip(areas, plan.areas, strict=True)]
+                pairs += plan.pairs if self.model.layer_pairs is None else self.model.layer_pairs
         local_tokens = float(sum(_loss_tokens(mb) for mb in micro_batches))
         imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
         return DeviceBatch(loss=reduce_loss(local_sum, tokens, group), tokens=tokens, local_tokens=local_tokens,

@@ -13,7 +13,8 @@ Megatron / PaLM convention, per token at global sequence length ``s``:
   forward with every key visible, 3x that with the backward (``12 * L * h_attn * s``); causal
   masking halves it (each query sees ``s/2`` keys on average), giving ``6 * L * h_attn * s``.
 - Packed documents with per-document masks: each query sees only its own document, so the attention
-  term counts the query-key pairs the mask leaves (``attention_flops``), not ``s/2`` per token.
+  term counts the query-key pairs the mask leaves (``attention_flops``), not ``s/2`` per token. Sliding-window
+  layers count the keys their window leaves (``keys_per_query``).
 - MODEL FLOPs: recomputation (activation checkpointing, the chunked MLP, flash attention's
   backward) is not counted, so MFU compares configurations fairly.
 """
@@ -32,12 +33,25 @@ def matmul_params(config: ModelConfig) -> int:
     return config.num_layers * (attention + mlp) + hidden * config.vocab_size
 
 
+def keys_per_query(seq_len: int, window: int | None, causal: bool = True) -> float:
+    """Keys a query sees on average in one sequence of ``seq_len`` tokens: ``seq_len / 2`` causal (the
+    convention's half), ``seq_len`` counted in full; with a sliding ``window`` of ``W`` keys, the causal count is
+    the window's exact pairs over the tokens and the full count ``min(W, seq_len)``."""
+    if window is None or window >= seq_len:
+        return seq_len / 2 if causal else float(seq_len)
+    if not causal:
+        return float(window)
+    pairs = window * (window + 1) // 2 + (seq_len - window) * window  # rows 1..W, then W keys each
+    return pairs / seq_len
+
+
 def model_flops_per_token(config: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Training FLOPs (fwd + bwd) per token at global sequence length ``seq_len``; independent of the layout."""
+    """Training FLOPs (fwd + bwd) per token at global sequence length ``seq_len``; independent of the layout.
+    Sliding-window layers (``config.windows``) count the keys their window leaves (``keys_per_query``)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    attention = 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_len
-    return 6.0 * matmul_params(config) + (attention / 2 if causal else attention)
+    keys = sum(keys_per_query(seq_len, window, causal) for window in config.windows)
+    return 6.0 * matmul_params(config) + 12.0 * config.num_heads * config.head_dim * keys
 
 
 def attention_flops(config: ModelConfig, pairs: float) -> float:

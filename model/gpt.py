@@ -72,6 +72,7 @@ class GPTModel(nn.Module):
         check_heads(parallel.algorithm, config.num_heads // parallel.tp_size,
                     config.num_kv_heads // parallel.tp_size, parallel.ulysses_degree)
         self.config, self.parallel = config, parallel
+        self.layer_pairs: float | None = None  # the last forward's mean_layer_pairs (what the MFU counts)
         factory = {"dtype": dtype, "device": device}
         self.embedding = _embedding(config, parallel.tp_group, parallel.sequence_parallel, **factory)
         self.layers = nn.ModuleList(Block(config, i, parallel, **factory) for i in range(config.num_layers))
@@ -132,6 +133,15 @@ class GPTModel(nn.Module):
             plans[window] = built if built is None or device is None else built.to(device)
         return plans
 
+    def mean_layer_pairs(self, plans: dict[int | None, CPPlan | None]) -> float | None:
+        """The visible query-key pairs of ``plans`` (``layer_plans``) averaged over the layers, each layer counting
+        its window's plan (what the MFU counts: ``model.flops``); None when a plan does not count its pairs (a
+        static plan, or none). After each ``forward`` the model keeps its batch's value in ``layer_pairs``."""
+        counted = [plans.get(window) for window in self.config.windows]
+        if any(p is None or not p.pairs for p in counted):
+            return None
+        return sum(p.pairs for p in counted) / len(counted)
+
     def sample_planner(self) -> SamplePlanner:
         """``build_cp_plan`` for a data loader that holds whole samples (``cp_train.data.loader``): the same plan,
         made from every CP rank's document ids without communication."""
@@ -155,6 +165,7 @@ class GPTModel(nn.Module):
         if plan is None:
             plan = self.build_cp_plan(n, document_ids, position_ids)
         plans = self.layer_plans(n, document_ids, position_ids, plan, tokens.device)
+        self.layer_pairs = self.mean_layer_pairs(plans)
         if position_ids is None:
             position_ids = self.local_positions(n, tokens.device)
         position_ids = position_ids.expand(batch, n)

@@ -106,3 +106,27 @@ def test_the_compiled_model_differentiates_windows_and_sinks() -> None:
     assert any("sinks" in name for name in expected)
     for name, grad in expected.items():
         assert rel_err(got[name], grad) < 1e-5, name
+
+
+def test_the_mfu_counts_each_window_layers_pairs() -> None:
+    """``model.flops`` counts a window layer's keys exactly (``window_pairs``), and the pairs the trainer counts
+    per batch are the layers' plans' pairs averaged (the window's own for a window layer)."""
+    from cp_train.model.config import ModelConfig
+    from cp_train.model.flops import keys_per_query, model_flops_per_token
+    from cp_train.model.gpt import GPTModel
+    from cp_train.parallel.cp.plan.segments import Window, window_pairs
+
+    for seq, window in ((64, 8), (64, 1), (5, 2), (64, 63)):
+        assert keys_per_query(seq, window) * seq == window_pairs(seq, True, Window(window - 1, 0))
+    assert keys_per_query(64, 64) == keys_per_query(64, 100) == keys_per_query(64, None) == 32  # the convention
+    base = dict(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+                max_position_embeddings=64)
+    full, windowed = ModelConfig(**base), ModelConfig(**base, layer_types=["sliding_attention", "full_attention"],
+                                                      sliding_window=8)
+    assert model_flops_per_token(windowed, 64) < model_flops_per_token(full, 64)
+    model = GPTModel(windowed)
+    documents = torch.tensor([[0] * 20 + [1] * 44])
+    plan = model.build_cp_plan(64, documents)
+    plans = model.layer_plans(64, documents, None, plan)
+    expected = (20 * 21 // 2 + 44 * 45 // 2 + sum(window_pairs(c, True, Window(7, 0)) for c in (20, 44))) / 2
+    assert plan.pairs == 20 * 21 // 2 + 44 * 45 // 2 and model.mean_layer_pairs(plans) == expected
