@@ -29,6 +29,8 @@ from cp_train.parallel.cp.attention import build_cp_plan
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.op import plan_handle
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, SamplePlanner
+from cp_train.parallel.cp.plan.layer_plans import LayerPlans, LayerSamplePlanner
+from cp_train.parallel.cp.plan.window_plan import as_window
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 from cp_train.parallel.tp.fused_loss import linear_cross_entropy
 from cp_train.parallel.tp.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -123,9 +125,13 @@ class GPTModel(nn.Module):
         return build_cp_plan(p.cp, p.attention_layout, True, local_len, document_ids, position_ids, p.algorithm)
 
     def layer_plans(self, local_len: int, document_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
-                    plan: CPPlan | None, device: torch.device | None = None) -> dict[int | None, CPPlan | None]:
+                    plan: CPPlan | LayerPlans | None, device: torch.device | None = None
+                    ) -> dict[int | None, CPPlan | None]:
         """``{window: plan}`` for the layers' attention: ``plan`` (the full layers') under None, and the batch's
-        plan of each sliding window the layers use (``build_cp_plan(..., window=W)``, moved to ``device``)."""
+        plan of each sliding window the layers use (``build_cp_plan(..., window=W)``, moved to ``device``), or
+        those the data loader made (``plan`` a ``LayerPlans``: ``sample_planner``)."""
+        if isinstance(plan, LayerPlans):
+            return plan.by_window()
         p, plans = self.parallel, {None: plan}
         for window in sorted({w for w in self.config.windows if w is not None}):
             built = build_cp_plan(p.cp, p.attention_layout, True, local_len, document_ids, position_ids, p.algorithm,
@@ -142,21 +148,27 @@ class GPTModel(nn.Module):
             return None
         return sum(p.pairs for p in counted) / len(counted)
 
-    def sample_planner(self) -> SamplePlanner:
+    def sample_planner(self) -> SamplePlanner | LayerSamplePlanner:
         """``build_cp_plan`` for a data loader that holds whole samples (``cp_train.data.loader``): the same plan,
-        made from every CP rank's document ids without communication."""
+        made from every CP rank's document ids without communication; with sliding windows, every window's plan
+        too (a ``LayerPlans`` per batch)."""
         p = self.parallel
-        return SamplePlanner(p.algorithm, p.cp_size, p.cp_rank, p.cp.ulysses_size)
+        full = SamplePlanner(p.algorithm, p.cp_size, p.cp_rank, p.cp.ulysses_size)
+        windows = sorted({w for w in self.config.windows if w is not None})
+        if not windows:
+            return full
+        return LayerSamplePlanner(full, {w: SamplePlanner(p.algorithm, p.cp_size, p.cp_rank, p.cp.ulysses_size,
+                                                          window=as_window(w, True)) for w in windows})
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                plan: CPPlan | None = None) -> torch.Tensor:
+                plan: CPPlan | LayerPlans | None = None) -> torch.Tensor:
         """tokens ``[B, n]`` (this rank's slice in the CP layout); position_ids ``[B, n]`` global positions
         (None: those of the layout; restarting at each document is fine); labels ``[B, n]`` global class ids
         (``-100``: ignored, loss 0); document_ids ``[B, n]`` the tokens' documents, non-decreasing along each
         sample (None: one document per sample): attention stays inside each document. ``plan``: this
         batch's ``build_cp_plan`` when the caller built it already (the full layers'; the plans of sliding-window
-        layers are built here, ``layer_plans``).
+        layers are built here, ``layer_plans``), or the loader's ``LayerPlans`` of every window.
 
         Returns the per-token loss ``[B, n]`` (fp32) with labels, else logits ``[B, n, vocab/tp]``.
         """

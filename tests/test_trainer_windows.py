@@ -130,3 +130,26 @@ def test_the_mfu_counts_each_window_layers_pairs() -> None:
     plans = model.layer_plans(64, documents, None, plan)
     expected = (20 * 21 // 2 + 44 * 45 // 2 + sum(window_pairs(c, True, Window(7, 0)) for c in (20, 44))) / 2
     assert plan.pairs == 20 * 21 // 2 + 44 * 45 // 2 and model.mean_layer_pairs(plans) == expected
+
+
+def test_the_loader_makes_every_windows_plan() -> None:
+    """A windowed model's ``sample_planner`` makes the plans of every window in the loader (``LayerPlans``): the
+    forward given them equals the forward that builds them, and counts the same pairs."""
+    from cp_train.data.loader import rank_positions
+    from cp_train.model.config import ModelConfig
+    from cp_train.model.gpt import GPTModel
+    from cp_train.parallel.cp.plan.layer_plans import LayerPlans
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+                         max_position_embeddings=64, attention_sinks=True, sliding_window=5,
+                         layer_types=["sliding_attention", "full_attention"])
+    model = GPTModel(config)
+    tokens, documents = torch.randint(0, 64, (1, 33)), torch.tensor([[0] * 12 + [1] * 20])
+    positions = rank_positions(documents, 1, "contiguous")
+    plans = model.sample_planner()(documents[None], positions)
+    assert isinstance(plans, LayerPlans) and set(plans.windows) == {5}
+    given = model(tokens[:, :-1], labels=tokens[:, 1:], document_ids=documents, plan=plans.to("cpu"))
+    given_pairs = model.layer_pairs
+    built = model(tokens[:, :-1], labels=tokens[:, 1:], document_ids=documents)
+    assert torch.equal(given, built) and given_pairs == model.layer_pairs
