@@ -81,3 +81,14 @@ def test_a_lengths_file_reads(tmp_path) -> None:
     path = tmp_path / "lengths.txt"
     path.write_text("100 200\n300\n")
     assert parse_document_lengths(str(path)) == (100, 200, 300)
+
+
+def test_an_indexed_datasets_lengths_read_shuffled(tmp_path) -> None:
+    from cp_train.data.indexed import IndexedDatasetWriter
+
+    writer = IndexedDatasetWriter(tmp_path / "docs")
+    for length in (3, 5, 7, 11):
+        writer.add_document(list(range(length)))
+    writer.finalize()
+    lengths = parse_document_lengths(str(tmp_path / "docs"))
+    assert sorted(lengths) == [3, 5, 7, 11] and lengths == parse_document_lengths(str(tmp_path / "docs"))

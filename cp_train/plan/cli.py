@@ -41,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "h800, or a YAML file of constants")
     parser.add_argument("--global-batch-tokens", type=int, default=None,
                         help="tokens per optimizer step (default: seq-len x gpus)")
-    parser.add_argument("--document-lengths", default=None, metavar="N|N,N,...|FILE",
-                        help="the lengths of the documents packed into each sample (one length, a comma list, or "
-                             "a file of lengths); attention stays inside each (default: one document per sample)")
+    parser.add_argument("--document-lengths", default=None, metavar="N|N,N,...|FILE|PREFIX",
+                        help="the lengths of the documents packed into each sample (one length, a comma list, a "
+                             "file of lengths, or an indexed dataset's prefix); attention stays inside each "
+                             "(default: one document per sample)")
     parser.add_argument("--vocab-size", type=int, default=128256,
                         help="for a project YAML whose model.vocab_size is null (the tokenizer's); default 128256")
     parser.add_argument("--eager", action="store_true", help="plan the eager step (default: compiled, --compile)")

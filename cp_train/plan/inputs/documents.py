@@ -25,14 +25,17 @@ class DocumentError(InputError):
 
 
 def parse_document_lengths(spec: str) -> tuple[int, ...]:
-    """Lengths from ``spec``: one integer (every document that long), a comma list, or a file of integers (one
-    or more per line, e.g. an indexed dataset's document sizes)."""
+    """Lengths from ``spec``: one integer (every document that long), a comma list, a file of integers (one or
+    more per line), or an indexed dataset's prefix (``PREFIX.idx``: its documents' lengths in a fixed shuffled
+    order, as the GPT dataset draws them)."""
     text = spec
     if not spec.replace(",", "").strip().isdigit():
+        if Path(spec + ".idx").is_file():
+            return _dataset_lengths(spec)
         path = Path(spec)
         if not path.is_file():
-            raise DocumentError(f"--document-lengths {spec}: not a length, a comma list of lengths, or a file of "
-                                f"lengths")
+            raise DocumentError(f"--document-lengths {spec}: not a length, a comma list of lengths, a file of "
+                                f"lengths, or an indexed dataset's prefix (PREFIX.idx)")
         text = path.read_text(encoding="utf-8")
     try:
         lengths = tuple(int(item) for item in text.replace(",", " ").split())
@@ -41,6 +44,14 @@ def parse_document_lengths(spec: str) -> tuple[int, ...]:
     if not lengths or min(lengths) < 1:
         raise DocumentError(f"--document-lengths {spec}: give one or more lengths >= 1")
     return lengths
+
+
+def _dataset_lengths(prefix: str, seed: int = 1234) -> tuple[int, ...]:
+    from cp_train.data.indexed import IndexedDataset
+
+    lengths = torch.as_tensor(IndexedDataset(prefix).sequence_lengths, dtype=torch.int64)
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed))
+    return tuple(int(n) for n in lengths[order] if n > 0) or (1,)
 
 
 def packed_document_ids(lengths: tuple[int, ...], seq_len: int) -> torch.Tensor:
