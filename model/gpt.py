@@ -128,7 +128,8 @@ class GPTModel(nn.Module):
                     plan: CPPlan | LayerPlans | None, device: torch.device | None = None
                     ) -> dict[int | None, CPPlan | None]:
         """``{window: plan}`` for the layers' attention: ``plan`` (the full layers') under None, and the batch's
-        plan of each sliding window the layers use (``build_cp_plan(..., window=W)``, moved to ``device``), or
+        plan of each sliding window the layers use (``build_cp_plan(..., window=W)``, on ``device``: a static plan's
+        copy is moved once and kept), or
         those the data loader made (``plan`` a ``LayerPlans``: ``sample_planner``)."""
         if isinstance(plan, LayerPlans):
             return plan.by_window()
@@ -136,7 +137,7 @@ class GPTModel(nn.Module):
         for window in sorted({w for w in self.config.windows if w is not None}):
             built = build_cp_plan(p.cp, p.attention_layout, True, local_len, document_ids, position_ids, p.algorithm,
                                   window=window)
-            plans[window] = built if built is None or device is None else built.to(device)
+            plans[window] = built if built is None or device is None else built.on_device(device)  # static: once
         return plans
 
     def mean_layer_pairs(self, plans: dict[int | None, CPPlan | None]) -> float | None:

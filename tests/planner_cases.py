@@ -10,10 +10,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cp_train.data.loader import rank_positions
 from cp_train.parallel.cp.attention import build_cp_plan, context_parallel_attention
 from cp_train.parallel.cp.ring import comm as ring_comm
 from cp_train.parallel.kernels import torch_ops
-from cp_train.plan.inputs.documents import layout_index, packed_document_ids
+from cp_train.plan.inputs.documents import packed_document_ids
 
 HEADS, KV_HEADS, DIM, BATCH = 4, 2, 8, 2
 
@@ -30,7 +31,7 @@ def count_attention(seqlen: int, layout: str, algorithm: str, documents: tuple[i
     k, v = (torch.randn(BATCH, n, KV_HEADS, DIM, generator=generator, requires_grad=True) for _ in range(2))
     if documents:
         docs = packed_document_ids(documents, seqlen)
-        index = layout_index(docs, world, layout)[rank, 0]
+        index = rank_positions(docs, world, layout)[rank, 0]
         mask = {"document_ids": docs[:, index].expand(BATCH, n), "position_ids": index.expand(BATCH, n)}
     else:
         mask = {"plan": build_cp_plan(dist.group.WORLD, layout, True, n, algorithm=algorithm)}

@@ -30,9 +30,13 @@ def run_hardware(config: Config, device: torch.device) -> Hardware | None:
         return load_hardware(config.logging.hardware_profile)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    profile = next((profile for key, profile in DEVICE_PROFILES if key in name), None)
+    profile = device_profile(torch.cuda.get_device_name(device))
     return load_hardware(profile) if profile else None
+
+
+def device_profile(name: str) -> str | None:
+    """The built-in hardware profile of a CUDA device named ``name`` (``DEVICE_PROFILES``), None when unknown."""
+    return next((profile for key, profile in DEVICE_PROFILES if key in name), None)
 
 
 def sample_documents(dataset: Any, samples: int = 1) -> tuple[int, ...] | None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from cp_train.parallel.cp.plan.batch_plan import layout_plan
-from cp_train.parallel.cp.plan.segments import Window
-from cp_train.parallel.cp.plan.window_plan import kv_bytes_received
+from cp_train.parallel.cp.plan.window_plan import as_window, kv_bytes_received
 
 
 def kv_bytes_per_layer(windows: list[int | None], algorithm: str, layout: str, cp: int, rank: int, ulysses: int,
@@ -25,7 +24,7 @@ def kv_bytes_per_layer(windows: list[int | None], algorithm: str, layout: str, c
     out = {}
     for window in sorted(set(windows), key=lambda w: -1 if w is None else w):
         plan = layout_plan(algorithm, layout, cp, rank, local_len, ulysses, True,
-                           None if window is None else Window(window - 1, 0))
+                           None if window is None else as_window(window, True))
         name = "full" if window is None else f"window {window}"
         out[name] = kv_bytes_received(plan, batch, local_len, kv_heads, head_dim, dtype)
     return out

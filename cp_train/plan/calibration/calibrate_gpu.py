@@ -119,10 +119,9 @@ def copy_bandwidth(mib: int = 1024) -> float:
 
 def base_profile() -> str:
     """The built-in profile of this GPU by its name (H100 SXM when the name is not in the table)."""
-    from cp_train.metrics.prediction import DEVICE_PROFILES
+    from cp_train.metrics.prediction import device_profile
 
-    name = torch.cuda.get_device_name()
-    return next((profile for key, profile in DEVICE_PROFILES if key in name), "h100-sxm")
+    return device_profile(torch.cuda.get_device_name()) or "h100-sxm"
 
 
 def calibrate_gpu(quick: bool = False, log: Callable[[str], None] | None = None) -> Hardware:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 
+from cp_train.data.loader import rank_positions
 from cp_train.errors import InputError
-from cp_train.parallel.cp.balanced_layout import balanced_positions
-from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, plan_from_gathered
 
 
@@ -70,18 +69,10 @@ def document_pieces(lengths: tuple[int, ...], seq_len: int) -> list[int]:
     return torch.bincount(packed_document_ids(lengths, seq_len)[0]).tolist()
 
 
-def layout_index(docs: torch.Tensor, cp: int, layout: str) -> torch.Tensor:
-    """``[cp, 1, seq_len // cp]``: the sequence positions each CP rank holds of the one sample ``docs`` ``[1, seq_len]``
-    in ``layout`` (the data loader's ``rank_positions``)."""
-    if layout == "balanced":
-        return balanced_positions(docs[0], cp).unsqueeze(1)
-    return torch.stack([sequence_positions(docs.shape[1], r, cp, layout) for r in range(cp)]).unsqueeze(1)
-
-
 def rank_plans(algorithm: str, layout: str, cp: int, ulysses: int, lengths: tuple[int, ...], seq_len: int
                ) -> list[CPPlan]:
     """Every CP rank's plan of the sample packed from ``lengths`` (rank order)."""
     docs = packed_document_ids(lengths, seq_len)
-    index = layout_index(docs, cp, layout)
+    index = rank_positions(docs, cp, layout)  # [cp, 1, seq_len // cp], as the loader slices
     every_docs = torch.gather(docs.expand(cp, 1, seq_len), 2, index)
     return [plan_from_gathered(algorithm, cp, rank, ulysses, True, every_docs, index) for rank in range(cp)]
