@@ -216,3 +216,46 @@ def test_rows_with_both_figures_count_causal_attention_in_full() -> None:
             per_token = run.tflops_per_gpu * 1e12 / run.tokens_per_s_per_gpu
             full = model_flops_per_token(run.model_config(), run.seq_len, causal=False)
             assert math.isclose(per_token, full, rel_tol=0.01), run.key
+
+
+def test_fp8_linears_pay_their_casts_and_keep_the_head_in_bf16() -> None:
+    """``--precision fp8``: the block GEMMs run at the fp8 rate and add ``FP8_CAST_BYTES`` per element cast (input
+    and weight forward, the output's gradient backward) at the memory rate; the LM head stays bf16."""
+    from cp_train.plan.published_check import run_config
+    from cp_train.plan.rates import DeviceRates
+    from cp_train.plan.time_model import FP8_CAST_BYTES, fp8_cast_seconds, matmul_seconds
+    from cp_train.plan.workload import build_workload
+
+    run = next(r for r in PUBLISHED if r.key == "titan-8b-8k-fsdp8-fp8")
+    hardware = load_hardware("h100-sxm")
+    work = build_workload(run_config(run, "none"), 8, 2)
+    bf16, fp8 = DeviceRates(hardware, "bf16"), DeviceRates(hardware, "fp8")
+    assert fp8_cast_seconds(work, bf16) == (0.0, 0.0)
+    forward, backward = fp8_cast_seconds(work, fp8)
+    elements_f = sum(g.count * (g.m * g.k + g.k * g.n) for g in work.gemms)
+    assert forward == pytest.approx(FP8_CAST_BYTES * elements_f / fp8.memory_bytes_per_s)
+    assert backward == pytest.approx(FP8_CAST_BYTES * sum(g.count * g.m * g.n for g in work.gemms)
+                                     / fp8.memory_bytes_per_s)
+    blocks_bf16, head_bf16, _ = matmul_seconds(work, bf16)
+    blocks_fp8, head_fp8, _ = matmul_seconds(work, fp8)
+    assert head_fp8 == head_bf16 and blocks_fp8 < 0.75 * blocks_bf16
+
+
+def test_fsdp_exposes_the_root_units_gather_and_reduce_scatter() -> None:
+    """On GPUs FSDP's blocks hide behind compute, the root unit (embedding, norm, head) cannot: across nodes its
+    gather and reduce-scatter are the exposed data-parallel time of a long enough step."""
+    from cp_train.plan.predict import breakdown, root_parameters
+    from cp_train.plan.published_check import run_config
+    from cp_train.plan.rates import DeviceRates
+    from cp_train.plan.time_model import collective_seconds
+    from cp_train.plan.workload import build_workload
+
+    run = next(r for r in PUBLISHED if r.key == "titan-8b-8k-fsdp128-compile")
+    config = run_config(run, "selective")
+    config.parallel.dp = run.dp
+    rates = DeviceRates(load_hardware(run.hardware))
+    work = build_workload(config, run.gpus, 2)
+    root, link = root_parameters(config.model), rates.link(True)
+    expected = (work.accumulation * collective_seconds("all_gather", 2 * root // run.dp, run.dp, link)
+                + collective_seconds("reduce_scatter", 4 * root, run.dp, link))
+    assert breakdown(work, rates).data_comm == pytest.approx(expected, rel=1e-6)

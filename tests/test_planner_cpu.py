@@ -132,3 +132,76 @@ def test_a_bad_cpu_section_names_the_key(change: dict, words: tuple[str, ...]) -
     assert "\n" not in message and "hardware file cpu.yaml" in message
     for word in words:
         assert word in message, (word, message)
+
+
+def test_a_measured_linear_grid_sets_the_rate_by_shape() -> None:
+    """``cpu.linears``: the measured fraction at a grid point, log-linear between points, the FLOPs curve for a
+    point not measured, and the FLOPs curve alone without a grid."""
+    grid = [[m, k, n, 0.5 if k == 64 else 0.8] for m in (256, 1024) for k in (64, 256) for n in (256, 1024)]
+    grid.remove([1024, 256, 1024, 0.8])  # too large to time: the FLOPs curve fills it
+    hardware = from_dict(cpu_profile(linears=grid))
+    assert from_dict(hardware.to_dict()) == hardware  # round trips
+    rates, plain = DeviceRates(hardware), DeviceRates(from_dict(cpu_profile()))
+    peak = 1.8 * 0.1e12
+    assert rates.matmul(256, 1024, 64) == pytest.approx(0.5 * peak)  # matmul(m, n, k): k = 64 in features
+    assert rates.matmul(256, 1024, 256) == pytest.approx(0.8 * peak)
+    assert rates.matmul(256, 1024, 128) == pytest.approx(0.65 * peak)  # halfway in log2(k)
+    missing = hardware.gemm_fraction(2.0 * 1024 * 256 * 1024, "fp32")
+    assert rates.matmul(1024, 1024, 256) == pytest.approx(missing * peak)
+    assert rates.matmul(64, 4096, 16) == pytest.approx(0.5 * peak)  # clamped to the grid's edges
+    assert plain.matmul(256, 1024, 64) == pytest.approx(peak * hardware.gemm_fraction(2.0 * 256 * 1024 * 64, "fp32"))
+    with pytest.raises(HardwareError, match="cpu.linears"):
+        from_dict(cpu_profile(linears=[[256, 64, 0.5]]))
+
+
+def test_fsdp_on_cpu_gathers_and_reduces_the_root_too() -> None:
+    """FSDP's time on CPU ranks counts every unit, the root (embedding and head) included, with its copies: a
+    larger vocabulary adds to it, and it exceeds DDP's one all-reduce at this size."""
+    hardware = from_dict(cpu_profile())
+    seconds = {}
+    for vocab in (1024, 8192):
+        for fsdp in (True, False):
+            config = tiny_run(**{"parallel.fsdp": fsdp, "model.vocab_size": vocab})
+            prediction = predict(copy.deepcopy(config), 2, DeviceRates(hardware), 0.1, 16.0, 0.0)
+            seconds[vocab, fsdp] = prediction.record()["breakdown_s"]["data_comm"]
+    assert seconds[8192, True] > seconds[1024, True] > seconds[1024, False] > 0
+    assert seconds[8192, True] > seconds[8192, False]
+
+
+def test_collectives_fitted_by_kind_price_each_kind_apart() -> None:
+    """``cpu.collective_kinds``: a kind with its own fit uses it (interpolated in the world size), other kinds the
+    ``collectives`` fit; TP's gathers and reduce-scatters cost more when their kinds are slower."""
+    kinds = [[2, "all_gather", 0.5, 200.0, 300.0], [4, "all_gather", 0.25, 1000.0, 500.0],
+             [2, "reduce_scatter", 0.5, 200.0, 300.0], [4, "reduce_scatter", 0.25, 1000.0, 500.0]]
+    plain, fitted = from_dict(cpu_profile()), from_dict(cpu_profile(collective_kinds=kinds))
+    assert from_dict(fitted.to_dict()) == fitted
+    rates = DeviceRates(fitted, world=4)
+    flat = lambda link: (*link[0], link[1])  # noqa: E731
+    assert flat(rates.kind_link("all_gather", False)) == pytest.approx((0.25e9, 1e-3, 5e-4))
+    assert flat(DeviceRates(fitted, world=3).kind_link("all_gather", False)) == pytest.approx((0.375e9, 6e-4, 4e-4))
+    assert rates.kind_link("all_to_all", False) == (rates.link(False), rates.call_latency_s)
+    config = tiny_run(**{"parallel.tp": 2, "parallel.cp": 2})
+    tp = {name: predict(copy.deepcopy(config), 4, DeviceRates(hardware), 0.1, 16.0, 0.0).breakdown.tp_comm
+          for name, hardware in (("plain", plain), ("fitted", fitted))}
+    assert tp["fitted"] > tp["plain"] > 0
+    with pytest.raises(HardwareError, match="cpu.collective_kinds"):
+        from_dict(cpu_profile(collective_kinds=[[2, "broadcast", 1.0, 1.0, 1.0]]))
+
+
+def test_a_measured_cost_per_byte_of_the_cp_op_adds_to_its_calls() -> None:
+    """``cpu.attention_bytes``: the CP op's cost beyond its negligible-size call grows with the call's bytes and
+    with the group's ranks; without it the op costs its calls and bytes as before."""
+    per_mib = [[2, "ulysses", 2000.0], [4, "ulysses", 6000.0], [2, "ring", 1000.0], [4, "ring", 3000.0]]
+    plain, fitted = from_dict(cpu_profile()), from_dict(cpu_profile(attention_bytes=per_mib))
+    assert from_dict(fitted.to_dict()) == fitted
+    assert fitted.cpu.attention_byte_us("ulysses", 4, 4) == 6000.0
+    assert fitted.cpu.attention_byte_us("ring", 4, 2) == pytest.approx(1000.0)  # one hop of three
+    assert fitted.cpu.attention_byte_us("allgather", 4, 4) == 0.0
+    comm = {}
+    for seq in (256, 512):
+        config = tiny_run(**{"parallel.cp_algorithm": "ulysses", "data.seq_len": seq})
+        for name, hardware in (("plain", plain), ("fitted", fitted)):
+            prediction = predict(copy.deepcopy(config), 2, DeviceRates(hardware), 0.1, 16.0, 0.0)
+            comm[name, seq] = prediction.breakdown.cp_comm
+    extra = {seq: comm["fitted", seq] - comm["plain", seq] for seq in (256, 512)}
+    assert extra[256] > 0 and extra[512] == pytest.approx(2 * extra[256])

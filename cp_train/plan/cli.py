@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="one JSON line per layout instead of the table")
     parser.add_argument("--explain", action="store_true", help="the best layout's time and memory in words")
     parser.add_argument("--calibrate", metavar="OUT.yaml", default=None,
-                        help="measure this machine (its GPU when there is one, else its CPU; a minute or two) and "
+                        help="measure this machine (its GPU when there is one, else its CPU; 1-4 minutes) and "
                              "write a hardware profile for --hardware OUT.yaml; no model or layout needed")
     parser.add_argument("--quick", action="store_true", help="with --calibrate: a few sizes only (seconds)")
     return parser

@@ -21,6 +21,7 @@ from cp_train.plan.time_model import (
     attention_seconds,
     collective_seconds,
     collectives_seconds,
+    fp8_cast_seconds,
     group_spans_nodes,
     matmul_seconds,
 )
@@ -102,13 +103,20 @@ def _data_parallel_seconds(work: Workload, rates: Rates, forward: float, backwar
     gathers_backward = 1 if parallel.fsdp_reshard_after_forward else 0
     per_micro = model.num_layers * (max(0.0, gather - per_layer_f) + gathers_backward * max(0.0, gather - per_layer_b))
     reduces = work.accumulation if parallel.fsdp_reduce == "per_microbatch" else 1
-    return work.accumulation * per_micro + reduces * model.num_layers * max(0.0, scatter - per_layer_b)
+    # the root unit (embedding, final norm, head) is gathered before the first layer and keeps its parameters until
+    # the backward, and reduce-scattered after the last: nothing to hide behind (``model/parallelize.py``)
+    root = root_parameters(model) // parallel.tp
+    root_gather = collective_seconds("all_gather", work.compute_bytes * root // ranks, ranks, link)
+    root_scatter = collective_seconds("reduce_scatter", 4 * root, ranks, link)
+    return (work.accumulation * (per_micro + root_gather)
+            + reduces * (model.num_layers * max(0.0, scatter - per_layer_b) + root_scatter))
 
 
 def breakdown(work: Workload, rates: Rates) -> Breakdown:
     """The step's seconds by part (see ``time_model.py``)."""
     config, model = work.config, work.config.model
     blocks, head, elementwise = matmul_seconds(work, rates)
+    cast_f, cast_b = fp8_cast_seconds(work, rates)
     loss = work.loss_bytes / rates.memory_bytes_per_s
     attn_f, attn_b, cp_f, cp_b = (model.num_layers * x for x in attention_seconds(work, rates))
     if rates.cpu_threads:  # CPU ranks: every message costs its time (cpu_comm.py)
@@ -119,7 +127,7 @@ def breakdown(work: Workload, rates: Rates) -> Breakdown:
     recompute = head if model.loss_chunk_tokens else 0.0  # the fused loss recomputes its logits
     recompute_tp = 0.0
     if mode in ("full", "selective"):
-        recompute += blocks + elementwise
+        recompute += blocks + elementwise + cast_f
         recompute_tp = tp_f
         if mode == "full":
             recompute += attn_f + cp_f
@@ -134,7 +142,7 @@ def breakdown(work: Workload, rates: Rates) -> Breakdown:
         local_params /= work.config.parallel.cp * (config.parallel.dp or 1)
     a = work.accumulation
     return Breakdown(matmuls=a * 3 * (blocks + head), attention=a * (attn_f + attn_b),
-                     elementwise=a * 3 * (elementwise + loss), recompute=a * recompute,
+                     elementwise=a * (3 * (elementwise + loss) + cast_f + cast_b), recompute=a * recompute,
                      cp_comm=a * (cp_f + cp_b), tp_comm=a * (tp_f + tp_b + recompute_tp), data_comm=data,
                      optimizer=ADAMW_BYTES * local_params / rates.memory_bytes_per_s,
                      host=step_ops(work) * rates.op_seconds)

@@ -42,7 +42,8 @@ class DeviceRates:
             gb_s, step_us, call_us = cpu.link_at(world)
             self.call_latency_s = call_us * 1e-6
             self._links = {spans: (gb_s * 1e9, step_us * 1e-6) for spans in (False, True)}
-        self._matmul_peak = hardware.peak_tflops(precision) * 1e12 * self.compute_scale
+        self._matmul_peak = {dtype: hardware.peak_tflops(dtype) * 1e12 * self.compute_scale
+                             for dtype in {precision, hardware.compute_dtype}}
         self._attention_peak = hardware.peak_tflops(hardware.compute_dtype) * 1e12 * self.compute_scale
 
     def at_world(self, world: int) -> DeviceRates:
@@ -56,8 +57,26 @@ class DeviceRates:
         cpu = self.hardware.cpu
         return cpu.attention_call_us(algorithm, self.world, group, chunks) * 1e-6 if cpu else 0.0
 
-    def matmul(self, m: int, n: int, k: int) -> float:
-        return self._matmul_peak * self.hardware.gemm_fraction(2.0 * m * n * k, self.precision)
+    def cp_byte_seconds(self, algorithm: str, group: int, size: float) -> float:
+        """A CPU profile's measured cost of a CP attention op call beyond its negligible size, for ``size`` bytes of
+        q, k, v and output (``CpuConstants.attention_byte_us``; 0 on a GPU)."""
+        cpu = self.hardware.cpu
+        return cpu.attention_byte_us(algorithm, self.world, group) * 1e-6 * size / 2**20 if cpu else 0.0
+
+    def fsdp_unit_seconds(self) -> float | None:
+        """A CPU profile's measured FSDP cost per unit and micro-batch at this world size (measured with the whole
+        world sharding, the ranks sharing the cores as here; None: not measured, or a GPU)."""
+        cpu = self.hardware.cpu
+        us = cpu.fsdp_unit_us(self.world) if cpu else None
+        return None if us is None else us * 1e-6
+
+    def matmul(self, m: int, n: int, k: int, precision: str | None = None) -> float:
+        precision = precision or self.precision
+        cpu = self.hardware.cpu
+        if cpu is not None and cpu.linears:  # a CPU's rate depends on the shape, not only the FLOPs
+            return self._matmul_peak[precision] * cpu.linear_fraction(
+                m, k, n, lambda flops: self.hardware.gemm_fraction(flops, precision))
+        return self._matmul_peak[precision] * self.hardware.gemm_fraction(2.0 * m * n * k, precision)
 
     def attention(self, call: KernelCall, head_dim: int) -> float:
         side = math.sqrt(call.rows * call.keys)
@@ -65,3 +84,13 @@ class DeviceRates:
 
     def link(self, spans_nodes: bool) -> tuple[float, float]:
         return self._links[spans_nodes]
+
+    def kind_link(self, kind: str, spans_nodes: bool) -> tuple[tuple[float, float], float]:
+        """``((bytes/s, step latency s), call latency s)`` of a ``kind`` collective: a CPU profile's fit for that kind
+        at this world size where it has one (``collective_kinds``), else ``link`` and the call latency."""
+        cpu = self.hardware.cpu
+        fitted = cpu.kind_link_at(kind, self.world) if cpu else None
+        if fitted is None:
+            return self.link(spans_nodes), self.call_latency_s
+        gb_s, step_us, call_us = fitted
+        return (gb_s * 1e9, step_us * 1e-6), call_us * 1e-6

@@ -18,8 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from cp_train.plan.inputs.hardware import Hardware
 from cp_train.plan.workload import ATTENTION_BACKWARD, Collective, KernelCall, Workload
 
+# fp8 linears (``--precision fp8``) cast each operand before its matmul, with current (dynamic) scaling as
+# torchao's float8 training and Transformer Engine's current-scaling recipe run it: a pass over the bf16 tensor
+# for its absolute maximum (2 B per element), the cast reading it again (2 B) and writing fp8 rows and their
+# transpose for the other GEMM of the backward (1 + 1 B): the input and the weight in the forward, the output's
+# gradient in the backward. The LM head stays in bf16 in both frameworks (torchao's float8 filters out the output
+# layer; Megatron's output layer is not a Transformer Engine linear).
+FP8_CAST_BYTES = 6
 ADAMW_BYTES = 28  # fused AdamW per fp32 parameter: read p, g, m, v (16), write p, m, v (12)
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -36,14 +44,20 @@ class Rates(Protocol):
     def at_world(self, world: int) -> Rates:
         """These rates for one rank of a layout of ``world`` ranks (CPU ranks share the machine's cores)."""
 
-    def matmul(self, m: int, n: int, k: int) -> float:
-        """FLOP/s of a ``[m, k] @ [k, n]`` matmul in the run's precision."""
+    precision: str  # the linears' precision (bf16 | fp8 | fp32)
+    hardware: Hardware
+
+    def matmul(self, m: int, n: int, k: int, precision: str | None = None) -> float:
+        """FLOP/s of a ``[m, k] @ [k, n]`` matmul in ``precision`` (default: the run's linears')."""
 
     def attention(self, call: KernelCall, head_dim: int) -> float:
         """FLOP/s of a flash kernel call (fwd and bwd alike), counting 4 * area * head_dim per head forward."""
 
     def link(self, spans_nodes: bool) -> tuple[float, float]:
         """``(bytes/s per rank per direction, latency s)`` of a collective inside a node or across nodes."""
+
+    def kind_link(self, kind: str, spans_nodes: bool) -> tuple[tuple[float, float], float]:
+        """``(link, call latency s)`` of a collective of ``kind`` (a CPU profile may fit each kind apart)."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +108,7 @@ def collectives_seconds(work: Workload, rates: Rates, collectives: list[Collecti
     for c in collectives:
         if c.phase == phase:
             ranks, spans = group_spans_nodes(work, c.group, rates.gpus_per_node)
-            total += c.count * collective_seconds(c.kind, c.size * scale, ranks, rates.link(spans),
-                                                  rates.call_latency_s)
+            total += c.count * collective_seconds(c.kind, c.size * scale, ranks, *rates.kind_link(c.kind, spans))
     return total
 
 
@@ -150,7 +163,19 @@ def _overlapped(comm: float, compute: float, local: float, chunks: int = 2) -> f
 
 
 def matmul_seconds(work: Workload, rates: Rates) -> tuple[float, float, float]:
-    """``(blocks forward, head forward, blocks' elementwise forward)`` seconds of one micro-batch."""
+    """``(blocks forward, head forward, blocks' elementwise forward)`` seconds of one micro-batch; the head runs
+    in the compute dtype (bf16 when the linears are fp8)."""
     blocks = sum(g.flops / rates.matmul(g.m, g.n, g.k) for g in work.gemms)
-    head = work.head_gemm.flops / rates.matmul(work.head_gemm.m, work.head_gemm.n, work.head_gemm.k)
+    head_gemm = work.head_gemm
+    head = head_gemm.flops / rates.matmul(head_gemm.m, head_gemm.n, head_gemm.k, rates.hardware.compute_dtype)
     return blocks, head, work.elementwise_bytes / rates.memory_bytes_per_s
+
+
+def fp8_cast_seconds(work: Workload, rates: Rates) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one micro-batch's fp8 casts (``FP8_CAST_BYTES``; 0 unless the linears
+    are fp8): the forward casts each block GEMM's input and weight, the backward its output's gradient."""
+    if rates.precision != "fp8":
+        return 0.0, 0.0
+    forward = sum(g.count * (g.m * g.k + g.k * g.n) for g in work.gemms) * FP8_CAST_BYTES
+    backward = sum(g.count * g.m * g.n for g in work.gemms) * FP8_CAST_BYTES
+    return forward / rates.memory_bytes_per_s, backward / rates.memory_bytes_per_s

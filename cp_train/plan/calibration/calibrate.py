@@ -29,12 +29,14 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_train.plan.calibration.calibrate_ranks import measure_ranks
+from cp_train.plan.calibration.op_bytes import attention_byte_costs
 from cp_train.plan.inputs.cpu_profile import CpuConstants
 from cp_train.plan.inputs.hardware import AttentionCurve, Hardware
 from cp_train.plan.workload import ATTENTION_BACKWARD
@@ -45,6 +47,11 @@ LENGTHS, LENGTHS_QUICK = (32, 64, 128, 256, 512, 1024, 2048, 4096), (64, 256)
 HEAD_DIMS, HEAD_DIMS_QUICK = (32, 64, 128), (32,)
 WORLDS, WORLDS_QUICK = (2, 4, 8), (2,)
 SIZES, SIZES_QUICK = (4096, 65536, 1 << 20, 8 << 20), (4096, 1 << 20)
+# the linear-layer grid (tokens, in, out): each axis in powers of 4; shapes above LINEAR_MOST FLOPs (forward +
+# backward) are left to the FLOPs curve (they run near the peak and take seconds to time)
+LINEAR_TOKENS, LINEAR_FEATURES, LINEAR_OUT = (256, 1024, 4096), (64, 256, 1024, 4096), (64, 256, 1024, 4096, 16384)
+LINEAR_QUICK = (256,), (64, 256), (64, 256)
+LINEAR_MOST = 6e10
 
 
 def seconds_per_call(fn: Callable[[], object], budget: float = 0.05, repeats: int = 5) -> float:
@@ -98,6 +105,20 @@ def _linear_seconds(m: int, k: int, n: int, overhead: float, layers: int = 4) ->
         step()
     total = seconds_per_call(step, budget=0.1, repeats=3)
     return max(total - counter.ops * overhead, 0.1 * total) / layers
+
+
+def linear_grid(peak: float, overhead: float, quick: bool = False) -> list[tuple[int, int, int, float]]:
+    """``[(tokens, in, out, fraction of peak)]`` of a linear layer's forward + backward (``_linear_seconds``) on the
+    grid (``LINEAR_*``), shapes over ``LINEAR_MOST`` FLOPs left out."""
+    tokens, features, outs = LINEAR_QUICK if quick else (LINEAR_TOKENS, LINEAR_FEATURES, LINEAR_OUT)
+    grid = []
+    for m in tokens:
+        for k in features:
+            for n in outs:
+                flops = 6.0 * m * k * n
+                if flops <= LINEAR_MOST:
+                    grid.append((m, k, n, _sig(flops / _linear_seconds(m, k, n, overhead, layers=2) / peak)))
+    return grid
 
 
 def attention_rate(length: int, head_dim: int, causal: bool) -> float:
@@ -181,6 +202,9 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
         peak = max(rate for flops, rate in gemm if flops >= 1e7 or flops == gemm[-1][0])
         say(f"fp32 GEMM, one thread: peak {peak / 1e9:.1f} GFLOP/s; " + ", ".join(
             f"{flops:.3g}: {min(1.0, rate / peak):.2f}" for flops, rate in gemm))
+        linears = linear_grid(peak, overhead, quick)
+        say("linears (tokens x in -> out: fraction of the peak): " + ", ".join(
+            f"{m}x{k}->{n}: {f:.2f}" for m, k, n, f in linears))
         curves = []
         for head_dim in HEAD_DIMS_QUICK if quick else HEAD_DIMS:
             for causal in (True, False):
@@ -194,11 +218,15 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
     finally:
         torch.set_num_threads(threads)
     worlds, sizes = (WORLDS_QUICK, SIZES_QUICK) if quick else (WORLDS, SIZES)
-    links, calls, efficiency, speedup = measure_ranks(worlds, sizes, cores, 3 if quick else 5, say)
+    links, calls, efficiency, speedup, units, kinds, sized = measure_ranks(worlds, sizes, cores, 3 if quick else 5,
+                                                                            say)
     links = [(ranks, _sig(gb_s), _sig(step_us), _sig(call_us)) for ranks, gb_s, step_us, call_us in links]
     _, gb_s, step_us, call_us = links[0]
     cpu = CpuConstants(cores, _sig(speedup), _sig(overhead * 1e6), tuple(links), _sig(efficiency),
-                       tuple((w, a, c, _sig(us)) for w, a, c, us in calls))
+                       tuple((w, a, c, _sig(us)) for w, a, c, us in calls), tuple(linears),
+                       tuple((w, _sig(us)) for w, us in units),
+                       tuple((w, k, _sig(gb), _sig(step), _sig(call)) for w, k, gb, step, call in kinds))
+    cpu = replace(cpu, attention_bytes=attention_byte_costs(cpu, sized, peak, bandwidth, tuple(curves), say))
     notes = (f"calibrated {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()} "
              f"({_cpu_model()}), {cores} cores, torch {torch.__version__}{', quick' if quick else ''}: rates per "
              f"core (one thread); cp_train/plan/calibration/calibrate.py")

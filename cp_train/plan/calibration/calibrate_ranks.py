@@ -7,6 +7,11 @@ attention op's own cost per call, and how much ranks sharing the machine slow ea
   size (one sample, 8 rows per rank, head_dim 8) for ring, all-gather and Ulysses, with one and two kv-head chunks
   (one thread per rank: a chunk per kv head): its Python, dispatch, message posting and waiting, everything but
   the arithmetic and the bytes, per call, for the whole world as the CP group.
+- FSDP2 at a negligible size: a tiny model's forward + backward sharded (each block and the root a unit, as
+  ``model/parallelize.py`` shards it) against the same unsharded, per unit: its hooks, copies and collective calls,
+  everything but the bytes.
+- The same op at a moderate size (``SIZED_*``), its kernel included: ``calibrate.py`` takes the kernel time the
+  planner gives it out and charges the rest, above the negligible size's cost, per byte of the call's tensors.
 - The model's forward + backward (``GPTModel``, cpu-tiny's shape at 512 tokens) on one rank alone, on all the
   cores' threads (the thread speedup), and on every rank of a world of ``cores``
   one-thread ranks at once: how much the ranks slow each other (memory bandwidth and caches are shared).
@@ -23,27 +28,40 @@ import torch
 
 ALGORITHMS = ("ring", "allgather", "ulysses")
 def _collective_calls(size: int) -> dict[str, Callable[[], object]]:
-    """All-reduce, all-gather and a ring exchange (send to the next rank, receive from the previous) of ``size``
-    bytes per rank, as calls."""
+    """The collectives of ``size`` bytes per rank (a reduce-scatter's or all-to-all's whole input, an all-gather's
+    part), as calls: the all-reduce, all-gather (into a list) and ring exchange (send to the next rank, receive
+    from the previous) the combined fit uses, and each kind as the trainer calls it (``KIND_CALLS``): functional
+    all-gather and reduce-scatter (sequence parallelism, FSDP2), an async all-to-all (Ulysses and the all-gather
+    algorithm), an async all-reduce (DDP's buckets)."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
     world, rank = dist.get_world_size(), dist.get_rank()
     x, recv = torch.ones(size // 4), torch.empty(size // 4)
     parts = [torch.empty_like(x) for _ in range(world)]
+    full = torch.ones(size // 4 // world * world)
+    group = dist.group.WORLD
 
     def exchange() -> None:
         ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
-    return {"all_reduce": lambda: dist.all_reduce(x), "all_gather": lambda: dist.all_gather(parts, x), "p2p": exchange}
+    return {"all_reduce": lambda: dist.all_reduce(x), "all_gather": lambda: dist.all_gather(parts, x), "p2p": exchange,
+            "kind:all_reduce": lambda: dist.all_reduce(x, async_op=True).wait(),
+            "kind:all_gather": lambda: funcol.all_gather_tensor(x, 0, group).wait(),
+            "kind:reduce_scatter": lambda: funcol.reduce_scatter_tensor(full, "sum", 0, group).wait(),
+            "kind:all_to_all": lambda: dist.all_to_all_single(recv, x, async_op=True).wait()}
 
 
 def _collective_sweep(sizes: tuple[int, ...]) -> list[tuple[str, int, float]]:
     """On every rank of a spawned world: ``[(kind, bytes per rank, seconds)]`` of ``_collective_calls`` at each
     size, the median of three timings of the same number of calls on every rank."""
+    import warnings
+
     import torch.distributed as dist
 
+    warnings.filterwarnings("ignore", category=FutureWarning)  # funcol.all_gather_tensor, as the trainer calls it
     out = []
     for size in sizes:
         calls = max(4, min(100, (4 << 20) // size))
@@ -102,18 +120,23 @@ def _median_seconds(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _attention_call(algorithm: str, chunks: int) -> Callable[[], None]:
-    """The CP attention op's forward + backward over the whole world at a negligible size, with ``chunks``
-    kv-head chunks at one thread (Ulysses: kv heads per rank after its all-to-all)."""
+# the sized call (``attention_call_sweep``): rows per rank, head_dim, samples
+SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH = 256, 32, 2
+
+
+def _attention_call(algorithm: str, chunks: int, rows: int = 8, head_dim: int = 8, batch: int = 1
+                    ) -> Callable[[], None]:
+    """The CP attention op's forward + backward over the whole world, ``rows`` per rank (a negligible size by
+    default), with ``chunks`` kv-head chunks at one thread (Ulysses: kv heads per rank after its all-to-all)."""
     import torch.distributed as dist
 
     from cp_train.parallel.cp.attention import build_cp_plan, context_parallel_attention
 
     world = dist.get_world_size()
     kv = chunks * world if algorithm == "ulysses" else chunks
-    q = torch.randn(1, 8, 4 * world, 8, requires_grad=True)
-    k, v = (torch.randn(1, 8, kv, 8, requires_grad=True) for _ in range(2))
-    plan = build_cp_plan(dist.group.WORLD, "zigzag", True, 8, algorithm=algorithm)
+    q = torch.randn(batch, rows, 4 * world, head_dim, requires_grad=True)
+    k, v = (torch.randn(batch, rows, kv, head_dim, requires_grad=True) for _ in range(2))
+    plan = build_cp_plan(dist.group.WORLD, "zigzag", True, rows, algorithm=algorithm)
 
     def call() -> None:
         out = context_parallel_attention(q, k, v, dist.group.WORLD, "zigzag", True, backend="torch", plan=plan,
@@ -123,16 +146,54 @@ def _attention_call(algorithm: str, chunks: int) -> Callable[[], None]:
     return call
 
 
-def attention_call_sweep(repeats: int = 5, rounds: int = 3) -> list[tuple[str, int, float]]:
-    """On every rank: ``[(algorithm, kv-head chunks, seconds)]`` of ``_attention_call``: the fastest of ``rounds``
-    medians of ``repeats`` calls, the rounds taking turns (a burst of other work on a shared machine spoils one
-    round, not the figure)."""
+def sized_call_bytes(algorithm: str, world: int) -> int:
+    """Bytes of the sized call's q, k, v and output on one rank (fp32)."""
+    kv = world if algorithm == "ulysses" else 1
+    return SIZED_BATCH * SIZED_ROWS * (2 * 4 * world + 2 * kv) * SIZED_HEAD_DIM * 4
+
+
+def attention_call_sweep(repeats: int = 5, rounds: int = 3) -> tuple[list[tuple[str, int, float]],
+                                                                     list[tuple[str, float]]]:
+    """On every rank: ``([(algorithm, kv-head chunks, seconds)], [(algorithm, seconds)])``: ``_attention_call`` at a
+    negligible size with one and two chunks, and at the sized shape (``SIZED_*``, one chunk, the kernel's
+    arithmetic included: ``calibrate.py`` takes the planned kernel time out); each the fastest of ``rounds`` medians
+    of ``repeats`` calls, the rounds taking turns (a burst of other work on a shared machine spoils one round, not
+    the figure)."""
     calls = {(algorithm, chunks): _attention_call(algorithm, chunks) for algorithm in ALGORITHMS for chunks in (1, 2)}
+    calls.update({(algorithm, 0): _attention_call(algorithm, 1, SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH)
+                  for algorithm in ALGORITHMS})
     best = {key: math.inf for key in calls}
     for _ in range(rounds):
         for key, call in calls.items():
             best[key] = min(best[key], _median_seconds(call, repeats))
-    return [(algorithm, chunks, seconds) for (algorithm, chunks), seconds in best.items()]
+    return ([(algorithm, chunks, seconds) for (algorithm, chunks), seconds in best.items() if chunks],
+            [(algorithm, seconds) for (algorithm, chunks), seconds in best.items() if not chunks])
+
+
+FSDP_LAYERS = 4
+
+
+def fsdp_unit_seconds(repeats: int = 5, rounds: int = 3) -> float:
+    """On every rank: seconds per FSDP unit of a forward + backward at a negligible size (``FSDP_LAYERS`` blocks
+    and the root, sharded over the whole world), over the same model unsharded; the fastest of ``rounds``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_train.model.config import ModelConfig
+    from cp_train.model.gpt import GPTModel
+    from cp_train.model.parallelize import shard_with_fsdp
+
+    config = ModelConfig(vocab_size=64, num_layers=FSDP_LAYERS, hidden_size=16, num_heads=2, num_kv_heads=1,
+                         ffn_hidden_size=32, max_position_embeddings=8, tie_embeddings=True)
+    plain, sharded = GPTModel(config), GPTModel(config)
+    shard_with_fsdp(sharded, init_device_mesh("cpu", (dist.get_world_size(),)))
+    tokens = torch.randint(0, 64, (1, 8))
+    calls = [lambda model=model: model(tokens, labels=tokens).sum().backward() for model in (plain, sharded)]
+    best = [math.inf, math.inf]
+    for _ in range(rounds):
+        for index, call in enumerate(calls):
+            best[index] = min(best[index], _median_seconds(call, repeats))
+    return max(0.0, best[1] - best[0]) / (FSDP_LAYERS + 1)
 
 
 # cpu-tiny's model (launch/configs/cpu-tiny.yaml, the embedded corpus's vocabulary) and 4 x 128 tokens
@@ -162,13 +223,13 @@ def model_step_seconds(repeats: int = 5, threads: int = 1) -> float:
 
 
 def measure_ranks(worlds: tuple[int, ...], sizes: tuple[int, ...], cores: int, repeats: int,
-                  say: Callable[[str], None]) -> tuple[list, list, float, float]:
-    """Gloo links and the CP attention op's cost per call at each of ``worlds``, the sharing efficiency and the
-    model step's speedup on all ``cores`` threads: ``([(ranks, GB/s, step us, call us)], [[ranks, algorithm,
-    chunks, us]], efficiency, speedup)``."""
+                  say: Callable[[str], None]) -> tuple[list, list, float, float, list, list, list]:
+    """Gloo links, the CP attention op's cost per call and FSDP's per unit at each of ``worlds``, the sharing
+    efficiency and the model step's speedup on all ``cores`` threads: ``([(ranks, GB/s, step us, call us)],
+    [[ranks, algorithm, chunks, us]], efficiency, speedup, [[ranks, us per FSDP unit]])``."""
     from cp_train.parallel.spawn import SpawnedWorld
 
-    links, calls = [], []
+    links, calls, units, kinds, sized = [], [], [], [], []
     with SpawnedWorld(1, threads=1, timeout_s=300) as spawned:
         alone = spawned.run(model_step_seconds)[0]
         speedup = min(float(cores), max(1.0, alone / spawned.run(model_step_seconds, threads=cores)[0]))
@@ -176,15 +237,24 @@ def measure_ranks(worlds: tuple[int, ...], sizes: tuple[int, ...], cores: int, r
     for world in worlds:
         with SpawnedWorld(world, threads=1, timeout_s=300) as spawned:
             samples = spawned.run(_collective_sweep, sizes)[0]
-            links.append((world, *fit_link(world, samples)))
-            for algorithm, chunks, seconds in spawned.run(attention_call_sweep, repeats)[0]:
+            links.append((world, *fit_link(world, [sample for sample in samples if ":" not in sample[0]])))
+            for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+                mine = [(kind, size, t) for name, size, t in samples
+                        if name == f"kind:{kind}" or (kind == "p2p" and name == "p2p")]
+                kinds.append((world, kind, *fit_link(world, mine)))
+            small, sized_calls = spawned.run(attention_call_sweep, repeats)[0]
+            for algorithm, chunks, seconds in small:
                 calls.append([world, algorithm, chunks, seconds * 1e6])
+            sized.extend((world, algorithm, seconds) for algorithm, seconds in sized_calls)
+            units.append([world, max(spawned.run(fsdp_unit_seconds, repeats)) * 1e6])
             if world == cores:
                 shared = statistics.median(spawned.run(model_step_seconds))
         say(f"gloo {world} ranks: {links[-1][1]:.3g} GB/s per rank, {links[-1][2]:.4g} us per ring step, "
             f"{links[-1][3]:.4g} us a call; CP attention op per call: " + ", ".join(
-                f"{a} x{c} {us / 1000:.2f} ms" for w, a, c, us in calls if w == world))
+                f"{a} x{c} {us / 1000:.2f} ms" for w, a, c, us in calls if w == world)
+            + f"; FSDP {units[-1][1] / 1000:.2f} ms per unit; by kind (GB/s, step us, call us): " + ", ".join(
+                f"{k} {gb:.3g} {step:.4g} {call:.4g}" for w, k, gb, step, call in kinds if w == world))
     efficiency = min(1.0, alone / shared)
     say(f"model step alone {alone * 1000:.1f} ms, {speedup:.2f}x faster on {cores} threads; sharing: {cores} "
         f"one-thread ranks at once each run at {efficiency:.2f} of one alone")
-    return links, calls, efficiency, speedup
+    return links, calls, efficiency, speedup, units, kinds, sized

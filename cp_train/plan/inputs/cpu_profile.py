@@ -17,7 +17,9 @@ Units: GB/s (1e9 B/s) per rank, microseconds.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +32,21 @@ KEYS = {"cores": "CPU cores the ranks share (an integer >= 1)",
                        "latency per call us]",
         "shared_efficiency": "each rank's compute rate with one one-thread rank per core at once, over one alone",
         "attention_calls": "the CP attention op's forward + backward at a negligible size: a list of [ranks, "
-                           "algorithm (ring, allgather, ulysses), kv-head chunks, us], the whole world one group"}
+                           "algorithm (ring, allgather, ulysses), kv-head chunks, us], the whole world one group",
+        "linears": "optional: a linear layer's forward + backward by shape, a list of [tokens, in features, out "
+                   "features, fraction of fp32_tflops] on a grid (absent: the gemm_fp32 curve by FLOPs)",
+        "collective_kinds": "optional: gloo by collective as the trainer calls it, a list of [ranks, kind "
+                            "(all_reduce, all_gather, reduce_scatter, all_to_all, p2p), GB/s per rank, latency per "
+                            "ring step us, latency per call us] (absent: collectives for every kind)",
+        "attention_bytes": "optional: the CP attention op's cost above its kernels and its negligible-size cost, per "
+                           "MiB of a call's q, k, v and output: a list of [ranks, algorithm, us per MiB]",
+        "fsdp_units": "optional: FSDP2's cost per unit (a block or the root) of a forward + backward at a "
+                      "negligible size, a list of [ranks, us] (absent: its collectives' latencies)"}
+OPTIONAL = {"linears", "fsdp_units", "collective_kinds", "attention_bytes"}
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 Link = tuple[int, float, float, float]  # (ranks, GB/s per rank, step latency us, call latency us)
 Call = tuple[int, str, int, float]  # (ranks, algorithm, kv-head chunks, us)
+Linear = tuple[int, int, int, float]  # (tokens, in features, out features, fraction of the fp32 peak)
 ALGORITHMS = ("ring", "allgather", "ulysses")
 
 
@@ -46,6 +60,10 @@ class CpuConstants:
     collectives: tuple[Link, ...]
     shared_efficiency: float
     attention_calls: tuple[Call, ...]
+    linears: tuple[Linear, ...] = ()
+    fsdp_units: tuple[tuple[int, float], ...] = ()
+    collective_kinds: tuple[tuple[int, str, float, float, float], ...] = ()
+    attention_bytes: tuple[tuple[int, str, float], ...] = ()
 
     def threads(self, ranks: int) -> int:
         """Torch threads per rank when ``ranks`` processes share the machine."""
@@ -81,12 +99,63 @@ class CpuConstants:
         per_call = by_chunks[1] + max(0.0, by_chunks[2] - by_chunks[1]) * (chunks - 1)
         return per_call * (group - 1) / (max(world, 2) - 1)
 
+    def attention_byte_us(self, algorithm: str, world: int, group: int) -> float:
+        """Microseconds per MiB of a CP attention op call's tensors (``attention_bytes`` at the world size, in
+        proportion to the group's ranks less one as ``attention_call_us``; 0 when not measured)."""
+        points = [(w, (us,)) for w, a, us in self.attention_bytes if a == algorithm]
+        if group <= 1 or not points:
+            return 0.0
+        return _by_world(points, world)[0] * (group - 1) / (max(world, 2) - 1)
+
+    def kind_link_at(self, kind: str, ranks: int) -> tuple[float, float, float] | None:
+        """``(GB/s per rank, step latency us, call latency us)`` of ``kind`` at a world of ``ranks``
+        (``collective_kinds`` interpolated in the world size; None: that kind not measured)."""
+        points = [(w, (gb, step, call)) for w, k, gb, step, call in self.collective_kinds if k == kind]
+        return tuple(_by_world(points, ranks)) if points else None  # type: ignore[return-value]
+
+    def fsdp_unit_us(self, ranks: int) -> float | None:
+        """Microseconds per FSDP unit and micro-batch in a world of ``ranks`` (``fsdp_units`` interpolated linearly
+        in the world size; None: not measured)."""
+        if not self.fsdp_units:
+            return None
+        return _by_world([(w, (us,)) for w, us in self.fsdp_units], ranks)[0]
+
+    def linear_fraction(self, m: int, k: int, n: int, by_flops: Callable[[float], float]) -> float:
+        """Fraction of the fp32 peak a linear of ``m`` tokens, ``k`` in and ``n`` out features reaches, forward and
+        backward alike: the measured grid (``linears``) interpolated in log2 of each dimension, clamped to its
+        edges; a grid point not measured (too large to time quickly), or no grid, takes ``by_flops(2 m k n)`` (the
+        ``gemm_fp32`` curve)."""
+        if not self.linears:
+            return by_flops(2.0 * m * k * n)
+        measured = {(a, b, c): f for a, b, c, f in self.linears}
+        axes = [sorted({point[i] for point in measured}) for i in range(3)]
+        corners = []
+        for value, axis in zip((m, k, n), axes, strict=True):
+            low = max([a for a in axis if a <= value], default=axis[0])
+            high = min([a for a in axis if a >= value], default=axis[-1])
+            t = 0.0 if high == low else (math.log2(value) - math.log2(low)) / (math.log2(high) - math.log2(low))
+            corners.append(((low, 1.0 - t), (high, t)))
+        total = 0.0
+        for (a, wa), (b, wb), (c, wc) in itertools.product(*corners):
+            if wa * wb * wc:
+                fraction = measured.get((a, b, c))
+                total += wa * wb * wc * (fraction if fraction is not None else by_flops(2.0 * a * b * c))
+        return total
+
     def to_dict(self) -> dict[str, Any]:
         return {"cores": self.cores, "thread_speedup": float(self.thread_speedup),
                 "op_overhead_us": float(self.op_overhead_us),
                 "collectives": [[int(r), float(b), float(s), float(c)] for r, b, s, c in self.collectives],
                 "shared_efficiency": float(self.shared_efficiency),
-                "attention_calls": [[int(w), a, int(c), float(us)] for w, a, c, us in self.attention_calls]}
+                "attention_calls": [[int(w), a, int(c), float(us)] for w, a, c, us in self.attention_calls],
+                **({"linears": [[int(m), int(k), int(n), float(f)] for m, k, n, f in self.linears]}
+                   if self.linears else {}),
+                **({"fsdp_units": [[int(w), float(us)] for w, us in self.fsdp_units]} if self.fsdp_units else {}),
+                **({"attention_bytes": [[int(w), a, float(us)] for w, a, us in self.attention_bytes]}
+                   if self.attention_bytes else {}),
+                **({"collective_kinds": [[int(w), k, float(gb), float(step), float(call)]
+                                         for w, k, gb, step, call in self.collective_kinds]}
+                   if self.collective_kinds else {})}
 
 
 def _by_world(points: list[tuple[int, tuple[float, ...]]], world: int) -> tuple[float, ...]:
@@ -111,8 +180,8 @@ def parse_cpu(value: Any, source: str) -> CpuConstants | None:
     """The ``cpu`` mapping of a hardware file (None: not a CPU profile); ``InputError`` naming the key otherwise."""
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) != set(KEYS):
-        raise InputError(f"{source}: cpu must be a mapping with exactly {', '.join(KEYS)} "
+    if not isinstance(value, dict) or not set(KEYS) - OPTIONAL <= set(value) <= set(KEYS):
+        raise InputError(f"{source}: cpu must be a mapping with {', '.join(KEYS)} ({', '.join(OPTIONAL)} optional) "
                          f"({'; '.join(f'{k}: {v}' for k, v in KEYS.items())})")
     cores = value["cores"]
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
@@ -147,5 +216,42 @@ def parse_cpu(value: Any, source: str) -> CpuConstants | None:
                              f"{', '.join(ALGORITHMS)}, chunks >= 1, us], got {item!r}")
         parsed_calls.append((item[0], item[1], item[2], _positive(item[3], "attention_calls us", source, zero=True)))
     parsed_calls.sort(key=lambda call: call[0])
+    linears = value.get("linears") or []
+    if not isinstance(linears, list):
+        raise InputError(f"{source}: cpu.linears must be a list ({KEYS['linears']})")
+    parsed_linears = []
+    for item in linears:
+        if not (isinstance(item, list | tuple) and len(item) == 4
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in item[:3])):
+            raise InputError(f"{source}: cpu.linears entries must be [tokens, in, out (integers >= 1), fraction], "
+                             f"got {item!r}")
+        parsed_linears.append((*item[:3], _positive(item[3], "linears fraction", source)))
+    units = value.get("fsdp_units") or []
+    if not isinstance(units, list) or not all(
+            isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], int) and item[0] >= 2
+            for item in units):
+        raise InputError(f"{source}: cpu.fsdp_units must be a list of [ranks >= 2, us], got {units!r}")
+    parsed_units = sorted((w, _positive(us, "fsdp_units us", source, zero=True)) for w, us in units)
+    kinds = value.get("collective_kinds") or []
+    parsed_kinds = []
+    for item in kinds if isinstance(kinds, list) else [kinds]:
+        if not (isinstance(item, list | tuple) and len(item) == 5 and isinstance(item[0], int) and item[0] >= 2
+                and item[1] in KINDS):
+            raise InputError(f"{source}: cpu.collective_kinds entries must be [ranks >= 2, one of {', '.join(KINDS)}, "
+                             f"GB/s, step us, call us], got {item!r}")
+        parsed_kinds.append((item[0], item[1], _positive(item[2], "collective_kinds GB/s", source),
+                             _positive(item[3], "collective_kinds step us", source, zero=True),
+                             _positive(item[4], "collective_kinds call us", source, zero=True)))
+    parsed_kinds.sort(key=lambda item: item[0])
+    per_byte = value.get("attention_bytes") or []
+    parsed_bytes = []
+    for item in per_byte if isinstance(per_byte, list) else [per_byte]:
+        if not (isinstance(item, list | tuple) and len(item) == 3 and isinstance(item[0], int) and item[0] >= 2
+                and item[1] in ALGORITHMS):
+            raise InputError(f"{source}: cpu.attention_bytes entries must be [ranks >= 2, one of "
+                             f"{', '.join(ALGORITHMS)}, us per MiB], got {item!r}")
+        parsed_bytes.append((item[0], item[1], _positive(item[2], "attention_bytes us", source, zero=True)))
+    parsed_bytes.sort(key=lambda item: item[0])
     return CpuConstants(cores, speedup, _positive(value["op_overhead_us"], "op_overhead_us", source, zero=True),
-                        tuple(parsed), efficiency, tuple(parsed_calls))
+                        tuple(parsed), efficiency, tuple(parsed_calls), tuple(parsed_linears), tuple(parsed_units),
+                        tuple(parsed_kinds), tuple(parsed_bytes))

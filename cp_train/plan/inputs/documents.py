@@ -48,7 +48,7 @@ def parse_document_lengths(spec: str) -> tuple[int, ...]:
 def _dataset_lengths(prefix: str, seed: int = 1234) -> tuple[int, ...]:
     from cp_train.data.indexed import IndexedDataset
 
-    lengths = torch.as_tensor(IndexedDataset(prefix).sequence_lengths, dtype=torch.int64)
+    lengths = torch.tensor(IndexedDataset(prefix).sequence_lengths.tolist(), dtype=torch.int64)
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed))
     return tuple(int(n) for n in lengths[order] if n > 0) or (1,)
 
