@@ -176,6 +176,37 @@ def _positive(value: Any, what: str, source: str, zero: bool = False) -> float:
     return float(value)
 
 
+Column = Callable[[Any], Any]  # a checked value, or None when it is not one
+
+
+def _whole(least: int) -> Column:
+    return lambda x: x if isinstance(x, int) and not isinstance(x, bool) and x >= least else None
+
+
+def _choice(options: tuple[str, ...]) -> Column:
+    return lambda x: x if x in options else None
+
+
+def _number(zero: bool) -> Column:
+    def check(x: Any) -> float | None:
+        ok = not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x) and (x > 0 or zero and x == 0)
+        return float(x) if ok else None
+    return check
+
+
+def _rows(value: dict[str, Any], key: str, source: str, form: str, columns: tuple[Column, ...]) -> tuple[tuple, ...]:
+    """The entries of the list ``cpu.<key>`` (absent: none), each checked column by column and sorted by the first;
+    ``InputError`` naming the key and the entries' ``form`` otherwise."""
+    entries = value.get(key) or []
+    rows = []
+    for item in entries if isinstance(entries, list) else [entries]:
+        row = tuple(check(x) for check, x in zip(columns, item, strict=False)) if isinstance(item, list | tuple) else ()
+        if len(row) != len(columns) or len(item) != len(columns) or any(x is None for x in row):
+            raise InputError(f"{source}: cpu.{key} entries must be {form}, got {item!r}")
+        rows.append(row)
+    return tuple(sorted(rows, key=lambda row: row[0]))
+
+
 def parse_cpu(value: Any, source: str) -> CpuConstants | None:
     """The ``cpu`` mapping of a hardware file (None: not a CPU profile); ``InputError`` naming the key otherwise."""
     if value is None:
@@ -205,53 +236,19 @@ def parse_cpu(value: Any, source: str) -> CpuConstants | None:
     efficiency = _positive(value["shared_efficiency"], "shared_efficiency", source)
     if efficiency > 1:
         raise InputError(f"{source}: cpu.shared_efficiency must be a fraction in (0, 1], got {efficiency}")
-    calls = value["attention_calls"]
-    if not isinstance(calls, list):
+    if not isinstance(value["attention_calls"], list):
         raise InputError(f"{source}: cpu.attention_calls must be a list ({KEYS['attention_calls']})")
-    parsed_calls = []
-    for item in calls:
-        if not (isinstance(item, list | tuple) and len(item) == 4 and isinstance(item[0], int) and item[0] >= 2
-                and item[1] in ALGORITHMS and isinstance(item[2], int) and item[2] >= 1):
-            raise InputError(f"{source}: cpu.attention_calls entries must be [ranks >= 2, one of "
-                             f"{', '.join(ALGORITHMS)}, chunks >= 1, us], got {item!r}")
-        parsed_calls.append((item[0], item[1], item[2], _positive(item[3], "attention_calls us", source, zero=True)))
-    parsed_calls.sort(key=lambda call: call[0])
-    linears = value.get("linears") or []
-    if not isinstance(linears, list):
-        raise InputError(f"{source}: cpu.linears must be a list ({KEYS['linears']})")
-    parsed_linears = []
-    for item in linears:
-        if not (isinstance(item, list | tuple) and len(item) == 4
-                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in item[:3])):
-            raise InputError(f"{source}: cpu.linears entries must be [tokens, in, out (integers >= 1), fraction], "
-                             f"got {item!r}")
-        parsed_linears.append((*item[:3], _positive(item[3], "linears fraction", source)))
-    units = value.get("fsdp_units") or []
-    if not isinstance(units, list) or not all(
-            isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], int) and item[0] >= 2
-            for item in units):
-        raise InputError(f"{source}: cpu.fsdp_units must be a list of [ranks >= 2, us], got {units!r}")
-    parsed_units = sorted((w, _positive(us, "fsdp_units us", source, zero=True)) for w, us in units)
-    kinds = value.get("collective_kinds") or []
-    parsed_kinds = []
-    for item in kinds if isinstance(kinds, list) else [kinds]:
-        if not (isinstance(item, list | tuple) and len(item) == 5 and isinstance(item[0], int) and item[0] >= 2
-                and item[1] in KINDS):
-            raise InputError(f"{source}: cpu.collective_kinds entries must be [ranks >= 2, one of {', '.join(KINDS)}, "
-                             f"GB/s, step us, call us], got {item!r}")
-        parsed_kinds.append((item[0], item[1], _positive(item[2], "collective_kinds GB/s", source),
-                             _positive(item[3], "collective_kinds step us", source, zero=True),
-                             _positive(item[4], "collective_kinds call us", source, zero=True)))
-    parsed_kinds.sort(key=lambda item: item[0])
-    per_byte = value.get("attention_bytes") or []
-    parsed_bytes = []
-    for item in per_byte if isinstance(per_byte, list) else [per_byte]:
-        if not (isinstance(item, list | tuple) and len(item) == 3 and isinstance(item[0], int) and item[0] >= 2
-                and item[1] in ALGORITHMS):
-            raise InputError(f"{source}: cpu.attention_bytes entries must be [ranks >= 2, one of "
-                             f"{', '.join(ALGORITHMS)}, us per MiB], got {item!r}")
-        parsed_bytes.append((item[0], item[1], _positive(item[2], "attention_bytes us", source, zero=True)))
-    parsed_bytes.sort(key=lambda item: item[0])
+    algorithm, number, zero = _choice(ALGORITHMS), _number(zero=False), _number(zero=True)
+    algorithms = ", ".join(ALGORITHMS)
+    parsed_calls = _rows(value, "attention_calls", source, f"[ranks >= 2, one of {algorithms}, chunks >= 1, us]",
+                         (_whole(2), algorithm, _whole(1), zero))
+    parsed_linears = _rows(value, "linears", source, "[tokens, in, out (integers >= 1), fraction]",
+                           (_whole(1), _whole(1), _whole(1), number))
+    parsed_units = _rows(value, "fsdp_units", source, "[ranks >= 2, us]", (_whole(2), zero))
+    parsed_kinds = _rows(value, "collective_kinds", source, f"[ranks >= 2, one of {', '.join(KINDS)}, GB/s, step us, "
+                         "call us]", (_whole(2), _choice(KINDS), number, zero, zero))
+    parsed_bytes = _rows(value, "attention_bytes", source, f"[ranks >= 2, one of {algorithms}, us per MiB]",
+                         (_whole(2), algorithm, zero))
     return CpuConstants(cores, speedup, _positive(value["op_overhead_us"], "op_overhead_us", source, zero=True),
-                        tuple(parsed), efficiency, tuple(parsed_calls), tuple(parsed_linears), tuple(parsed_units),
-                        tuple(parsed_kinds), tuple(parsed_bytes))
+                        tuple(parsed), efficiency, parsed_calls, parsed_linears, parsed_units, parsed_kinds,
+                        parsed_bytes)
