@@ -6,11 +6,13 @@ cores nothing is idle to do it), so the time model charges a CPU profile's commu
 
 - the CP attention op: its measured cost per call at a negligible size (``CpuConstants.attention_call_us``: the
   Python, dispatch, message posting and waiting of the ring, the all-gather or Ulysses at the world size, by
-  kv-head chunks) per layer and micro-batch, a third in the forward, plus its bytes at gloo's bandwidth: the
-  ring's K/V hops and fp32 dK/dV accumulators, the all-gather's K/V (twice) and fp32 dK/dV reduce-scatter, the
-  Ulysses all-to-alls (``Workload.attention_collectives``);
-- FSDP: each layer's all-gather (again in the backward when resharding after forward) and reduce-scatter; DDP:
-  its gradient all-reduce in 25 MiB buckets; all at gloo's bandwidth and latencies (``Rates.link``).
+  kv-head chunks) per layer and micro-batch, a third in the forward, plus its measured cost per byte of the
+  call's tensors beyond that (``attention_byte_us``), plus its bytes at gloo's bandwidth for the collective the
+  op calls (``Rates.kind_link``): the ring's K/V hops and fp32 dK/dV accumulators, the all-gather's K/V (twice)
+  and fp32 dK/dV reduce-scatter (both all-to-alls), the Ulysses all-to-alls (``Workload.attention_collectives``);
+- FSDP: every unit's all-gather (again in the backward when resharding after forward) and reduce-scatter with
+  their copies, and its measured cost per unit (``fsdp_unit_us``); DDP: its gradient all-reduce in 25 MiB
+  buckets; each at its kind's bandwidth and latencies.
 
 Head chunks as ``parallel/cp/spec.default_head_chunks`` picks them on CPU: as many as leave each of the rank's
 threads ``batch x query heads`` rows to work on (one kv head per chunk at one thread per rank).
@@ -105,7 +107,9 @@ def data_seconds(work: Workload, rates: CpuRates, layer_parameters: int, root_pa
     micro-batch each unit is gathered for the forward and, resharded after it, again for the backward (not the
     last block, nor the root, which keep theirs), and reduce-scattered once per reduction. Each gather copies the
     local shard in and the gathered parameters out (``FSDP_GATHER_PASSES``), each reduce-scatter copies the fp32
-    gradients in and adds the reduced shard (``FSDP_SCATTER_PASSES``): memory traffic at the copy bandwidth."""
+    gradients in and adds the reduced shard (``FSDP_SCATTER_PASSES``): memory traffic at the copy bandwidth. With
+    a measured cost per unit (``fsdp_unit_seconds``: hooks, copies and calls at a negligible size) each unit and
+    micro-batch costs that plus its bytes, in place of the collectives' latencies."""
     parallel, model = work.config.parallel, work.config.model
     ranks, spans = group_spans_nodes(work, "data", rates.gpus_per_node)
     if not parallel.fsdp:
