@@ -129,30 +129,26 @@ def _world_of(config: Config) -> tuple[int, int, int]:
 def run(names: list[str], hardware: Hardware, warmup: int, steps: int, ops: bool = False) -> list[dict[str, Any]]:
     """Predict and measure each case, each in a fresh spawned world (as a run starts: a world reused across cases
     ran later cases up to 13% slower)."""
-    worlds: dict[int, SpawnedWorld] = {}
     records = []
-    try:
-        with tempfile.TemporaryDirectory() as run_dir:
-            for name in names:
-                config = case_config(name, run_dir)
-                layout = _world_of(config)
-                size = layout[0] * layout[1] * layout[2]
-                for world in worlds.values():
-                    world.close()
-                worlds.clear()
-                with glibc_malloc(live_memory=False):
-                    worlds[size] = SpawnedWorld(size, threads=max(1, hardware.cpu.cores // size)
-                                                if hardware.cpu else None, timeout_s=1800)
-                prediction = predicted(config, hardware)
-                record: dict[str, Any] = {"case": name, "ranks": size, "overrides": CASES[name],
-                                          "predicted_s": prediction.step_time_s,
-                                          "breakdown_s": prediction.record()["breakdown_s"],
-                                          "predicted_mib": prediction.memory_gib["total"] * GIB / MIB}
+    with tempfile.TemporaryDirectory() as run_dir:
+        for name in names:
+            config = case_config(name, run_dir)
+            layout = _world_of(config)
+            size = layout[0] * layout[1] * layout[2]
+            prediction = predicted(config, hardware)
+            record: dict[str, Any] = {"case": name, "ranks": size, "overrides": CASES[name],
+                                      "predicted_s": prediction.step_time_s,
+                                      "breakdown_s": prediction.record()["breakdown_s"],
+                                      "predicted_mib": prediction.memory_gib["total"] * GIB / MIB}
+            with glibc_malloc(live_memory=False):
+                world = SpawnedWorld(size, threads=max(1, hardware.cpu.cores // size) if hardware.cpu else None,
+                                     timeout_s=1800)
+            with world:
                 if ops:
                     from cp_train.plan.host_ops import step_ops
                     from cp_train.plan.workload import build_workload
 
-                    counted = worlds[size].run(run_with_parallel, layout, count_ops, config)
+                    counted = world.run(run_with_parallel, layout, count_ops, config)
                     planned = copy.deepcopy(config)
                     planned.parallel.dp = layout[2]
                     planned.model.vocab_size = planned.model.vocab_size or 8192
@@ -160,19 +156,16 @@ def run(names: list[str], hardware: Hardware, warmup: int, steps: int, ops: bool
                     record["ops_error"] = record["planned_ops"] / record["counted_ops"] - 1
                 else:
                     wide = name.startswith("wide")
-                    runs = worlds[size].run(run_with_parallel, layout, measure, config,
-                                            *(WIDE_STEPS if wide else (warmup, steps)))
+                    runs = world.run(run_with_parallel, layout, measure, config,
+                                     *(WIDE_STEPS if wide else (warmup, steps)))
                     per_step = [max(r["seconds"][i] for r in runs) for i in range(len(runs[0]["seconds"]))]
                     record.update(measured_s=statistics.median(per_step), best_s=min(per_step),
                                   measured_mib=max(r["peak"] for r in runs) / MIB)
                     record["time_error"] = record["predicted_s"] / record["measured_s"] - 1
                     record["best_error"] = record["predicted_s"] / record["best_s"] - 1
                     record["memory_error"] = record["predicted_mib"] / record["measured_mib"] - 1
-                print(f"# {name}: done", file=sys.stderr, flush=True)
-                records.append(record)
-    finally:
-        for world in worlds.values():
-            world.close()
+            print(f"# {name}: done", file=sys.stderr, flush=True)
+            records.append(record)
     return records
 
 

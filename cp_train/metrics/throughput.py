@@ -97,13 +97,7 @@ def device_memory_gib(device: torch.device) -> float | None:
     """The device's memory: CUDA's total, or the machine's ``MemTotal`` on CPU; None if unknown."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2**30
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024 / 2**30
-    except OSError:
-        pass
-    return None
+    return _proc_gib("/proc/meminfo", "MemTotal")
 
 
 def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
@@ -119,13 +113,18 @@ def peak_memory_gib(device: torch.device) -> float:
     """Peak since ``reset_peak_memory``: CUDA max allocated, or ``VmHWM`` (peak RSS) on CPU; 0 if unknown."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    return _proc_gib("/proc/self/status", "VmHWM") or 0.0
+
+
+def _proc_gib(path: str, key: str) -> float | None:
+    """GiB of the ``key:`` line (in kB) of a ``/proc`` file; None if unreadable."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024 / 2**30
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
-    return 0.0
+    return None
 
 
 @dataclass

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cp_train.metrics.throughput import device_memory_gib
 from cp_train.plan.calibration.calibrate_ranks import measure_ranks
 from cp_train.plan.calibration.op_bytes import attention_byte_costs
 from cp_train.plan.inputs.cpu_profile import CpuConstants
@@ -181,14 +182,6 @@ def op_overhead(layers: int = 4) -> float:
     return seconds_per_call(step, budget=0.1) / counter.ops
 
 
-def _memory_gib() -> float:
-    try:
-        with open("/proc/meminfo") as info:
-            return int(info.readline().split()[1]) / 2**20
-    except (OSError, ValueError, IndexError):
-        return 16.0
-
-
 def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> Hardware:
     """This machine's CPU profile (see the module docstring); ``log`` gets a line per measurement."""
     say = log or (lambda line: None)
@@ -226,17 +219,19 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
                        tuple((w, a, c, _sig(us)) for w, a, c, us in calls), tuple(linears),
                        tuple((w, _sig(us)) for w, us in units),
                        tuple((w, k, _sig(gb), _sig(step), _sig(call)) for w, k, gb, step, call in kinds))
-    cpu = replace(cpu, attention_bytes=attention_byte_costs(cpu, sized, peak, bandwidth, tuple(curves), say))
     notes = (f"calibrated {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()} "
              f"({_cpu_model()}), {cores} cores, torch {torch.__version__}{', quick' if quick else ''}: rates per "
              f"core (one thread); cp_train/plan/calibration/calibrate.py")
-    return Hardware(name="cpu-calibrated", bf16_tflops=0.0, fp8_tflops=0.0, hbm_gib=round(_memory_gib(), 2),
-                    hbm_tb_s=_sig(bandwidth / 1e12), nvlink_gb_s=gb_s, nvlink_efficiency=1.0,
-                    nvlink_latency_us=step_us, net_gb_s=gb_s, net_efficiency=1.0, net_latency_us=step_us,
-                    collective_latency_us=call_us,
-                    gemm_bf16=(), gemm_fp8=(), attention=tuple(curves), attention_kernel=KERNEL,
-                    gpus_per_node=1024, notes=notes, compute_dtype="fp32", fp32_tflops=_sig(peak / 1e12),
-                    gemm_fp32=tuple((flops, _sig(min(1.0, rate / peak))) for flops, rate in gemm), cpu=cpu)
+    hardware = Hardware(name="cpu-calibrated", bf16_tflops=0.0, fp8_tflops=0.0,
+                        hbm_gib=round(device_memory_gib(torch.device("cpu")) or 16.0, 2),
+                        hbm_tb_s=_sig(bandwidth / 1e12), nvlink_gb_s=gb_s, nvlink_efficiency=1.0,
+                        nvlink_latency_us=step_us, net_gb_s=gb_s, net_efficiency=1.0, net_latency_us=step_us,
+                        collective_latency_us=call_us,
+                        gemm_bf16=(), gemm_fp8=(), attention=tuple(curves), attention_kernel=KERNEL,
+                        gpus_per_node=1024, notes=notes, compute_dtype="fp32", fp32_tflops=_sig(peak / 1e12),
+                        gemm_fp32=tuple((flops, _sig(min(1.0, rate / peak))) for flops, rate in gemm), cpu=cpu)
+    per_byte = attention_byte_costs(hardware, sized, say)  # on the rates just measured
+    return replace(hardware, cpu=replace(cpu, attention_bytes=tuple((w, a, _sig(us)) for w, a, us in per_byte)))
 
 
 def _sig(value: float, digits: int = 4) -> float:

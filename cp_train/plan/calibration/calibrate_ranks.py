@@ -61,7 +61,8 @@ def _collective_sweep(sizes: tuple[int, ...]) -> list[tuple[str, int, float]]:
 
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # funcol.all_gather_tensor, as the trainer calls it
+    # funcol.all_gather_tensor, called as the trainer's sequence parallelism calls it, is deprecated in torch 2.13
+    warnings.filterwarnings("ignore", message=".*all_gather_tensor.*", category=FutureWarning)
     out = []
     for size in sizes:
         calls = max(4, min(100, (4 << 20) // size))
@@ -146,10 +147,10 @@ def _attention_call(algorithm: str, chunks: int, rows: int = 8, head_dim: int = 
     return call
 
 
-def sized_call_bytes(algorithm: str, world: int) -> int:
-    """Bytes of the sized call's q, k, v and output on one rank (fp32)."""
+def call_bytes(algorithm: str, world: int, rows: int = 8, head_dim: int = 8, batch: int = 1) -> int:
+    """Bytes of ``_attention_call``'s q, k, v and output on one rank (fp32), its chunks 1."""
     kv = world if algorithm == "ulysses" else 1
-    return SIZED_BATCH * SIZED_ROWS * (2 * 4 * world + 2 * kv) * SIZED_HEAD_DIM * 4
+    return batch * rows * (2 * 4 * world + 2 * kv) * head_dim * 4
 
 
 def attention_call_sweep(repeats: int = 5, rounds: int = 3) -> tuple[list[tuple[str, int, float]],

@@ -11,36 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cp_train.plan.inputs.cpu_profile import CpuConstants
-from cp_train.plan.inputs.hardware import AttentionCurve, Hardware
-
-KERNEL = "torch"  # the CPU attention backend's name (parallel/kernels/select.py)
+from cp_train.plan.inputs.hardware import Hardware
 
 
-def sig(value: float, digits: int = 4) -> float:
-    """``value`` rounded to ``digits`` significant figures."""
-    return float(f"{value:.{digits}g}")
-
-
-def attention_byte_costs(cpu: CpuConstants, sized: list[tuple[int, str, float]], peak: float, bandwidth: float,
-                     curves: tuple[AttentionCurve, ...], say: Callable[[str], None]
-                     ) -> tuple[tuple[int, str, float], ...]:
-    """``[(ranks, algorithm, us per MiB)]``: the CP attention op's cost at the sized shape above what the planner
-    plans for it on these rates (its kernels, its cost per call at a negligible size, its bytes at gloo's
-    bandwidth), per byte of the call's q, k, v and output beyond the negligible call's."""
+def attention_byte_costs(hardware: Hardware, sized: list[tuple[int, str, float]], say: Callable[[str], None]
+                         ) -> tuple[tuple[int, str, float], ...]:
+    """``[(ranks, algorithm, us per MiB)]`` on the profile being calibrated (``hardware``, its ``cpu`` without these
+    costs): the CP attention op's seconds at the sized shape (``sized``: ``[(ranks, algorithm, seconds)]``) above
+    what the planner plans for it on these rates (its kernels, its cost per call at a negligible size, its bytes at
+    gloo's bandwidth), per byte of the call's q, k, v and output beyond the negligible call's."""
     from cp_train.config.schema import Config
     from cp_train.model.config import ModelConfig
-    from cp_train.plan.calibration.calibrate_ranks import SIZED_BATCH, SIZED_HEAD_DIM, SIZED_ROWS, sized_call_bytes
+    from cp_train.plan.calibration.calibrate_ranks import SIZED_BATCH, SIZED_HEAD_DIM, SIZED_ROWS, call_bytes
     from cp_train.plan.cpu_comm import cp_comm_seconds
     from cp_train.plan.rates import DeviceRates
     from cp_train.plan.time_model import attention_seconds
     from cp_train.plan.workload import build_workload
 
-    hardware = Hardware(name="cpu-provisional", bf16_tflops=0.0, fp8_tflops=0.0, hbm_gib=16.0,
-                        hbm_tb_s=bandwidth / 1e12, nvlink_gb_s=1.0, nvlink_efficiency=1.0, nvlink_latency_us=0.0,
-                        net_gb_s=1.0, net_efficiency=1.0, net_latency_us=0.0, collective_latency_us=0.0,
-                        gemm_bf16=(), gemm_fp8=(), attention=curves, attention_kernel=KERNEL, gpus_per_node=1024,
-                        notes="", compute_dtype="fp32", fp32_tflops=peak / 1e12, gemm_fp32=((1.0, 1.0),), cpu=cpu)
     out = []
     for world, algorithm, seconds in sized:
         heads, kv = 4 * world, world if algorithm == "ulysses" else 1
@@ -55,9 +42,8 @@ def attention_byte_costs(cpu: CpuConstants, sized: list[tuple[int, str, float]],
         rates, work = DeviceRates(hardware, world=world), build_workload(config, world, 4)
         forward, backward, _, _ = attention_seconds(work, rates)
         planned = forward + backward + sum(cp_comm_seconds(work, rates, 1))  # its small-call cost and its bytes
-        small_bytes = 1 * 8 * (2 * 4 * world + 2 * kv) * 8 * 4
-        rest_us = max(0.0, 1e6 * (seconds - planned))
-        out.append((world, algorithm, sig(rest_us / ((sized_call_bytes(algorithm, world) - small_bytes) / 2**20))))
+        extra = call_bytes(algorithm, world, SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH) - call_bytes(algorithm, world)
+        out.append((world, algorithm, max(0.0, 1e6 * (seconds - planned)) / (extra / 2**20)))
         say(f"CP attention op {algorithm} at {world} ranks, {SIZED_ROWS} rows: {seconds * 1e3:.2f} ms, kernels "
             f"planned {1e3 * (forward + backward):.2f} ms, the rest planned {1e3 * (planned - forward - backward):.2f} "
             f"ms, {out[-1][2]:.0f} us per MiB beyond")

@@ -17,6 +17,7 @@ Units: GB/s (1e9 B/s) per rank, microseconds.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -120,6 +121,12 @@ class CpuConstants:
             return None
         return _by_world([(w, (us,)) for w, us in self.fsdp_units], ranks)[0]
 
+    @functools.cached_property
+    def _linear_grid(self) -> tuple[dict[tuple[int, int, int], float], list[list[int]]]:
+        """``linears`` as a lookup by shape and each dimension's grid values, sorted."""
+        measured = {(a, b, c): f for a, b, c, f in self.linears}
+        return measured, [sorted({point[i] for point in measured}) for i in range(3)]
+
     def linear_fraction(self, m: int, k: int, n: int, by_flops: Callable[[float], float]) -> float:
         """Fraction of the fp32 peak a linear of ``m`` tokens, ``k`` in and ``n`` out features reaches, forward and
         backward alike: the measured grid (``linears``) interpolated in log2 of each dimension, clamped to its
@@ -127,8 +134,7 @@ class CpuConstants:
         ``gemm_fp32`` curve)."""
         if not self.linears:
             return by_flops(2.0 * m * k * n)
-        measured = {(a, b, c): f for a, b, c, f in self.linears}
-        axes = [sorted({point[i] for point in measured}) for i in range(3)]
+        measured, axes = self._linear_grid
         corners = []
         for value, axis in zip((m, k, n), axes, strict=True):
             low = max([a for a in axis if a <= value], default=axis[0])
