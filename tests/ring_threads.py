@@ -28,7 +28,19 @@ class _Transfer:
     count: int
 
     def wait(self) -> list[torch.Tensor]:
-        return self.inbox.get(timeout=120) if self.count else []
+        if not self.count:
+            return []
+        received = self.inbox.get(timeout=120)
+        if received is _PEER_FAILED:
+            raise _PeerFailed("another rank failed")
+        return received
+
+
+class _PeerFailed(RuntimeError):
+    """Raised in a rank whose peer failed (the peer's own error is the one reported)."""
+
+
+_PEER_FAILED = object()  # put in every inbox when a rank fails, so no rank waits for it
 
 
 class ThreadRingComm:
@@ -70,15 +82,17 @@ def run_threaded_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
             results[rank] = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller
             results[rank] = error
+            for inbox in inboxes.values():
+                inbox.put(_PEER_FAILED)
 
-    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world)]
+    threads = [threading.Thread(target=rank_main, args=(rank,), name=f"ring-rank-{rank}") for rank in range(world)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, _PeerFailed)), errors[0])
     full = {name: unshard_sequence([r[name] for r in results], spec.layout) for name in results[0]}
     full["lse"] = full["lse"].transpose(1, 2)
     return full

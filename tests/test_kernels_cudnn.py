@@ -120,6 +120,31 @@ def test_cudnn_varlen_matches_math(standin_ops, dtype: torch.dtype, tol: float) 
             assert got.shape == ref.shape and rel_err(got, ref) < 10 * tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+def test_a_one_by_one_block_is_exact_without_the_op(monkeypatch, dtype: torch.dtype, tol: float) -> None:
+    """cuDNN refuses s_q = s_kv = 1 (an H200, cuDNN 9.19): such a block is computed exactly, also as one of a
+    row's several blocks (its backward given the row's final out/lse)."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: s_q = s_kv = 1 is not supported.")
+    monkeypatch.setattr(cudnn, "FORWARD", refuse)
+    monkeypatch.setattr(cudnn, "BACKWARD", refuse)
+    gen = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(2, 1, 4, 16, generator=gen, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 3, 2, 16, generator=gen, dtype=dtype) for _ in range(2))
+    kernel = cudnn.CudnnAttention()
+    for causal in (True, False):
+        out, lse = kernel.forward(q, k[:, 2:], v[:, 2:], causal, 0.25)
+        ref_out, ref_lse = MATH.forward(q, k[:, 2:], v[:, 2:], causal, 0.25)
+        assert out.dtype == dtype and rel_err(out, ref_out) < tol and rel_err(lse, ref_lse) < tol
+    row_out, row_lse = MATH.forward(q, k, v, False, 0.25)  # the row attends to 3 keys; the block is the last
+    rows = BackwardRows(dout, q, row_out, row_lse)
+    grads = kernel.backward(rows, k[:, 2:], v[:, 2:], True, 0.25)
+    refs = MATH.backward(rows, k[:, 2:], v[:, 2:], True, 0.25)
+    for got, ref in zip(grads, refs, strict=True):
+        assert got.shape == ref.shape and got.dtype == dtype and rel_err(got, ref) < 10 * tol
+    assert grads[0].abs().max() > 0  # not the lone key's zero dq: the row's other keys give it a gradient
+
+
 def test_the_binding_check_catches_a_wrong_call() -> None:
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(AssertionError, match="at most 8"):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -253,7 +256,6 @@ def test_a_strided_first_accumulator_travels_contiguous() -> None:
     assert torch.equal(sent[0], dk) and torch.equal(sent[1], dv)
 
 
-
 @pytest.mark.parametrize("world,layout,overlap", [(2, "zigzag", True), (4, "stripe", False), (3, "contiguous", True)])
 def test_threaded_ring_harness_matches_the_reference(world: int, layout: str, overlap: bool) -> None:
     """The thread-rank harness the GPU suite uses for the ring's CUDA path, checked here on CPU."""
@@ -266,3 +268,27 @@ def test_threaded_ring_harness_matches_the_reference(world: int, layout: str, ov
     ref.update(out=out, lse=lse)
     for name, value in ref.items():
         assert rel_err(got[name], value) <= TOL, name
+
+
+def test_the_thread_harness_reports_a_failing_rank_without_waiting() -> None:
+    """A rank whose kernel raises fails the run with its own error at once; its peers stop waiting for it
+    (on the GPU a cuDNN refusal in one rank used to leave the others blocked until the test timed out)."""
+    q, k, v, dout = ring_cases.full_inputs(32, 4, 2, 16, seed=7)
+    base = select_kernel(q.device, q.dtype, 16)
+
+    class RefusesBackward:
+        name = "refuses backward"
+
+        def forward(self, *args, **kwargs):
+            return base.forward(*args, **kwargs)
+
+        def backward(self, rows, *args, **kwargs):
+            if threading.current_thread().name.endswith("-1"):
+                raise RuntimeError("kernel refused this block")
+            return base.backward(rows, *args, **kwargs)
+
+    spec = AttentionSpec("ring", "zigzag", True, 0.25, RefusesBackward(), 2, True)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="kernel refused this block"):
+        run_threaded_ring(q, k, v, dout, 4, spec)
+    assert time.perf_counter() - started < 30

@@ -19,7 +19,8 @@ running them segment by segment through cuDNN (``VarlenBySegments``, the fallbac
 None) cost one dense call per document and a host sync per call: 12.5% MFU. The native ragged cuDNN path
 (``aten::_cudnn_attention_forward`` with ``cum_seq_q``/``cum_seq_k``) is not used: its causal alignment for
 segments with more keys than queries differs between cuDNN frontend versions, and its backward is missing
-from some torch releases.
+from some torch releases. cuDNN refuses a 1 x 1 block (``s_q = s_kv = 1``, seen on an H200 with cuDNN 9.19 for a
+one-token piece of a document): those calls are computed exactly here (``one_key_forward``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,29 @@ def cudnn_unavailable() -> str | None:
     return None
 
 
+def _accumulation_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def one_key_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> OutLse:
+    """A 1 x 1 block ([B, 1, H, D] q, [B, 1, Hk, D] k/v), exactly: one key, so out = v and lse = q.k * scale."""
+    dtype, heads = _accumulation_dtype(q), q.shape[2]
+    lse = (q.to(dtype) * expand_kv(k, heads).to(dtype)).sum(-1).transpose(1, 2) * scale
+    return expand_kv(v, heads).to(q.dtype).contiguous(), lse
+
+
+def one_key_backward(rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, scale: float) -> QKVGrads:
+    """The 1 x 1 block's gradients given the *final* out/lse of its rows (the block's probability is
+    ``p = exp(q.k * scale - lse)``, 1 only when the block is the row's whole attention)."""
+    dtype, heads, kv_heads = _accumulation_dtype(rows.q), rows.q.shape[2], k.shape[2]
+    dout, q, out = (x.to(dtype) for x in rows[:3])
+    k_h, v_h = expand_kv(k, heads).to(dtype), expand_kv(v, heads).to(dtype)
+    p = torch.exp((q * k_h).sum(-1) * scale - rows.lse.transpose(1, 2).to(dtype))[..., None]  # [B, 1, H, 1]
+    ds = p * ((dout * v_h).sum(-1, keepdim=True) - (dout * out).sum(-1, keepdim=True)) * scale
+    return ((ds * k_h).to(rows.q.dtype), reduce_kv_grad(ds * q, kv_heads).to(k.dtype),
+            reduce_kv_grad(p * dout, kv_heads).to(v.dtype))
+
+
 @dataclass(frozen=True)
 class CudnnAttention(VarlenBySegments):
     """cuDNN SDPA (fp16/bf16, CUDA sm80+); varlen calls by ``varlen_kernel``'s varlen entry (None: by segments)."""
@@ -76,6 +100,8 @@ class CudnnAttention(VarlenBySegments):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         check_square_causal(self.name, q, k, causal)
         heads = q.shape[2]
+        if q.shape[1] == k.shape[1] == 1:  # cuDNN refuses s_q = s_kv = 1 (a one-token document's block)
+            return one_key_forward(q, k, v, scale)
         out, lse = FORWARD(q.transpose(1, 2), expand_kv(k, heads).transpose(1, 2),
                            expand_kv(v, heads).transpose(1, 2), None, True, 0.0, causal, False, scale=scale)[:2]
         return out.transpose(1, 2), lse[..., 0]
@@ -85,6 +111,8 @@ class CudnnAttention(VarlenBySegments):
         dout, q, out, lse = rows
         check_square_causal(self.name, q, k, causal)
         heads, kv_heads = q.shape[2], k.shape[2]
+        if q.shape[1] == k.shape[1] == 1:
+            return one_key_backward(rows, k, v, scale)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read
         dq, dk, dv = BACKWARD(
             dout.transpose(1, 2), q.transpose(1, 2), expand_kv(k, heads).transpose(1, 2),
