@@ -53,3 +53,48 @@ def count_attention(seqlen: int, layout: str, algorithm: str, documents: tuple[i
     finally:
         torch_ops.TorchCpuFlash.forward = original
     return {"area": area[0], "sent": dict(ring_comm.BYTES_SENT), "rank": dist.get_rank()}
+
+
+# the collectives a dispatch mode sees, by op: (kind, index of the tensor argument whose bytes are the input)
+COLLECTIVE_OPS = {"c10d::allreduce_": ("all_reduce", 0), "c10d::_allgather_base_": ("all_gather", 1),
+                  "c10d::allgather_": ("all_gather", 1), "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+                  "_c10d_functional::all_reduce": ("all_reduce", 0),
+                  "_c10d_functional::all_gather_into_tensor": ("all_gather", 0),
+                  "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", 0)}
+
+
+def count_tp_collectives(state: Any, config: Any) -> dict[str, list[int]]:
+    """One fp32 forward + backward of the model of ``config`` with its loss on this rank (``run_with_parallel``):
+    ``{kind: [calls, input bytes]}`` of every collective it issues (the CP attention op's body included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cp_train.build import build_model
+
+    seen: dict[str, list[int]] = {}
+
+    def nbytes(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        return sum(nbytes(v) for v in value) if isinstance(value, (list, tuple)) else 0
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+            name = func._schema.name
+            if name in COLLECTIVE_OPS:
+                kind, index = COLLECTIVE_OPS[name]
+                entry = seen.setdefault(kind, [0, 0])
+                entry[0], entry[1] = entry[0] + 1, entry[1] + nbytes(args[index])
+            if func.namespace == "cp_train":
+                with self:
+                    return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args,
+                                           **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    model, _ = build_model(config, state, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    n = config.data.seq_len // config.parallel.cp
+    tokens, labels = (torch.randint(0, config.model.vocab_size, (config.train.micro_batch_size, n),
+                                    generator=generator) for _ in range(2))
+    with Counting():
+        model(tokens, labels=labels).sum().backward()
+    return seen

@@ -15,6 +15,7 @@ import pytest
 
 from cp_train.config.schema import Config
 from cp_train.model.config import ModelConfig
+from cp_train.parallel.mesh.state import run_with_parallel
 from cp_train.plan.cli import main as plan_main
 from cp_train.plan.workload import build_workload
 from tests import planner_cases
@@ -53,6 +54,27 @@ def test_planned_work_and_bytes_equal_what_the_attention_runs(spawn_world, cp, l
         assert sum(sent.values()) == forward + backward, (sent, forward, backward)
         if algorithm == "ring":  # K/V hops (tag 0) forward and again backward; dK/dV hops (tag 1)
             assert sent.get(0, 0) == 2 * forward and sent.get(1, 0) == backward - forward, (sent, forward, backward)
+
+
+@pytest.mark.parametrize(("sequence_parallel", "loss_chunk"), [(True, 8), (False, 0)])
+def test_planned_tp_collectives_equal_what_the_model_issues(spawn_world, sequence_parallel, loss_chunk) -> None:
+    """Every TP collective of a forward + backward (the blocks', the embedding's, the head's, the loss's), counted
+    by kind and bytes at tp 2, equals the planner's per-layer list times the layers plus its list outside them."""
+    config = Config()
+    config.model = ModelConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                               ffn_hidden_size=64, max_position_embeddings=16, loss_chunk_tokens=loss_chunk)
+    config.data.seq_len, config.parallel.tp, config.parallel.dp = 16, 2, 1
+    config.parallel.sequence_parallel = sequence_parallel
+    config.train.micro_batch_size = config.train.global_batch_size = 2
+    work = build_workload(config, 2, 4)
+    planned: dict[str, list[int]] = {}
+    for collectives, times in ((work.tp_collectives, config.model.num_layers), (work.tp_outside_collectives, 1)):
+        for c in collectives:
+            entry = planned.setdefault(c.kind, [0, 0])
+            entry[0] += times * c.count
+            entry[1] += times * c.count * c.size
+    for seen in spawn_world(2).run(run_with_parallel, (2, 1, 1), planner_cases.count_tp_collectives, config):
+        assert seen == planned, (seen, planned)
 
 
 def test_json_lines_carry_both_flop_conventions_and_the_breakdown(capsys) -> None:

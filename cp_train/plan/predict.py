@@ -123,6 +123,8 @@ def breakdown(work: Workload, rates: Rates) -> Breakdown:
         cp_f, cp_b = (model.num_layers * x for x in cp_comm_seconds(work, rates, rates.cpu_threads))
     tp_f = model.num_layers * collectives_seconds(work, rates, work.tp_collectives, "forward")
     tp_b = model.num_layers * collectives_seconds(work, rates, work.tp_collectives, "backward")
+    tp_outside = sum(collectives_seconds(work, rates, work.tp_outside_collectives, phase)
+                     for phase in ("forward", "backward"))
     mode = model.activation_checkpointing
     recompute = head if model.loss_chunk_tokens else 0.0  # the fused loss recomputes its logits
     recompute_tp = 0.0
@@ -143,7 +145,7 @@ def breakdown(work: Workload, rates: Rates) -> Breakdown:
     a = work.accumulation
     return Breakdown(matmuls=a * 3 * (blocks + head), attention=a * (attn_f + attn_b),
                      elementwise=a * (3 * (elementwise + loss) + cast_f + cast_b), recompute=a * recompute,
-                     cp_comm=a * (cp_f + cp_b), tp_comm=a * (tp_f + tp_b + recompute_tp), data_comm=data,
+                     cp_comm=a * (cp_f + cp_b), tp_comm=a * (tp_f + tp_b + recompute_tp + tp_outside), data_comm=data,
                      optimizer=ADAMW_BYTES * local_params / rates.memory_bytes_per_s,
                      host=step_ops(work) * rates.op_seconds)
 

@@ -100,6 +100,7 @@ class Workload:
     attention_heads: int  # local query heads a kernel call runs over
     attention_collectives: list[Collective]  # all-gather / all-to-all of the CP attention (per layer)
     tp_collectives: list[Collective]  # per layer
+    tp_outside_collectives: list[Collective]  # per micro-batch, outside the blocks: embedding, head, loss
     elementwise_bytes: float  # memory traffic of the norms, residual adds, RoPE and SwiGLU, all layers, forward
     loss_bytes: float  # the cross entropy's memory traffic, forward
     accumulation: int  # micro-batches per optimizer step
@@ -201,7 +202,8 @@ def _ulysses_documents(plans: list, heads: int, kv_heads: int, d: int, compute: 
 
 def _tp_collectives(model: ModelConfig, config: Config, n: int, compute: int) -> list[Collective]:
     """Per layer: the attention's and the MLP's output all-reduce (forward) and their inputs' gradient
-    all-reduce (backward); with sequence parallelism a reduce-scatter and an all-gather in each place."""
+    all-reduce (backward); with sequence parallelism a reduce-scatter and an all-gather in each place, and the
+    two norms' weight gradients summed over TP (``sequence_parallel_norm``, fp32)."""
     if config.parallel.tp == 1:
         return []
     size = n * model.hidden_size * compute
@@ -211,9 +213,35 @@ def _tp_collectives(model: ModelConfig, config: Config, n: int, compute: int) ->
                 Collective("SP reduce-scatter of the outputs", "reduce_scatter", "tp", size, 2, "forward"),
                 Collective("SP reduce-scatter of the input gradients", "reduce_scatter", "tp", size, 2, "backward"),
                 Collective("SP all-gather of the output gradients", "all_gather", "tp", size // config.parallel.tp, 2,
-                           "backward")]
+                           "backward"),
+                Collective("SP norm weight gradients", "all_reduce", "tp", 4 * model.hidden_size, 2, "backward")]
     return [Collective("TP all-reduce of the outputs", "all_reduce", "tp", size, 2, "forward"),
             Collective("TP all-reduce of the input gradients", "all_reduce", "tp", size, 2, "backward")]
+
+
+def _tp_outside_collectives(model: ModelConfig, config: Config, rows: int, residual: int) -> list[Collective]:
+    """Per micro-batch, outside the blocks (``model/gpt.py``): the vocab-parallel embedding's sum (sequence
+    parallel: a reduce-scatter to the shards, an all-gather of their gradient), the head's input (sequence
+    parallel: the final norm's weight gradient summed and the shards gathered, their gradient reduce-scattered;
+    else its gradient all-reduced), and the vocab-parallel loss's row max and (target logit, exp-sum) all-reduces
+    per chunk of ``model.loss_chunk_tokens`` rows (one chunk unfused). ``residual``: bytes of the stream."""
+    tp = config.parallel.tp
+    if tp == 1:
+        return []
+    size = rows * model.hidden_size * residual
+    chunk = min(model.loss_chunk_tokens or rows, rows)
+    chunks = -(-rows // chunk)
+    loss = [Collective("loss row max", "all_reduce", "tp", 4 * chunk, chunks, "forward"),
+            Collective("loss target logit and exp-sum", "all_reduce", "tp", 8 * chunk, chunks, "forward")]
+    if not config.parallel.sequence_parallel_on:
+        return [Collective("embedding sum", "all_reduce", "tp", size, 1, "forward"),
+                Collective("head input gradient", "all_reduce", "tp", size, 1, "backward"), *loss]
+    return [Collective("SP embedding reduce-scatter", "reduce_scatter", "tp", size, 1, "forward"),
+            Collective("SP embedding gradient all-gather", "all_gather", "tp", size // tp, 1, "backward"),
+            Collective("SP head input all-gather", "all_gather", "tp", size // tp, 1, "forward"),
+            Collective("SP head input gradient reduce-scatter", "reduce_scatter", "tp", size, 1, "backward"),
+            Collective("SP final norm weight gradient", "all_reduce", "tp", 4 * model.hidden_size, 1, "backward"),
+            *loss]
 
 
 # tensor passes (reads + writes) of the memory-bound ops, (compiled, eager): torch.compile fuses each into one
@@ -264,5 +292,6 @@ def build_workload(config: Config, world: int, compute: int, documents: tuple[in
     accumulation = config.train.global_batch_size // (batch * dp)
     return Workload(config, n, batch, compute, gemms, head, attention, heads, cp_collectives,
                     _tp_collectives(model, config, rows, compute),
+                    _tp_outside_collectives(model, config, rows, residual),
                     _elementwise_bytes(model, config, rows, compute, residual),
                     float(loss_passes * rows * (model.vocab_size // tp) * 4), accumulation)
