@@ -61,8 +61,9 @@ def _collective_sweep(sizes: tuple[int, ...]) -> list[tuple[str, int, float]]:
 
     import torch.distributed as dist
 
-    # funcol.all_gather_tensor, called as the trainer's sequence parallelism calls it, is deprecated in torch 2.13
-    warnings.filterwarnings("ignore", message=".*all_gather_tensor.*", category=FutureWarning)
+    # funcol's all_gather_tensor and reduce_scatter_tensor, called as the trainer's sequence parallelism calls them,
+    # are deprecated in torch 2.13
+    warnings.filterwarnings("ignore", message=".*(all_gather_tensor|reduce_scatter_tensor).*", category=FutureWarning)
     out = []
     for size in sizes:
         calls = max(4, min(100, (4 << 20) // size))
