@@ -5,7 +5,9 @@
 torch 2.13 renames ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
 ``reduce_scatter_single`` (same arguments) and warns on the old names; torch 2.9 has only the old ones.
 The calls look the function up on ``torch.distributed`` each time, so wrappers installed there (the
-trainer's collective tracing) still see them.
+trainer's collective tracing) still see them. The functional collectives were renamed the same way
+(``all_gather_tensor`` / ``reduce_scatter_tensor`` -> ``*_single``): ``functional_all_gather`` and
+``functional_reduce_scatter`` are whichever this torch has.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
@@ -25,6 +28,10 @@ def all_gather_single(output: Any, input: Any, group: Any = None, async_op: bool
 def reduce_scatter_single(output: Any, input: Any, group: Any = None, async_op: bool = False,  # noqa: A002
                           op: Any = dist.ReduceOp.SUM) -> Any:
     return getattr(dist, _REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
+
+
+functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+functional_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 try:  # FSDP2's pluggable reduce-scatter (a private module); without it FSDP2 keeps its own

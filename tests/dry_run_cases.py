@@ -33,6 +33,7 @@ def collective_output_bytes(state: ParallelState) -> dict[str, int]:
     import torch.distributed._functional_collectives as funcol
 
     from bench.tensor_bytes import LiveTensorBytes
+    from cp_train.parallel.compat import functional_all_gather
 
     world = dist.get_world_size()
     x = torch.ones(2**18 // world)  # 1 MiB / world
@@ -42,7 +43,7 @@ def collective_output_bytes(state: ParallelState) -> dict[str, int]:
         tracker.track([x])
         with tracker:
             if name == "all_gather":
-                kept = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, dist.group.WORLD))
+                kept = funcol.wait_tensor(functional_all_gather(x, 0, dist.group.WORLD))
             else:
                 kept = torch.empty(2**18 // world)
                 dist.all_to_all_single(kept, x)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from cp_train.parallel.compat import functional_all_gather
+
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """``(size, rank)`` of this process in ``group``; ``(1, 0)`` for ``None``."""
@@ -34,7 +36,7 @@ def _split_last_dim(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
 
 def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
     if torch.compiler.is_compiling():  # the traceable form: one gather along dim 0, then the parts side by side
-        return torch.cat(funcol.all_gather_tensor(x.contiguous(), 0, group).chunk(size), dim=-1)
+        return torch.cat(functional_all_gather(x.contiguous(), 0, group).chunk(size), dim=-1)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)

@@ -20,11 +20,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from cp_train.parallel.compat import all_gather_single, reduce_scatter_single
+from cp_train.parallel.compat import (
+    all_gather_single,
+    functional_all_gather,
+    functional_reduce_scatter,
+    reduce_scatter_single,
+)
 from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region
 
 
@@ -32,7 +36,7 @@ def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     """``[B, m, ...]`` of each rank -> ``[B, size*m, ...]`` in rank order."""
     front = x.transpose(0, 1).contiguous()
     if torch.compiler.is_compiling():
-        gathered = funcol.all_gather_tensor(front, 0, group)
+        gathered = functional_all_gather(front, 0, group)
     else:
         gathered = front.new_empty((dist.get_world_size(group) * front.shape[0], *front.shape[1:]))
         all_gather_single(gathered, front, group=group)
@@ -43,7 +47,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch
     """``[B, n, ...]`` partial sums of each rank -> this rank's ``[B, n/size, ...]`` of their sum."""
     front = x.transpose(0, 1).contiguous()
     if torch.compiler.is_compiling():
-        shard = funcol.reduce_scatter_tensor(front, "sum", 0, group)
+        shard = functional_reduce_scatter(front, "sum", 0, group)
     else:
         shard = front.new_empty((front.shape[0] // dist.get_world_size(group), *front.shape[1:]))
         reduce_scatter_single(shard, front, group=group)

@@ -34,7 +34,8 @@ def _collective_calls(size: int) -> dict[str, Callable[[], object]]:
     all-gather and reduce-scatter (sequence parallelism, FSDP2), an async all-to-all (Ulysses and the all-gather
     algorithm), an async all-reduce (DDP's buckets)."""
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
+
+    from cp_train.parallel.compat import functional_all_gather, functional_reduce_scatter
 
     world, rank = dist.get_world_size(), dist.get_rank()
     x, recv = torch.ones(size // 4), torch.empty(size // 4)
@@ -49,21 +50,16 @@ def _collective_calls(size: int) -> dict[str, Callable[[], object]]:
 
     return {"all_reduce": lambda: dist.all_reduce(x), "all_gather": lambda: dist.all_gather(parts, x), "p2p": exchange,
             "kind:all_reduce": lambda: dist.all_reduce(x, async_op=True).wait(),
-            "kind:all_gather": lambda: funcol.all_gather_tensor(x, 0, group).wait(),
-            "kind:reduce_scatter": lambda: funcol.reduce_scatter_tensor(full, "sum", 0, group).wait(),
+            "kind:all_gather": lambda: functional_all_gather(x, 0, group).wait(),
+            "kind:reduce_scatter": lambda: functional_reduce_scatter(full, "sum", 0, group).wait(),
             "kind:all_to_all": lambda: dist.all_to_all_single(recv, x, async_op=True).wait()}
 
 
 def _collective_sweep(sizes: tuple[int, ...]) -> list[tuple[str, int, float]]:
     """On every rank of a spawned world: ``[(kind, bytes per rank, seconds)]`` of ``_collective_calls`` at each
     size, the median of three timings of the same number of calls on every rank."""
-    import warnings
-
     import torch.distributed as dist
 
-    # funcol's all_gather_tensor and reduce_scatter_tensor, called as the trainer's sequence parallelism calls them,
-    # are deprecated in torch 2.13
-    warnings.filterwarnings("ignore", message=".*(all_gather_tensor|reduce_scatter_tensor).*", category=FutureWarning)
     out = []
     for size in sizes:
         calls = max(4, min(100, (4 << 20) // size))
