@@ -28,17 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
+from cp_train.parallel.cp.plan.device import CPU, Apply, MovedOnce, plan_device
 from cp_train.parallel.cp.plan.documents import gather_mask_inputs
-from cp_train.parallel.cp.plan.rank_plan import (
-    CPU,
-    Apply,
-    MovedOnce,
-    RankPlan,
-    build_plan,
-    gathered_plan,
-    pair_segments,
-    plan_device,
-)
+from cp_train.parallel.cp.plan.rank_plan import RankPlan, build_plan, gathered_plan, pair_segments
 from cp_train.parallel.cp.plan.segments import Window, pack_keys, runs, visible_intervals, window_pairs
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
 from cp_train.parallel.cp.plan.window_plan import halo_is_cheaper

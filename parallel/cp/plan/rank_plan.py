@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from cp_train.parallel.cp.layout import sequence_positions
+from cp_train.parallel.cp.plan.device import CPU, Apply, MovedOnce, Selector, apply_rows, plan_device
 from cp_train.parallel.cp.plan.segments import (
     Interval,
     Segment,
@@ -37,23 +37,6 @@ from cp_train.parallel.cp.plan.segments import (
     visible_intervals,
 )
 from cp_train.parallel.cp.plan.varlen_plan import MANY_CALLS, VarlenCall, step_varlen
-
-Selector = slice | torch.Tensor | None  # rows picked from a compacted store (None: nothing)
-CPU = torch.device("cpu")
-Apply = Callable[[torch.Tensor], torch.Tensor]  # what a move or a pin does to one index tensor
-
-
-def apply_rows(rows: Selector, fn: Apply) -> Selector:
-    """``fn(rows)`` for an index tensor; a slice or None as it is."""
-    return fn(rows) if isinstance(rows, torch.Tensor) else rows
-
-
-def plan_device(device: torch.device | str) -> torch.device:
-    """``device`` as tensors moved there report it (``cuda`` -> ``cuda:0`` on device 0)."""
-    device = torch.device(device)
-    if device.type in ("cpu", "meta") or device.index is not None:
-        return device
-    return torch.empty(0, device=device).device
 
 
 class KernelCall(NamedTuple):
@@ -114,20 +97,6 @@ class StepPlan:
                 offset = grad[0] - segment.kv[0]
                 calls.append(KernelCall(call, (call.kv[0] + offset, call.kv[1] + offset)))
         return calls
-
-
-class MovedOnce:
-    """``on_device`` for a plan with ``device``, ``cache`` and ``to(device)``: the plan itself when its index
-    tensors are on ``device`` (moved ahead by ``to``, or a CPU plan on the CPU); else a copy moved once and
-    cached, for a caller that did not move the plan."""
-
-    def on_device(self, device: torch.device):  # noqa: ANN201 - the plan's own type
-        if device == self.device:
-            return self
-        key = ("plan", str(device))
-        if key not in self.cache:
-            self.cache[key] = self.to(device)
-        return self.cache[key]
 
 
 @dataclass(frozen=True)

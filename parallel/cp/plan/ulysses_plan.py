@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cp_train.parallel.cp.plan.rank_plan import Apply, RankPlan, Selector, StepPlan, apply_rows
+from cp_train.parallel.cp.plan.device import Apply, Selector, apply_rows
+from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
 from cp_train.parallel.cp.plan.segments import Window, runs, visible_intervals, window_pairs
 
 TOLERANCE = (102, 100)  # the busiest rank's work may exceed the mean by 2%

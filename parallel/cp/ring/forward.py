@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_train.parallel.cp.plan.rank_plan import RankPlan, Selector, StepPlan
+from cp_train.parallel.cp.plan.device import Selector
+from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
 from cp_train.parallel.cp.plan.segments import Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
 from cp_train.parallel.cp.ring.comm import RingComm, Transfer

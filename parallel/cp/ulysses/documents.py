@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
-from cp_train.parallel.cp.plan.rank_plan import Selector
+from cp_train.parallel.cp.plan.device import Selector
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments
 from cp_train.parallel.cp.ring.backward import add_grad, local_grads, step_grads
 from cp_train.parallel.cp.ring.blocks import SavedRows
