@@ -104,7 +104,7 @@ def rank_backward(kernel: AttentionKernel, calls: list[Call], q, k, v, out, lse,
         else:
             dq += grads[0]
     if framework:
-        dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)  # the accumulators cast back: part of the timed work
 
 
 def _time_rank(kernel: AttentionKernel, calls: list[Call], tensors: tuple, scale: float, device: torch.device,

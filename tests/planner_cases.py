@@ -66,9 +66,8 @@ COLLECTIVE_OPS = {"c10d::allreduce_": ("all_reduce", 0), "c10d::_allgather_base_
 def count_tp_collectives(state: Any, config: Any) -> dict[str, list[int]]:
     """One fp32 forward + backward of the model of ``config`` with its loss on this rank (``run_with_parallel``):
     ``{kind: [calls, input bytes]}`` of every collective it issues (the CP attention op's body included)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cp_train.build import build_model
+    from cp_train.plan.calibration.calibrate import OpCounter
 
     seen: dict[str, list[int]] = {}
 
@@ -77,18 +76,13 @@ def count_tp_collectives(state: Any, config: Any) -> dict[str, list[int]]:
             return value.numel() * value.element_size()
         return sum(nbytes(v) for v in value) if isinstance(value, (list, tuple)) else 0
 
-    class Counting(TorchDispatchMode):
+    class Counting(OpCounter):  # every op, the CP attention op's body included; collectives recorded
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
-            name = func._schema.name
-            if name in COLLECTIVE_OPS:
-                kind, index = COLLECTIVE_OPS[name]
+            if func._schema.name in COLLECTIVE_OPS:
+                kind, index = COLLECTIVE_OPS[func._schema.name]
                 entry = seen.setdefault(kind, [0, 0])
                 entry[0], entry[1] = entry[0] + 1, entry[1] + nbytes(args[index])
-            if func.namespace == "cp_train":
-                with self:
-                    return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args,
-                                           **(kwargs or {}))
-            return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
     model, _ = build_model(config, state, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)

@@ -26,6 +26,11 @@ OutLse = tuple[torch.Tensor, torch.Tensor]  # (out, lse) of a forward
 QKVGrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (dq, dk, dv) of a backward
 
 
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in float32, or float64 for float64 inputs (the dtype of lse and of merged outputs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
 class VarlenSegments(NamedTuple):
     """The packed segments of one varlen call: ``cu_q``/``cu_k`` int32 ``[segments + 1]`` cumulative row
     offsets into q and k/v (on their device), ``max_q``/``max_k`` the longest segment's query and key rows."""

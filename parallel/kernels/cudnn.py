@@ -35,6 +35,7 @@ from cp_train.parallel.kernels.contract import (
     OutLse,
     QKVGrads,
     VarlenSegments,
+    accumulator_dtype,
     check_square_causal,
 )
 from cp_train.parallel.kernels.torch_ops import expand_kv, reduce_kv_grad
@@ -55,13 +56,9 @@ def cudnn_unavailable() -> str | None:
     return None
 
 
-def _accumulation_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def one_key_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> OutLse:
     """A 1 x 1 block ([B, 1, H, D] q, [B, 1, Hk, D] k/v), exactly: one key, so out = v and lse = q.k * scale."""
-    dtype, heads = _accumulation_dtype(q), q.shape[2]
+    dtype, heads = accumulator_dtype(q.dtype), q.shape[2]
     lse = (q.to(dtype) * expand_kv(k, heads).to(dtype)).sum(-1).transpose(1, 2) * scale
     return expand_kv(v, heads).to(q.dtype).contiguous(), lse
 
@@ -69,7 +66,7 @@ def one_key_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def one_key_backward(rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, scale: float) -> QKVGrads:
     """The 1 x 1 block's gradients given the *final* out/lse of its rows (the block's probability is
     ``p = exp(q.k * scale - lse)``, 1 only when the block is the row's whole attention)."""
-    dtype, heads, kv_heads = _accumulation_dtype(rows.q), rows.q.shape[2], k.shape[2]
+    dtype, heads, kv_heads = accumulator_dtype(rows.q.dtype), rows.q.shape[2], k.shape[2]
     dout, q, out = (x.to(dtype) for x in rows[:3])
     k_h, v_h = expand_kv(k, heads).to(dtype), expand_kv(v, heads).to(dtype)
     p = torch.exp((q * k_h).sum(-1) * scale - rows.lse.transpose(1, 2).to(dtype))[..., None]  # [B, 1, H, 1]

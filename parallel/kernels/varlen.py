@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads, VarlenSegments
+from cp_train.parallel.kernels.contract import (
+    AttentionKernel,
+    BackwardRows,
+    OutLse,
+    QKVGrads,
+    VarlenSegments,
+    accumulator_dtype,
+)
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -39,7 +46,7 @@ def forward_by_segments(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tenso
                         segments: VarlenSegments, causal: bool, scale: float) -> OutLse:
     """The varlen forward as one dense ``kernel.forward`` call per segment part (merged in fp32)."""
     bq, bk = _bounds(segments.cu_q), _bounds(segments.cu_k)
-    out = torch.empty(q.shape, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
+    out = torch.empty(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=out.dtype, device=q.device)
     for i in range(len(bq) - 1):
         rows, keys = slice(bq[i], bq[i + 1]), (bk[i], bk[i + 1])
@@ -60,7 +67,7 @@ def backward_by_segments(kernel: AttentionKernel, rows: BackwardRows, k: torch.T
     """The varlen backward as dense ``kernel.backward`` calls per segment part (each given the final lse)."""
     dout, q, out, lse = rows
     bq, bk = _bounds(segments.cu_q), _bounds(segments.cu_k)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulator_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
     for i in range(len(bq) - 1):
         part, start = slice(bq[i], bq[i + 1]), bk[i]

@@ -30,7 +30,6 @@ from cp_train.parallel.cp.ring.blocks import BlockGrads, SavedRows
 from cp_train.parallel.cp.ring.comm import RingComm, Transfer
 from cp_train.parallel.cp.ring.forward import (
     GRAD_TAG,
-    accumulator_dtype,
     add_rows,
     head_chunk_bounds,
     one_call,
@@ -40,7 +39,7 @@ from cp_train.parallel.cp.ring.forward import (
 )
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
 from cp_train.parallel.cp.spec import AttentionSpec
-from cp_train.parallel.kernels.contract import BackwardRows, QKVGrads
+from cp_train.parallel.kernels.contract import BackwardRows, QKVGrads, accumulator_dtype
 
 
 def add_grad(total: torch.Tensor, part: torch.Tensor, target: Interval | torch.Tensor) -> None:

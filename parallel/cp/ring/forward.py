@@ -22,6 +22,7 @@ from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
 from cp_train.parallel.cp.ring.comm import RingComm, Transfer
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
 from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.contract import accumulator_dtype
 from cp_train.parallel.kernels.varlen import merge_block
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -32,11 +33,6 @@ def head_chunk_bounds(kv_heads: int, chunks: int) -> list[tuple[int, int]]:
     chunks = max(1, min(chunks, kv_heads))
     edges = [round(i * kv_heads / chunks) for i in range(chunks + 1)]
     return [(edges[i], edges[i + 1]) for i in range(chunks)]
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulate in float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def pick(x: torch.Tensor, rows: Selector) -> torch.Tensor:

@@ -21,11 +21,11 @@ from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.plan.window_plan import flash_window
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.comm import RingComm, count_sent
-from cp_train.parallel.cp.ring.forward import accumulator_dtype, ring_forward
+from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.sinks import apply_sinks, sink_grad
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.cp.ulysses.documents import Pending, UlyssesDocumentsAttention
-from cp_train.parallel.kernels.contract import BackwardRows
+from cp_train.parallel.kernels.contract import BackwardRows, accumulator_dtype
 from cp_train.parallel.mesh.model_parallel import CPGroups
 
 

@@ -26,9 +26,10 @@ from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments
 from cp_train.parallel.cp.ring.backward import add_grad, local_grads, step_grads
 from cp_train.parallel.cp.ring.blocks import SavedRows
 from cp_train.parallel.cp.ring.comm import BYTES_SENT
-from cp_train.parallel.cp.ring.forward import accumulator_dtype, forward_step, plan_rows
+from cp_train.parallel.cp.ring.forward import forward_step, plan_rows
 from cp_train.parallel.cp.sinks import apply_sinks, sink_grad
 from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.contract import accumulator_dtype
 
 Pending = tuple[object, Callable[[], torch.Tensor]]  # (work, the result once it completed)
 
