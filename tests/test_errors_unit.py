@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -69,6 +70,22 @@ def test_collective_failures_name_operation_group_and_timeout(monkeypatch) -> No
         "(Connection closed by peer [10.0.0.2]:5000)")
     assert collectives.explain_collective_failure(RuntimeError("shape mismatch")) is None
     assert collectives.explain_collective_failure(ValueError("timed out")) is None
+
+
+def test_a_failure_on_the_default_group_is_named_after_the_groups_are_destroyed(monkeypatch) -> None:
+    """``dist.all_reduce(x)`` (group None) timed out; the entry point explains it after ``parallel_context`` has
+    destroyed the default group (``dist.group.WORLD`` is None then): still the world group, not ``group ?``."""
+    monkeypatch.setitem(collectives._settings, "timeout_minutes", 0.05)
+    world = object()
+    monkeypatch.setattr(collectives, "_world", [world])
+    monkeypatch.setitem(collectives._labels, id(world), ["world"])
+    monkeypatch.setitem(collectives._ranks, id(world), (0, 1))
+    assert dist.group.WORLD is None  # no default group in this process
+    timeout = RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+    collectives.note_failure(timeout, "all_reduce", None)
+    assert collectives.explain_collective_failure(timeout).startswith(
+        "all_reduce on the world group (ranks 0, 1) timed out after 0.05 min (parallel.timeout_minutes=0.05)")
+    assert collectives.group_name(object()) == "group object"  # an unknown group: its type, never "?"
 
 
 def test_a_failed_ddp_reduction_names_its_collective_though_ddp_rewraps_the_error(monkeypatch) -> None:

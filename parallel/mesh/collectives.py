@@ -43,6 +43,7 @@ _labels: dict[int, list[str]] = {}  # id(process group) -> its roles, e.g. ["cp"
 _ranks: dict[int, tuple[int, ...]] = {}
 _in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Work -> (operation, group)
 _settings: dict[str, float] = {}
+_world: list[Any] = []  # the default group when the trace started: None names it after it is destroyed
 _last_failure: list[tuple[str, str, Any]] = []  # the latest (message, operation, group) that failed
 _installed = False
 
@@ -125,6 +126,7 @@ def trace_collectives(state: ParallelState, timeout_minutes: float) -> None:
         _labels.setdefault(id(axis.group), []).append(role)
         _ranks[id(axis.group)] = axis.ranks
     world = dist.group.WORLD
+    _world[:] = [world]
     _labels.setdefault(id(world), []).append("world")
     _ranks[id(world)] = tuple(range(state.world_size))
     _settings["timeout_minutes"] = timeout_minutes
@@ -132,14 +134,17 @@ def trace_collectives(state: ParallelState, timeout_minutes: float) -> None:
 
 
 def group_name(group: Any) -> str:
-    """``the cp group (ranks 0, 1)``; groups the trace does not know by their torch description."""
-    key = id(group if group is not None else dist.group.WORLD)
+    """``the cp group (ranks 0, 1)``; groups the trace does not know by their torch description. None is the
+    default group, also once it is destroyed (an error is explained after the groups are torn down)."""
+    if group is None:
+        group = _world[0] if _world else dist.group.WORLD
+    key = id(group)
     roles = _labels.get(key)
     if roles:
         also = f"; also {', '.join(roles[1:])} here" if len(roles) > 1 else ""
         ranks = _ranks.get(key, ())
         return f"the {roles[0]} group (ranks {', '.join(map(str, ranks))}{also})"
-    return f"group {getattr(group, 'group_desc', None) or getattr(group, 'group_name', '?')}"
+    return f"group {getattr(group, 'group_desc', None) or getattr(group, 'group_name', None) or type(group).__name__}"
 
 
 def _wrapped_failure(text: str) -> tuple[str | None, Any]:
