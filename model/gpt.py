@@ -214,8 +214,7 @@ class GPTModel(nn.Module):
         if not chunk:
             return vocab_parallel_cross_entropy(self._logits(x), labels, self.parallel.tp_group)
         x, weight = self._head_input(x)
-        losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), self.parallel.tp_group, chunk)
-        return losses.view(labels.shape)
+        return linear_cross_entropy(x.flatten(0, 1), weight, labels, self.parallel.tp_group, chunk)
 
     def compile_parts(self, fullgraph: bool = True) -> list[str]:
         """``torch.compile`` each block's computation (inside its FSDP hooks and its activation checkpoint) and

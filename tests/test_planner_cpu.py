@@ -54,6 +54,7 @@ def test_a_quick_calibration_writes_a_profile_that_loads_and_plans(tmp_path: Pat
     assert hardware.fp32_tflops > 0 and hardware.peak_tflops("fp32") == hardware.fp32_tflops
     assert hardware.attention_kernel == "torch" and 0 < hardware.attention_fraction(32, 256) <= 1
     assert hardware.cpu.cores >= 1 and [link[0] for link in hardware.cpu.collectives] == [2]
+    assert 0 < hardware.cpu.adamw_bytes < 1000  # the trainer's AdamW, as bytes per parameter at the copy rate
     assert {call[1] for call in hardware.cpu.attention_calls} == {"ring", "allgather", "ulysses"}
     prediction = predict(tiny_run(), 2, DeviceRates(hardware), hardware.fp32_tflops, hardware.hbm_gib, 0.0)
     parts = prediction.record()["breakdown_s"]
@@ -205,3 +206,21 @@ def test_a_measured_cost_per_byte_of_the_cp_op_adds_to_its_calls() -> None:
             comm[name, seq] = prediction.breakdown.cp_comm
     extra = {seq: comm["fitted", seq] - comm["plain", seq] for seq in (256, 512)}
     assert extra[256] > 0 and extra[512] == pytest.approx(2 * extra[256])
+
+
+def test_a_measured_adamw_step_prices_the_optimizer() -> None:
+    """``cpu.adamw_bytes``: the optimizer costs the measured bytes per parameter at the rank's memory rate (FSDP:
+    of its shard); without it the fused kernel's 28 B; the quick calibration measures it."""
+    plain, fitted = from_dict(cpu_profile()), from_dict(cpu_profile(adamw_bytes=9.0))
+    assert from_dict(fitted.to_dict()) == fitted and plain.cpu.adamw_bytes == 0.0
+    seconds = {}
+    for name, hardware in (("plain", plain), ("fitted", fitted)):
+        for fsdp in (False, True):
+            config = tiny_run(**{"parallel.fsdp": fsdp})
+            prediction = predict(copy.deepcopy(config), 2, DeviceRates(hardware), 0.1, 16.0, 0.0)
+            seconds[name, fsdp] = prediction.breakdown.optimizer
+    for fsdp in (False, True):
+        assert seconds["plain", fsdp] > 0 and seconds["fitted", fsdp] == pytest.approx(seconds["plain", fsdp] * 9 / 28)
+    assert seconds["plain", True] == pytest.approx(seconds["plain", False] / 2)  # a shard of two
+    with pytest.raises(HardwareError, match="cpu.adamw_bytes"):
+        from_dict(cpu_profile(adamw_bytes=-1.0))

@@ -29,7 +29,9 @@ def test_adamw_groups_skip_decay_for_vectors() -> None:
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and [p.dim() for p in decay["params"]] == [2]
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
-    assert optimizer.defaults["foreach"] is True
+    assert optimizer.defaults["fused"] is True  # auto: torch's fused kernels on CPU as on CUDA
+    foreach = build_optimizer(model, OptimizerConfig(implementation="foreach"), torch.device("cpu"))
+    assert foreach.defaults["foreach"] is True and not foreach.defaults["fused"]
 
 
 def test_global_norm_and_clipping_without_tp() -> None:

@@ -6,7 +6,7 @@ CPU until the device catches up. On CPU nothing stalls, so the tests count the c
 (``tests.test_host_syncs``'s methods): in a run of the tiny model with ``logging.interval`` 4 every step
 but the log steps, an evaluation step and the first (its setup record gathers every rank's sizes once) must
 read nothing; the loader's own reads (on the CPU, in its workers in a real run) are not counted. The
-optimizer is fused AdamW, CUDA's default (CPU's foreach AdamW reads its CPU step counters with ``item``). The
+optimizer is fused AdamW, the default (foreach AdamW reads its CPU step counters with ``item``). The
 losses, gradient norms, evaluations and metrics records must be bitwise those of the same run logging every
 step, and a step that diverged between log steps must still stop the run, named.
 """

@@ -78,7 +78,7 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0  # global gradient norm; 0 turns clipping off
-    implementation: str = "auto"  # torch's AdamW kernels: auto (fused on CUDA, foreach on CPU) | fused | foreach
+    implementation: str = "auto"  # torch's AdamW kernels: auto (fused on CUDA and CPU) | fused | foreach
     impl: str = "auto"  # auto (= torch) | torch (AdamW, as `implementation` says) | apex (apex's FusedAdam, AdamW mode)
 
 

@@ -17,7 +17,8 @@ copies ("gathered") and its activations (``activations.py``):
   blocks (the current one and the next one's gather), the root's unsharded gradient (the head's) and the block's,
   and the previous block's reduce-scatter in flight; without FSDP a tied head's gradient, held until the
   embedding's backward;
-- the optimizer step: foreach AdamW's temporaries (one fp32 tensor per parameter; the fused kernels have none).
+- the optimizer step: foreach AdamW's temporaries (one fp32 tensor per parameter; the fused kernels, the default,
+  have none).
 
 ``parallel.fsdp_reduce: auto`` is resolved by ``resolve_fsdp_reduce`` (per_step when that plan fits the device
 inside the reserve, else per_microbatch), the same way by the dry run and by the trainer.
@@ -44,7 +45,7 @@ from cp_train.model.config import ModelConfig
 from cp_train.model.meta import meta_model
 from cp_train.model.parallelize import fsdp_shard_dim
 from cp_train.model.shards import tensor_parallel_dim
-from cp_train.optim import build_optimizer
+from cp_train.optim import adamw_implementation, build_optimizer
 from cp_train.parallel.cp.algorithms import canonical_algorithm
 from cp_train.parallel.mesh.rank_groups import ParallelDims
 
@@ -209,8 +210,7 @@ def plan(config: Config, world: int, only: list[int] | None = None
                        parallel.sequence_parallel_on, cuda=cuda)
     activations = activation_estimate(config.model, shapes)
     optimizer = config.optimizer
-    foreach = optimizer.impl != "apex" and (optimizer.implementation == "foreach" or (
-        optimizer.implementation == "auto" and not cuda))
+    foreach = optimizer.impl != "apex" and adamw_implementation(optimizer, "cuda" if cuda else "cpu") == "foreach"
     full = _meta_parameters(config.model)
     ranks = []
     for rank in range(dims.world) if only is None else only:

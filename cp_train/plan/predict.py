@@ -146,7 +146,7 @@ def breakdown(work: Workload, rates: Rates) -> Breakdown:
     return Breakdown(matmuls=a * 3 * (blocks + head), attention=a * (attn_f + attn_b),
                      elementwise=a * (3 * (elementwise + loss) + cast_f + cast_b), recompute=a * recompute,
                      cp_comm=a * (cp_f + cp_b), tp_comm=a * (tp_f + tp_b + recompute_tp + tp_outside), data_comm=data,
-                     optimizer=ADAMW_BYTES * local_params / rates.memory_bytes_per_s,
+                     optimizer=(rates.adamw_bytes or ADAMW_BYTES) * local_params / rates.memory_bytes_per_s,
                      host=step_ops(work) * rates.op_seconds)
 
 

@@ -34,6 +34,7 @@ class DeviceRates:
         # a CPU profile's bandwidth is a measured copy: what its memory-bound ops reach
         efficiency = 1.0 if cpu else MEMORY_EFFICIENCY
         self.memory_bytes_per_s = hardware.hbm_tb_s * 1e12 * efficiency * self.compute_scale
+        self.adamw_bytes = cpu.adamw_bytes if cpu and cpu.adamw_bytes else None  # None: the fused kernel's count
         self.call_latency_s = hardware.collective_latency_us * 1e-6
         self._links = {spans: (gb_s * 1e9 * efficiency, latency * 1e-6) for spans, gb_s, efficiency, latency in (
             (False, hardware.nvlink_gb_s, hardware.nvlink_efficiency, hardware.nvlink_latency_us),

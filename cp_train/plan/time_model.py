@@ -40,6 +40,7 @@ class Rates(Protocol):
     call_latency_s: float  # a collective's fixed cost, on top of its per-step latency
     op_seconds: float  # host time per dispatched op (a CPU profile's; 0 on a GPU: launches run ahead)
     cpu_threads: int  # torch threads per CPU rank (``cpu_comm.py``: nothing overlaps); 0 on a GPU
+    adamw_bytes: float | None  # a CPU profile's measured AdamW step per parameter (None: ``ADAMW_BYTES``)
 
     def at_world(self, world: int) -> Rates:
         """These rates for one rank of a layout of ``world`` ranks (CPU ranks share the machine's cores)."""

@@ -43,7 +43,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = x.shape[0]
         row_max = torch.empty(rows, dtype=acc, device=x.device)
         log_sum_exp = torch.empty_like(row_max)
-        loss = torch.empty_like(row_max)
+        shaped = torch.empty(targets.shape, dtype=acc, device=x.device)  # returned whole: not a view (FSDP2 warns)
+        loss, targets = shaped.view(-1), targets.reshape(-1)
         with torch.autocast(x.device.type, enabled=False):
             for start in range(0, rows, chunk_tokens):
                 part = slice(start, min(start + chunk_tokens, rows))
@@ -62,11 +63,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 loss[part] = torch.where(targets[part] == ignore_index, 0.0, log_sum_exp[part] - sums[0])
         ctx.save_for_backward(x, weight, targets, row_max, log_sum_exp)
         ctx.group, ctx.chunk_tokens, ctx.ignore_index, ctx.dtype = group, chunk_tokens, ignore_index, dtype
-        return loss
+        return shaped
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, targets, row_max, log_sum_exp = ctx.saved_tensors
+        grad_loss = grad_loss.reshape(-1)
         _, rank = group_size_and_rank(ctx.group)
         dtype, acc = ctx.dtype, row_max.dtype
         w = weight.to(dtype)
@@ -100,8 +102,9 @@ def _chunk_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, grad_l
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          group: dist.ProcessGroup | None = None, chunk_tokens: int = 1024,
                          ignore_index: int = -100) -> torch.Tensor:
-    """Per-token cross entropy ``[N]`` (fp32; fp64 for fp64 inputs) of the logits ``x @ weight.T`` against
-    global class ids ``targets`` ``[N]``, with ``x`` ``[N, hidden]`` and ``weight`` this TP rank's vocab shard
+    """Per-token cross entropy in ``targets``' shape (fp32; fp64 for fp64 inputs; a tensor of its own, not a
+    view) of the logits ``x @ weight.T`` against global class ids ``targets`` (``N`` of them, any shape, row-major
+    as ``x``'s rows), with ``x`` ``[N, hidden]`` and ``weight`` this TP rank's vocab shard
     ``[vocab/tp, hidden]``; ``chunk_tokens`` rows of logits at a time. Targets equal to ``ignore_index`` get
     loss 0 and no gradient; the others must lie in ``[0, vocab)`` (not checked)."""
     return _LinearCrossEntropy.apply(x, weight, targets, group, chunk_tokens, ignore_index)

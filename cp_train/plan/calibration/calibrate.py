@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_train.metrics.throughput import device_memory_gib
-from cp_train.plan.calibration.calibrate_ranks import measure_ranks
+from cp_train.plan.calibration.calibrate_ranks import MODEL, measure_ranks
 from cp_train.plan.calibration.op_bytes import attention_byte_costs
 from cp_train.plan.inputs.cpu_profile import CpuConstants
 from cp_train.plan.inputs.hardware import AttentionCurve, Hardware
@@ -147,6 +147,23 @@ def copy_bandwidth(mib: int = 128) -> float:
     return 2 * source.nbytes / seconds_per_call(lambda: target.copy_(source), budget=0.2)
 
 
+def adamw_bytes(bandwidth: float) -> float:
+    """The trainer's AdamW step (``build_optimizer``'s default kernels) over cpu-tiny's parameters, as the bytes per
+    parameter a copy at ``bandwidth`` (bytes/s) moves in that time: fused AdamW moves 28 B from memory, but caches
+    serve part of it and foreach's extra passes cost more."""
+    from cp_train.config.schema import OptimizerConfig
+    from cp_train.model.config import ModelConfig
+    from cp_train.model.gpt import GPTModel
+    from cp_train.optim import build_optimizer
+
+    model = GPTModel(ModelConfig(**MODEL))
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer = build_optimizer(model, OptimizerConfig(), torch.device("cpu"))
+    params = sum(p.numel() for p in model.parameters())
+    return seconds_per_call(optimizer.step, budget=0.2) * bandwidth / params
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ops dispatched while active (``ops``): aten and c10d ops, and those inside the project's custom
     ops (the CP attention op's body runs under the mode)."""
@@ -207,7 +224,9 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
                 say(f"attention hd {head_dim} {'causal' if causal else 'full'}: " + ", ".join(
                     f"{n:.0f}: {f:.3f}" for n, f in points))
         bandwidth = copy_bandwidth(32 if quick else 128)
-        say(f"copy {bandwidth / 1e9:.2f} GB/s; host overhead {overhead * 1e6:.2f} us per op")
+        optimizer = adamw_bytes(bandwidth)
+        say(f"copy {bandwidth / 1e9:.2f} GB/s; host overhead {overhead * 1e6:.2f} us per op; AdamW as {optimizer:.1f} "
+            f"copied bytes per parameter")
     finally:
         torch.set_num_threads(threads)
     worlds, sizes = (WORLDS_QUICK, SIZES_QUICK) if quick else (WORLDS, SIZES)
@@ -218,7 +237,8 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
     cpu = CpuConstants(cores, _sig(speedup), _sig(overhead * 1e6), tuple(links), _sig(efficiency),
                        tuple((w, a, c, _sig(us)) for w, a, c, us in calls), tuple(linears),
                        tuple((w, _sig(us)) for w, us in units),
-                       tuple((w, k, _sig(gb), _sig(step), _sig(call)) for w, k, gb, step, call in kinds))
+                       tuple((w, k, _sig(gb), _sig(step), _sig(call)) for w, k, gb, step, call in kinds),
+                       adamw_bytes=_sig(optimizer))
     notes = (f"calibrated {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()} "
              f"({_cpu_model()}), {cores} cores, torch {torch.__version__}{', quick' if quick else ''}: rates per "
              f"core (one thread); cp_train/plan/calibration/calibrate.py")

@@ -42,8 +42,10 @@ KEYS = {"cores": "CPU cores the ranks share (an integer >= 1)",
         "attention_bytes": "optional: the CP attention op's cost above its kernels and its negligible-size cost, per "
                            "MiB of a call's q, k, v and output: a list of [ranks, algorithm, us per MiB]",
         "fsdp_units": "optional: FSDP2's cost per unit (a block or the root) of a forward + backward at a "
-                      "negligible size, a list of [ranks, us] (absent: its collectives' latencies)"}
-OPTIONAL = {"linears", "fsdp_units", "collective_kinds", "attention_bytes"}
+                      "negligible size, a list of [ranks, us] (absent: its collectives' latencies)",
+        "adamw_bytes": "optional: the trainer's AdamW step per parameter, one thread, as the bytes a copy moves in "
+                       "that time (absent: the 28 B fused AdamW reads and writes)"}
+OPTIONAL = {"linears", "fsdp_units", "collective_kinds", "attention_bytes", "adamw_bytes"}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 Link = tuple[int, float, float, float]  # (ranks, GB/s per rank, step latency us, call latency us)
 Call = tuple[int, str, int, float]  # (ranks, algorithm, kv-head chunks, us)
@@ -65,6 +67,7 @@ class CpuConstants:
     fsdp_units: tuple[tuple[int, float], ...] = ()
     collective_kinds: tuple[tuple[int, str, float, float, float], ...] = ()
     attention_bytes: tuple[tuple[int, str, float], ...] = ()
+    adamw_bytes: float = 0.0  # 0: absent
 
     def threads(self, ranks: int) -> int:
         """Torch threads per rank when ``ranks`` processes share the machine."""
@@ -161,7 +164,8 @@ class CpuConstants:
                    if self.attention_bytes else {}),
                 **({"collective_kinds": [[int(w), k, float(gb), float(step), float(call)]
                                          for w, k, gb, step, call in self.collective_kinds]}
-                   if self.collective_kinds else {})}
+                   if self.collective_kinds else {}),
+                **({"adamw_bytes": float(self.adamw_bytes)} if self.adamw_bytes else {})}
 
 
 def _by_world(points: list[tuple[int, tuple[float, ...]]], world: int) -> tuple[float, ...]:
@@ -257,4 +261,5 @@ def parse_cpu(value: Any, source: str) -> CpuConstants | None:
                          (_whole(2), algorithm, zero))
     return CpuConstants(cores, speedup, _positive(value["op_overhead_us"], "op_overhead_us", source, zero=True),
                         tuple(parsed), efficiency, parsed_calls, parsed_linears, parsed_units, parsed_kinds,
-                        parsed_bytes)
+                        parsed_bytes, _positive(value["adamw_bytes"], "adamw_bytes", source) if "adamw_bytes" in value
+                        else 0.0)
