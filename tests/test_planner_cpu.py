@@ -56,6 +56,7 @@ def test_a_quick_calibration_writes_a_profile_that_loads_and_plans(tmp_path: Pat
     assert hardware.cpu.cores >= 1 and [link[0] for link in hardware.cpu.collectives] == [2]
     assert 0 < hardware.cpu.adamw_bytes < 1000  # the trainer's AdamW, as bytes per parameter at the copy rate
     assert {call[1] for call in hardware.cpu.attention_calls} == {"ring", "allgather", "ulysses"}
+    assert {row[1] for row in hardware.cpu.attention_in_step} == {"ring", "allgather", "ulysses"}
     prediction = predict(tiny_run(), 2, DeviceRates(hardware), hardware.fp32_tflops, hardware.hbm_gib, 0.0)
     parts = prediction.record()["breakdown_s"]
     assert prediction.step_time_s > 0 and parts["host"] > 0 and parts["cp_comm"] > 0
@@ -224,3 +225,21 @@ def test_a_measured_adamw_step_prices_the_optimizer() -> None:
     assert seconds["plain", True] == pytest.approx(seconds["plain", False] / 2)  # a shard of two
     with pytest.raises(HardwareError, match="cpu.adamw_bytes"):
         from_dict(cpu_profile(adamw_bytes=-1.0))
+
+
+def test_a_measured_in_step_cost_adds_to_every_cp_call() -> None:
+    """``cpu.attention_in_step``: each CP attention op call of a step (one per layer and micro-batch, forward and
+    backward together) costs its measured extra between GEMMs, in proportion to the group's ranks less one."""
+    in_step = [[2, "ring", 1000.0], [4, "ring", 6000.0]]
+    plain, fitted = from_dict(cpu_profile()), from_dict(cpu_profile(attention_in_step=in_step))
+    assert from_dict(fitted.to_dict()) == fitted and not plain.cpu.attention_in_step
+    assert fitted.cpu.attention_in_step_us("ring", 4, 4) == 6000.0
+    assert fitted.cpu.attention_in_step_us("ring", 4, 2) == pytest.approx(2000.0)  # one hop of three
+    assert fitted.cpu.attention_in_step_us("ulysses", 4, 4) == 0.0
+    config = tiny_run(**{"model.activation_checkpointing": "none"})
+    comm = {name: predict(copy.deepcopy(config), 2, DeviceRates(hardware), 0.1, 16.0, 0.0).breakdown.cp_comm
+            for name, hardware in (("plain", plain), ("fitted", fitted))}
+    calls = config.model.num_layers * config.train.global_batch_size // config.train.micro_batch_size
+    assert comm["fitted"] - comm["plain"] == pytest.approx(calls * 1e-3)
+    with pytest.raises(HardwareError, match="cpu.attention_in_step"):
+        from_dict(cpu_profile(attention_in_step=[[2, "hybrid", 1.0]]))

@@ -54,9 +54,13 @@ class DeviceRates:
         return DeviceRates(self.hardware, self.precision, self.kernel, world)
 
     def cp_call_seconds(self, algorithm: str, group: int, chunks: int) -> float:
-        """A CPU profile's measured cost of one CP attention op call (``CpuConstants.attention_call_us``)."""
+        """A CPU profile's measured cost of one CP attention op call in a step (``CpuConstants.attention_call_us``
+        alone, plus ``attention_in_step_us``)."""
         cpu = self.hardware.cpu
-        return cpu.attention_call_us(algorithm, self.world, group, chunks) * 1e-6 if cpu else 0.0
+        if cpu is None:
+            return 0.0
+        return (cpu.attention_call_us(algorithm, self.world, group, chunks)
+                + cpu.attention_in_step_us(algorithm, self.world, group)) * 1e-6
 
     def cp_byte_seconds(self, algorithm: str, group: int, size: float) -> float:
         """A CPU profile's measured cost of a CP attention op call beyond its negligible size, for ``size`` bytes of

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_train.metrics.throughput import device_memory_gib
 from cp_train.plan.calibration.calibrate_ranks import MODEL, measure_ranks
-from cp_train.plan.calibration.op_bytes import attention_byte_costs
+from cp_train.plan.calibration.op_bytes import attention_byte_costs, attention_in_step_costs
 from cp_train.plan.inputs.cpu_profile import CpuConstants
 from cp_train.plan.inputs.hardware import AttentionCurve, Hardware
 from cp_train.plan.workload import ATTENTION_BACKWARD
@@ -230,8 +230,8 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
     finally:
         torch.set_num_threads(threads)
     worlds, sizes = (WORLDS_QUICK, SIZES_QUICK) if quick else (WORLDS, SIZES)
-    links, calls, efficiency, speedup, units, kinds, sized = measure_ranks(worlds, sizes, cores, 3 if quick else 5,
-                                                                            say)
+    links, calls, efficiency, speedup, units, kinds, sized, in_step = measure_ranks(worlds, sizes, cores,
+                                                                                     3 if quick else 5, say)
     links = [(ranks, _sig(gb_s), _sig(step_us), _sig(call_us)) for ranks, gb_s, step_us, call_us in links]
     _, gb_s, step_us, call_us = links[0]
     cpu = CpuConstants(cores, _sig(speedup), _sig(overhead * 1e6), tuple(links), _sig(efficiency),
@@ -251,7 +251,9 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
                         gpus_per_node=1024, notes=notes, compute_dtype="fp32", fp32_tflops=_sig(peak / 1e12),
                         gemm_fp32=tuple((flops, _sig(min(1.0, rate / peak))) for flops, rate in gemm), cpu=cpu)
     per_byte = attention_byte_costs(hardware, sized, say)  # on the rates just measured
-    return replace(hardware, cpu=replace(cpu, attention_bytes=tuple((w, a, _sig(us)) for w, a, us in per_byte)))
+    per_call = attention_in_step_costs(hardware, in_step, say)
+    return replace(hardware, cpu=replace(cpu, attention_bytes=tuple((w, a, _sig(us)) for w, a, us in per_byte),
+                                         attention_in_step=tuple((w, a, _sig(us)) for w, a, us in per_call)))
 
 
 def _sig(value: float, digits: int = 4) -> float:

@@ -120,6 +120,8 @@ def _median_seconds(call: Callable[[], object], repeats: int) -> float:
 
 # the sized call (``attention_call_sweep``): rows per rank, head_dim, samples
 SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH = 256, 32, 2
+# the GEMM before each call in a step: 0.52 GFLOP, about one cpu-tiny layer's forward linears at cp 2 (0.40)
+PHASE_SIZE = 640
 
 
 def _attention_call(algorithm: str, chunks: int, rows: int = 8, head_dim: int = 8, batch: int = 1
@@ -152,20 +154,26 @@ def call_bytes(algorithm: str, world: int, rows: int = 8, head_dim: int = 8, bat
 
 def attention_call_sweep(repeats: int = 5, rounds: int = 3) -> tuple[list[tuple[str, int, float]],
                                                                      list[tuple[str, float]]]:
-    """On every rank: ``([(algorithm, kv-head chunks, seconds)], [(algorithm, seconds)])``: ``_attention_call`` at a
-    negligible size with one and two chunks, and at the sized shape (``SIZED_*``, one chunk, the kernel's
-    arithmetic included: ``calibrate.py`` takes the planned kernel time out); each the fastest of ``rounds`` medians
-    of ``repeats`` calls, the rounds taking turns (a burst of other work on a shared machine spoils one round, not
-    the figure)."""
-    calls = {(algorithm, chunks): _attention_call(algorithm, chunks) for algorithm in ALGORITHMS for chunks in (1, 2)}
+    """On every rank: ``([(algorithm, kv-head chunks, seconds)], [(algorithm, seconds)], [(algorithm, seconds)])``:
+    ``_attention_call`` at a negligible size with one and two chunks; at the sized shape (``SIZED_*``, one chunk, the
+    kernel's arithmetic included: ``calibrate.py`` takes the planned kernel time out); and in a step (one chunk, each
+    call after a ``PHASE_SIZE`` GEMM, as a layer's linears precede it: the seconds of two GEMMs and two calls).
+    Each the fastest of ``rounds`` medians of ``repeats`` calls, the rounds taking turns (a burst of other work on a
+    shared machine spoils one round, not the figure)."""
+    calls: dict[tuple[str, int], Callable[[], object]] = {
+        (algorithm, chunks): _attention_call(algorithm, chunks) for algorithm in ALGORITHMS for chunks in (1, 2)}
     calls.update({(algorithm, 0): _attention_call(algorithm, 1, SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH)
+                  for algorithm in ALGORITHMS})
+    a, b = torch.randn(PHASE_SIZE, PHASE_SIZE), torch.randn(PHASE_SIZE, PHASE_SIZE)
+    calls.update({(algorithm, -1): lambda call=calls[algorithm, 1]: (torch.mm(a, b), call(), torch.mm(a, b), call())
                   for algorithm in ALGORITHMS})
     best = {key: math.inf for key in calls}
     for _ in range(rounds):
         for key, call in calls.items():
             best[key] = min(best[key], _median_seconds(call, repeats))
-    return ([(algorithm, chunks, seconds) for (algorithm, chunks), seconds in best.items() if chunks],
-            [(algorithm, seconds) for (algorithm, chunks), seconds in best.items() if not chunks])
+    return ([(algorithm, chunks, seconds) for (algorithm, chunks), seconds in best.items() if chunks > 0],
+            [(algorithm, seconds) for (algorithm, chunks), seconds in best.items() if chunks == 0],
+            [(algorithm, seconds) for (algorithm, chunks), seconds in best.items() if chunks < 0])
 
 
 FSDP_LAYERS = 4
@@ -221,13 +229,14 @@ def model_step_seconds(repeats: int = 5, threads: int = 1) -> float:
 
 
 def measure_ranks(worlds: tuple[int, ...], sizes: tuple[int, ...], cores: int, repeats: int,
-                  say: Callable[[str], None]) -> tuple[list, list, float, float, list, list, list]:
+                  say: Callable[[str], None]) -> tuple[list, list, float, float, list, list, list, list]:
     """Gloo links, the CP attention op's cost per call and FSDP's per unit at each of ``worlds``, the sharing
     efficiency and the model step's speedup on all ``cores`` threads: ``([(ranks, GB/s, step us, call us)],
-    [[ranks, algorithm, chunks, us]], efficiency, speedup, [[ranks, us per FSDP unit]])``."""
+    [[ranks, algorithm, chunks, us]], efficiency, speedup, [[ranks, us per FSDP unit]], [(ranks, kind, GB/s, step
+    us, call us)], [(ranks, algorithm, sized call s)], [(ranks, algorithm, in-step pair s)])``."""
     from cp_train.parallel.spawn import SpawnedWorld
 
-    links, calls, units, kinds, sized = [], [], [], [], []
+    links, calls, units, kinds, sized, in_step = [], [], [], [], [], []
     with SpawnedWorld(1, threads=1, timeout_s=300) as spawned:
         alone = spawned.run(model_step_seconds)[0]
         speedup = min(float(cores), max(1.0, alone / spawned.run(model_step_seconds, threads=cores)[0]))
@@ -240,10 +249,11 @@ def measure_ranks(worlds: tuple[int, ...], sizes: tuple[int, ...], cores: int, r
                 mine = [(kind, size, t) for name, size, t in samples
                         if name == f"kind:{kind}" or (kind == "p2p" and name == "p2p")]
                 kinds.append((world, kind, *fit_link(world, mine)))
-            small, sized_calls = spawned.run(attention_call_sweep, repeats)[0]
+            small, sized_calls, step_pairs = spawned.run(attention_call_sweep, repeats)[0]
             for algorithm, chunks, seconds in small:
                 calls.append([world, algorithm, chunks, seconds * 1e6])
             sized.extend((world, algorithm, seconds) for algorithm, seconds in sized_calls)
+            in_step.extend((world, algorithm, seconds) for algorithm, seconds in step_pairs)
             units.append([world, max(spawned.run(fsdp_unit_seconds, repeats)) * 1e6])
             if world == cores:
                 shared = statistics.median(spawned.run(model_step_seconds))
@@ -255,4 +265,4 @@ def measure_ranks(worlds: tuple[int, ...], sizes: tuple[int, ...], cores: int, r
     efficiency = min(1.0, alone / shared)
     say(f"model step alone {alone * 1000:.1f} ms, {speedup:.2f}x faster on {cores} threads; sharing: {cores} "
         f"one-thread ranks at once each run at {efficiency:.2f} of one alone")
-    return links, calls, efficiency, speedup, units, kinds, sized
+    return links, calls, efficiency, speedup, units, kinds, sized, in_step

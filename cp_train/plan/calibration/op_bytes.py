@@ -1,4 +1,5 @@
-"""The CP attention op's cost beyond what the planner plans for it, per byte (``cpu.attention_bytes``).
+"""The CP attention op's costs beyond what the planner plans for it: per byte (``cpu.attention_bytes``) and per
+call inside a step (``cpu.attention_in_step``).
 
 At a negligible size the op costs its Python, dispatch and message posting (``attention_calls``); at a real size it
 costs more than that plus its kernels and its bytes at gloo's bandwidth: layout copies, the all-to-alls' buffers,
@@ -47,4 +48,25 @@ def attention_byte_costs(hardware: Hardware, sized: list[tuple[int, str, float]]
         say(f"CP attention op {algorithm} at {world} ranks, {SIZED_ROWS} rows: {seconds * 1e3:.2f} ms, kernels "
             f"planned {1e3 * (forward + backward):.2f} ms, the rest planned {1e3 * (planned - forward - backward):.2f} "
             f"ms, {out[-1][2]:.0f} us per MiB beyond")
+    return tuple(out)
+
+
+def attention_in_step_costs(hardware: Hardware, pairs: list[tuple[int, str, float]], say: Callable[[str], None]
+                            ) -> tuple[tuple[int, str, float], ...]:
+    """``[(ranks, algorithm, us per call)]``: what a negligible CP attention op call costs between GEMMs (``pairs``:
+    ``[(ranks, algorithm, seconds of two PHASE_SIZE GEMMs and two calls)]``) beyond its cost alone and the GEMMs at
+    the profile's rate for a rank of that world. Ranks that compute arrive at the op apart (more of them than cores:
+    in the scheduler's time slices), and the op waits for the last."""
+    from cp_train.plan.calibration.calibrate_ranks import PHASE_SIZE
+    from cp_train.plan.rates import DeviceRates
+
+    out = []
+    for world, algorithm, seconds in pairs:
+        rates = DeviceRates(hardware, world=world)
+        gemm = 2.0 * PHASE_SIZE**3 / rates.matmul(PHASE_SIZE, PHASE_SIZE, PHASE_SIZE)
+        alone = hardware.cpu.attention_call_us(algorithm, world, world, 1) * 1e-6 if hardware.cpu else 0.0
+        out.append((world, algorithm, max(0.0, 1e6 * (seconds / 2 - gemm - alone))))
+        say(f"CP attention op {algorithm} at {world} ranks in a step: {seconds / 2 * 1e3:.2f} ms a GEMM and a call, "
+            f"the GEMM planned {gemm * 1e3:.2f} ms, the call alone {alone * 1e3:.2f} ms: "
+            f"{out[-1][2] / 1e3:.2f} ms more")
     return tuple(out)

@@ -44,8 +44,10 @@ KEYS = {"cores": "CPU cores the ranks share (an integer >= 1)",
         "fsdp_units": "optional: FSDP2's cost per unit (a block or the root) of a forward + backward at a "
                       "negligible size, a list of [ranks, us] (absent: its collectives' latencies)",
         "adamw_bytes": "optional: the trainer's AdamW step per parameter, one thread, as the bytes a copy moves in "
-                       "that time (absent: the 28 B fused AdamW reads and writes)"}
-OPTIONAL = {"linears", "fsdp_units", "collective_kinds", "attention_bytes", "adamw_bytes"}
+                       "that time (absent: the 28 B fused AdamW reads and writes)",
+        "attention_in_step": "optional: the CP attention op's cost per call between a layer's GEMMs beyond its cost "
+                             "alone (ranks arriving apart): a list of [ranks, algorithm, us]"}
+OPTIONAL = {"linears", "fsdp_units", "collective_kinds", "attention_bytes", "adamw_bytes", "attention_in_step"}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 Link = tuple[int, float, float, float]  # (ranks, GB/s per rank, step latency us, call latency us)
 Call = tuple[int, str, int, float]  # (ranks, algorithm, kv-head chunks, us)
@@ -68,6 +70,7 @@ class CpuConstants:
     collective_kinds: tuple[tuple[int, str, float, float, float], ...] = ()
     attention_bytes: tuple[tuple[int, str, float], ...] = ()
     adamw_bytes: float = 0.0  # 0: absent
+    attention_in_step: tuple[tuple[int, str, float], ...] = ()
 
     def threads(self, ranks: int) -> int:
         """Torch threads per rank when ``ranks`` processes share the machine."""
@@ -102,6 +105,14 @@ class CpuConstants:
             by_chunks[chunk] = _by_world(points, world)[0] if points else 0.0
         per_call = by_chunks[1] + max(0.0, by_chunks[2] - by_chunks[1]) * (chunks - 1)
         return per_call * (group - 1) / (max(world, 2) - 1)
+
+    def attention_in_step_us(self, algorithm: str, world: int, group: int) -> float:
+        """Microseconds one CP attention op call costs inside a step beyond its cost alone (``attention_in_step`` at
+        the world size, in proportion to the group's ranks less one as ``attention_call_us``; 0 when not measured)."""
+        points = [(w, (us,)) for w, a, us in self.attention_in_step if a == algorithm]
+        if group <= 1 or not points:
+            return 0.0
+        return _by_world(points, world)[0] * (group - 1) / (max(world, 2) - 1)
 
     def attention_byte_us(self, algorithm: str, world: int, group: int) -> float:
         """Microseconds per MiB of a CP attention op call's tensors (``attention_bytes`` at the world size, in
@@ -165,7 +176,9 @@ class CpuConstants:
                 **({"collective_kinds": [[int(w), k, float(gb), float(step), float(call)]
                                          for w, k, gb, step, call in self.collective_kinds]}
                    if self.collective_kinds else {}),
-                **({"adamw_bytes": float(self.adamw_bytes)} if self.adamw_bytes else {})}
+                **({"adamw_bytes": float(self.adamw_bytes)} if self.adamw_bytes else {}),
+                **({"attention_in_step": [[int(w), a, float(us)] for w, a, us in self.attention_in_step]}
+                   if self.attention_in_step else {})}
 
 
 def _by_world(points: list[tuple[int, tuple[float, ...]]], world: int) -> tuple[float, ...]:
@@ -259,7 +272,9 @@ def parse_cpu(value: Any, source: str) -> CpuConstants | None:
                          "call us]", (_whole(2), _choice(KINDS), number, zero, zero))
     parsed_bytes = _rows(value, "attention_bytes", source, f"[ranks >= 2, one of {algorithms}, us per MiB]",
                          (_whole(2), algorithm, zero))
+    parsed_in_step = _rows(value, "attention_in_step", source, f"[ranks >= 2, one of {algorithms}, us]",
+                           (_whole(2), algorithm, zero))
     return CpuConstants(cores, speedup, _positive(value["op_overhead_us"], "op_overhead_us", source, zero=True),
                         tuple(parsed), efficiency, parsed_calls, parsed_linears, parsed_units, parsed_kinds,
                         parsed_bytes, _positive(value["adamw_bytes"], "adamw_bytes", source) if "adamw_bytes" in value
-                        else 0.0)
+                        else 0.0, parsed_in_step)
