@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/op
 
 from bench.common import emit, glibc_malloc  # noqa: E402
 from bench.planner import CASES, case_config  # noqa: E402
-from cp_train.config.schema import OptimizerConfig  # noqa: E402
 from cp_train.parallel.mesh.state import ParallelState, run_with_parallel  # noqa: E402
 from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
 
@@ -34,21 +33,13 @@ IMPLEMENTATIONS = ("foreach", "fused")
 
 
 def adamw_seconds(implementation: str) -> float:
-    """One AdamW step over cpu-tiny's parameters with ``implementation``, one thread."""
-    from cp_train.model.config import ModelConfig
-    from cp_train.model.gpt import GPTModel
-    from cp_train.optim import build_optimizer
-    from cp_train.plan.calibration.calibrate import seconds_per_call
-    from cp_train.plan.calibration.calibrate_ranks import MODEL
+    """One AdamW step over cpu-tiny's parameters with ``implementation``, one thread (the calibration's timing)."""
+    from cp_train.plan.calibration.calibrate import adamw_step_seconds
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = GPTModel(ModelConfig(**MODEL))
-        for param in model.parameters():
-            param.grad = torch.randn_like(param)
-        optimizer = build_optimizer(model, OptimizerConfig(implementation=implementation), torch.device("cpu"))
-        return seconds_per_call(optimizer.step, budget=0.3)
+        return adamw_step_seconds(implementation, budget=0.3)[0]
     finally:
         torch.set_num_threads(threads)
 

@@ -147,10 +147,9 @@ def copy_bandwidth(mib: int = 128) -> float:
     return 2 * source.nbytes / seconds_per_call(lambda: target.copy_(source), budget=0.2)
 
 
-def adamw_bytes(bandwidth: float) -> float:
-    """The trainer's AdamW step (``build_optimizer``'s default kernels) over cpu-tiny's parameters, as the bytes per
-    parameter a copy at ``bandwidth`` (bytes/s) moves in that time: fused AdamW moves 28 B from memory, but caches
-    serve part of it and foreach's extra passes cost more."""
+def adamw_step_seconds(implementation: str = "auto", budget: float = 0.2) -> tuple[float, int]:
+    """``(seconds, parameters)`` of one AdamW step (``build_optimizer`` with ``optimizer.implementation``) over
+    cpu-tiny's parameters with random gradients, on the current threads."""
     from cp_train.config.schema import OptimizerConfig
     from cp_train.model.config import ModelConfig
     from cp_train.model.gpt import GPTModel
@@ -159,9 +158,16 @@ def adamw_bytes(bandwidth: float) -> float:
     model = GPTModel(ModelConfig(**MODEL))
     for param in model.parameters():
         param.grad = torch.randn_like(param)
-    optimizer = build_optimizer(model, OptimizerConfig(), torch.device("cpu"))
-    params = sum(p.numel() for p in model.parameters())
-    return seconds_per_call(optimizer.step, budget=0.2) * bandwidth / params
+    optimizer = build_optimizer(model, OptimizerConfig(implementation=implementation), torch.device("cpu"))
+    return seconds_per_call(optimizer.step, budget=budget), sum(p.numel() for p in model.parameters())
+
+
+def adamw_bytes(bandwidth: float) -> float:
+    """The trainer's AdamW step (the default kernels) as the bytes per parameter a copy at ``bandwidth`` (bytes/s)
+    moves in that time: fused AdamW moves 28 B from memory, but caches serve part of it and foreach's extra passes
+    cost more."""
+    seconds, params = adamw_step_seconds()
+    return seconds * bandwidth / params
 
 
 class OpCounter(TorchDispatchMode):

@@ -107,20 +107,12 @@ class CpuConstants:
         return per_call * (group - 1) / (max(world, 2) - 1)
 
     def attention_in_step_us(self, algorithm: str, world: int, group: int) -> float:
-        """Microseconds one CP attention op call costs inside a step beyond its cost alone (``attention_in_step`` at
-        the world size, in proportion to the group's ranks less one as ``attention_call_us``; 0 when not measured)."""
-        points = [(w, (us,)) for w, a, us in self.attention_in_step if a == algorithm]
-        if group <= 1 or not points:
-            return 0.0
-        return _by_world(points, world)[0] * (group - 1) / (max(world, 2) - 1)
+        """Microseconds one CP attention op call costs inside a step beyond its cost alone (``attention_in_step``)."""
+        return _per_group(self.attention_in_step, algorithm, world, group)
 
     def attention_byte_us(self, algorithm: str, world: int, group: int) -> float:
-        """Microseconds per MiB of a CP attention op call's tensors (``attention_bytes`` at the world size, in
-        proportion to the group's ranks less one as ``attention_call_us``; 0 when not measured)."""
-        points = [(w, (us,)) for w, a, us in self.attention_bytes if a == algorithm]
-        if group <= 1 or not points:
-            return 0.0
-        return _by_world(points, world)[0] * (group - 1) / (max(world, 2) - 1)
+        """Microseconds per MiB of a CP attention op call's tensors (``attention_bytes``)."""
+        return _per_group(self.attention_bytes, algorithm, world, group)
 
     def kind_link_at(self, kind: str, ranks: int) -> tuple[float, float, float] | None:
         """``(GB/s per rank, step latency us, call latency us)`` of ``kind`` at a world of ``ranks``
@@ -179,6 +171,15 @@ class CpuConstants:
                 **({"adamw_bytes": float(self.adamw_bytes)} if self.adamw_bytes else {}),
                 **({"attention_in_step": [[int(w), a, float(us)] for w, a, us in self.attention_in_step]}
                    if self.attention_in_step else {})}
+
+
+def _per_group(rows: tuple[tuple[int, str, float], ...], algorithm: str, world: int, group: int) -> float:
+    """``rows``' ``[ranks, algorithm, us]`` of ``algorithm`` at the world size, in proportion to the group's ranks
+    less one as ``CpuConstants.attention_call_us``; 0 when not measured."""
+    points = [(w, (us,)) for w, a, us in rows if a == algorithm]
+    if group <= 1 or not points:
+        return 0.0
+    return _by_world(points, world)[0] * (group - 1) / (max(world, 2) - 1)
 
 
 def _by_world(points: list[tuple[int, tuple[float, ...]]], world: int) -> tuple[float, ...]:
