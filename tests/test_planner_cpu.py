@@ -77,7 +77,9 @@ def test_cpu_rates_scale_with_the_ranks_sharing_the_cores() -> None:
     assert rates[2].link(False) == pytest.approx((2e9, 1e-4)) and rates[4].link(True) == pytest.approx((1e9, 4e-4))
     assert one.at_world(3).link(False)[0] == pytest.approx(1.5e9)  # between the measured worlds
     assert rates[4].cp_call_seconds("ring", 4, 3) == pytest.approx(0.035)  # linear in the chunks
-    assert rates[4].cp_call_seconds("ring", 2, 1) == pytest.approx(0.015 / 3)  # one hop of three
+    # a pair in a world of 4 on 2 cores: a pair alone (its world of 2), twice as slow with twice the ranks per core
+    assert rates[4].cp_call_seconds("ring", 2, 1) == pytest.approx(2 * 0.003)
+    assert rates[2].cp_call_seconds("ring", 2, 1) == pytest.approx(0.003)
     gpu = DeviceRates(load_hardware("h100-sxm"))
     assert gpu.at_world(64) is gpu and gpu.op_seconds == 0 and gpu.cpu_threads == 0
 
@@ -126,10 +128,14 @@ def test_the_command_line_plans_a_cpu_layout_from_a_profile_file(tmp_path: Path,
     ({"shared_efficiency": 1.5}, ("cpu.shared_efficiency", "fraction")),
     ({"attention_calls": [[2, "hybrid", 1, 10.0]]}, ("cpu.attention_calls", "ring, allgather, ulysses")),
     ({"collectives": []}, ("cpu.collectives", "non-empty")),
+    ({"tp_in_step": []}, ("unknown key(s) tp_in_step", "remove them")),
+    ({"attention_calls": None}, ("cpu lacks attention_calls", "--calibrate")),
 ])
 def test_a_bad_cpu_section_names_the_key(change: dict, words: tuple[str, ...]) -> None:
+    profile = cpu_profile(**change)
+    profile["cpu"] = {key: value for key, value in profile["cpu"].items() if value is not None}
     with pytest.raises(HardwareError) as error:
-        from_dict(cpu_profile(**change), "hardware file cpu.yaml")
+        from_dict(profile, "hardware file cpu.yaml")
     message = str(error.value)
     assert "\n" not in message and "hardware file cpu.yaml" in message
     for word in words:
@@ -197,7 +203,7 @@ def test_a_measured_cost_per_byte_of_the_cp_op_adds_to_its_calls() -> None:
     plain, fitted = from_dict(cpu_profile()), from_dict(cpu_profile(attention_bytes=per_mib))
     assert from_dict(fitted.to_dict()) == fitted
     assert fitted.cpu.attention_byte_us("ulysses", 4, 4) == 6000.0
-    assert fitted.cpu.attention_byte_us("ring", 4, 2) == pytest.approx(1000.0)  # one hop of three
+    assert fitted.cpu.attention_byte_us("ring", 4, 2) == pytest.approx(2 * 1000.0)  # a pair, ranks 2x the cores
     assert fitted.cpu.attention_byte_us("allgather", 4, 4) == 0.0
     comm = {}
     for seq in (256, 512):
@@ -229,12 +235,13 @@ def test_a_measured_adamw_step_prices_the_optimizer() -> None:
 
 def test_a_measured_in_step_cost_adds_to_every_cp_call() -> None:
     """``cpu.attention_in_step``: each CP attention op call of a step (one per layer and micro-batch, forward and
-    backward together) costs its measured extra between GEMMs, in proportion to the group's ranks less one."""
+    backward together) costs its measured extra between GEMMs; a smaller group its own world's, slowed as the world
+    outnumbers the cores beyond it."""
     in_step = [[2, "ring", 1000.0], [4, "ring", 6000.0]]
     plain, fitted = from_dict(cpu_profile()), from_dict(cpu_profile(attention_in_step=in_step))
     assert from_dict(fitted.to_dict()) == fitted and not plain.cpu.attention_in_step
     assert fitted.cpu.attention_in_step_us("ring", 4, 4) == 6000.0
-    assert fitted.cpu.attention_in_step_us("ring", 4, 2) == pytest.approx(2000.0)  # one hop of three
+    assert fitted.cpu.attention_in_step_us("ring", 4, 2) == pytest.approx(2 * 1000.0)  # a pair, ranks 2x the cores
     assert fitted.cpu.attention_in_step_us("ulysses", 4, 4) == 0.0
     config = tiny_run(**{"model.activation_checkpointing": "none"})
     comm = {name: predict(copy.deepcopy(config), 2, DeviceRates(hardware), 0.1, 16.0, 0.0).breakdown.cp_comm

@@ -256,10 +256,11 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
                         gemm_bf16=(), gemm_fp8=(), attention=tuple(curves), attention_kernel=KERNEL,
                         gpus_per_node=1024, notes=notes, compute_dtype="fp32", fp32_tflops=_sig(peak / 1e12),
                         gemm_fp32=tuple((flops, _sig(min(1.0, rate / peak))) for flops, rate in gemm), cpu=cpu)
-    per_byte = attention_byte_costs(hardware, sized, say)  # on the rates just measured
-    per_call = attention_in_step_costs(hardware, in_step, say)
-    return replace(hardware, cpu=replace(cpu, attention_bytes=tuple((w, a, _sig(us)) for w, a, us in per_byte),
-                                         attention_in_step=tuple((w, a, _sig(us)) for w, a, us in per_call)))
+    per_call = attention_in_step_costs(hardware, in_step, say)  # on the rates just measured
+    hardware = replace(hardware, cpu=replace(cpu, attention_in_step=tuple((w, a, _sig(us)) for w, a, us in per_call)))
+    per_byte = attention_byte_costs(hardware, sized, say)  # beyond the in-step cost just measured
+    return replace(hardware, cpu=replace(hardware.cpu,
+                                         attention_bytes=tuple((w, a, _sig(us)) for w, a, us in per_byte)))
 
 
 def _sig(value: float, digits: int = 4) -> float:

@@ -10,8 +10,10 @@ attention op's own cost per call, and how much ranks sharing the machine slow ea
 - FSDP2 at a negligible size: a tiny model's forward + backward sharded (each block and the root a unit, as
   ``model/parallelize.py`` shards it) against the same unsharded, per unit: its hooks, copies and collective calls,
   everything but the bytes.
-- The same op at a moderate size (``SIZED_*``), its kernel included: ``calibrate.py`` takes the kernel time the
-  planner gives it out and charges the rest, above the negligible size's cost, per byte of the call's tensors.
+- The same op at a moderate size (``SIZED_*``), its kernel included, each call after a GEMM as in a step:
+  ``op_bytes.py`` takes out what the planner plans for it (the GEMM, the kernels, the negligible call's costs alone
+  and in a step) and charges the rest per byte of the call's tensors (in a step the extra depends on the size: at
+  2 ranks 5 ms for a negligible ring call and under 1 ms more at the moderate size, 3 and 6 ms for Ulysses).
 - The model's forward + backward (``GPTModel``, cpu-tiny's shape at 512 tokens) on one rank alone, on all the
   cores' threads (the thread speedup), and on every rank of a world of ``cores``
   one-thread ranks at once: how much the ranks slow each other (memory bandwidth and caches are shared).
@@ -155,18 +157,19 @@ def call_bytes(algorithm: str, world: int, rows: int = 8, head_dim: int = 8, bat
 def attention_call_sweep(repeats: int = 5, rounds: int = 3) -> tuple[list[tuple[str, int, float]],
                                                                      list[tuple[str, float]]]:
     """On every rank: ``([(algorithm, kv-head chunks, seconds)], [(algorithm, seconds)], [(algorithm, seconds)])``:
-    ``_attention_call`` at a negligible size with one and two chunks; at the sized shape (``SIZED_*``, one chunk, the
-    kernel's arithmetic included: ``calibrate.py`` takes the planned kernel time out); and in a step (one chunk, each
-    call after a ``PHASE_SIZE`` GEMM, as a layer's linears precede it: the seconds of two GEMMs and two calls).
+    ``_attention_call`` at a negligible size with one and two chunks; and in a step, each call after a ``PHASE_SIZE``
+    GEMM as a layer's linears precede it (one chunk; the seconds of two GEMMs and two calls), at the negligible size
+    and at the sized shape (``SIZED_*``, the kernel's arithmetic included: ``op_bytes.py`` takes what the planner
+    plans for it out).
     Each the fastest of ``rounds`` medians of ``repeats`` calls, the rounds taking turns (a burst of other work on a
     shared machine spoils one round, not the figure)."""
     calls: dict[tuple[str, int], Callable[[], object]] = {
         (algorithm, chunks): _attention_call(algorithm, chunks) for algorithm in ALGORITHMS for chunks in (1, 2)}
-    calls.update({(algorithm, 0): _attention_call(algorithm, 1, SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH)
-                  for algorithm in ALGORITHMS})
     a, b = torch.randn(PHASE_SIZE, PHASE_SIZE), torch.randn(PHASE_SIZE, PHASE_SIZE)
-    calls.update({(algorithm, -1): lambda call=calls[algorithm, 1]: (torch.mm(a, b), call(), torch.mm(a, b), call())
-                  for algorithm in ALGORITHMS})
+    for algorithm in ALGORITHMS:  # 0: the sized call in a step, -1: the negligible one
+        sized = _attention_call(algorithm, 1, SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH)
+        for key, call in ((0, sized), (-1, calls[algorithm, 1])):
+            calls[algorithm, key] = lambda call=call: (torch.mm(a, b), call(), torch.mm(a, b), call())
     best = {key: math.inf for key in calls}
     for _ in range(rounds):
         for key, call in calls.items():
@@ -233,7 +236,7 @@ def measure_ranks(worlds: tuple[int, ...], sizes: tuple[int, ...], cores: int, r
     """Gloo links, the CP attention op's cost per call and FSDP's per unit at each of ``worlds``, the sharing
     efficiency and the model step's speedup on all ``cores`` threads: ``([(ranks, GB/s, step us, call us)],
     [[ranks, algorithm, chunks, us]], efficiency, speedup, [[ranks, us per FSDP unit]], [(ranks, kind, GB/s, step
-    us, call us)], [(ranks, algorithm, sized call s)], [(ranks, algorithm, in-step pair s)])``."""
+    us, call us)], [(ranks, algorithm, sized in-step pair s)], [(ranks, algorithm, in-step pair s)])``."""
     from cp_train.parallel.spawn import SpawnedWorld
 
     links, calls, units, kinds, sized, in_step = [], [], [], [], [], []

@@ -17,13 +17,21 @@ from cp_train.plan.inputs.hardware import Hardware
 
 def attention_byte_costs(hardware: Hardware, sized: list[tuple[int, str, float]], say: Callable[[str], None]
                          ) -> tuple[tuple[int, str, float], ...]:
-    """``[(ranks, algorithm, us per MiB)]`` on the profile being calibrated (``hardware``, its ``cpu`` without these
-    costs): the CP attention op's seconds at the sized shape (``sized``: ``[(ranks, algorithm, seconds)]``) above
-    what the planner plans for it on these rates (its kernels, its cost per call at a negligible size, its bytes at
-    gloo's bandwidth), per byte of the call's q, k, v and output beyond the negligible call's."""
+    """``[(ranks, algorithm, us per MiB)]`` on the profile being calibrated (``hardware``, its ``cpu`` with
+    ``attention_in_step`` and without these costs): the CP attention op's seconds at the sized shape after a GEMM
+    (``sized``: ``[(ranks, algorithm, seconds of two PHASE_SIZE GEMMs and two calls)]``) above what the planner
+    plans for a GEMM and the call on these rates (the GEMM, the call's kernels, its cost per call at a negligible
+    size alone and in a step, its bytes at gloo's bandwidth), per byte of the call's q, k, v and output beyond the
+    negligible call's."""
     from cp_train.config.schema import Config
     from cp_train.model.config import ModelConfig
-    from cp_train.plan.calibration.calibrate_ranks import SIZED_BATCH, SIZED_HEAD_DIM, SIZED_ROWS, call_bytes
+    from cp_train.plan.calibration.calibrate_ranks import (
+        PHASE_SIZE,
+        SIZED_BATCH,
+        SIZED_HEAD_DIM,
+        SIZED_ROWS,
+        call_bytes,
+    )
     from cp_train.plan.cpu_comm import cp_comm_seconds
     from cp_train.plan.rates import DeviceRates
     from cp_train.plan.time_model import attention_seconds
@@ -42,10 +50,12 @@ def attention_byte_costs(hardware: Hardware, sized: list[tuple[int, str, float]]
         config.train.micro_batch_size = config.train.global_batch_size = SIZED_BATCH
         rates, work = DeviceRates(hardware, world=world), build_workload(config, world, 4)
         forward, backward, _, _ = attention_seconds(work, rates)
-        planned = forward + backward + sum(cp_comm_seconds(work, rates, 1))  # its small-call cost and its bytes
+        planned = forward + backward + sum(cp_comm_seconds(work, rates, 1))  # its small-call costs and its bytes
+        seconds = seconds / 2 - 2.0 * PHASE_SIZE**3 / rates.matmul(PHASE_SIZE, PHASE_SIZE, PHASE_SIZE)
         extra = call_bytes(algorithm, world, SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH) - call_bytes(algorithm, world)
         out.append((world, algorithm, max(0.0, 1e6 * (seconds - planned)) / (extra / 2**20)))
-        say(f"CP attention op {algorithm} at {world} ranks, {SIZED_ROWS} rows: {seconds * 1e3:.2f} ms, kernels "
+        say(f"CP attention op {algorithm} at {world} ranks, {SIZED_ROWS} rows, in a step: {seconds * 1e3:.2f} ms "
+            f"beyond the GEMM, kernels "
             f"planned {1e3 * (forward + backward):.2f} ms, the rest planned {1e3 * (planned - forward - backward):.2f} "
             f"ms, {out[-1][2]:.0f} us per MiB beyond")
     return tuple(out)

@@ -10,7 +10,9 @@ rank (ranks computing at once share the memory bandwidth and caches: measured). 
 autograd: ``op_overhead_us`` per op) runs on one thread and slows by ``ranks / cores`` beyond the cores. Gloo's
 bandwidth and latencies, and the CP attention op's own cost per call (``attention_calls``: at a negligible size,
 so everything but the arithmetic and the bytes), are measured at several world sizes (all ranks busy at once, as
-in a training step) and interpolated linearly in the world size, the end values held beyond the measured ones.
+in a training step) and interpolated linearly in the world size, the end values held beyond the measured ones; a
+CP group smaller than the world costs its own size's figure, slowed as far as the world outnumbers the cores beyond
+it.
 
 Units: GB/s (1e9 B/s) per rank, microseconds.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +41,8 @@ KEYS = {"cores": "CPU cores the ranks share (an integer >= 1)",
         "collective_kinds": "optional: gloo by collective as the trainer calls it, a list of [ranks, kind "
                             "(all_reduce, all_gather, reduce_scatter, all_to_all, p2p), GB/s per rank, latency per "
                             "ring step us, latency per call us] (absent: collectives for every kind)",
-        "attention_bytes": "optional: the CP attention op's cost above its kernels and its negligible-size cost, per "
-                           "MiB of a call's q, k, v and output: a list of [ranks, algorithm, us per MiB]",
+        "attention_bytes": "optional: the CP attention op's cost in a step above its kernels and its negligible-size "
+                           "costs, per MiB of a call's q, k, v and output: a list of [ranks, algorithm, us per MiB]",
         "fsdp_units": "optional: FSDP2's cost per unit (a block or the root) of a forward + backward at a "
                       "negligible size, a list of [ranks, us] (absent: its collectives' latencies)",
         "adamw_bytes": "optional: the trainer's AdamW step per parameter, one thread, as the bytes a copy moves in "
@@ -96,23 +98,28 @@ class CpuConstants:
     def attention_call_us(self, algorithm: str, world: int, group: int, chunks: int) -> float:
         """Microseconds of one CP attention op call (forward + backward, arithmetic and bytes left out) of
         ``algorithm`` over a group of ``group`` ranks in a world of ``world``, with ``chunks`` kv-head chunks: the
-        measured cost at the world size, linear in the chunks, in proportion to the group's ranks less one."""
-        if group <= 1:
-            return 0.0
-        by_chunks = {}
-        for chunk in (1, 2):
-            points = [(w, (us,)) for w, a, c, us in self.attention_calls if a == algorithm and c == chunk]
-            by_chunks[chunk] = _by_world(points, world)[0] if points else 0.0
-        per_call = by_chunks[1] + max(0.0, by_chunks[2] - by_chunks[1]) * (chunks - 1)
-        return per_call * (group - 1) / (max(world, 2) - 1)
+        measured cost linear in the chunks, as ``_at_group`` takes it."""
+        by_chunks = {chunk: self._at_group([(w, a, us) for w, a, c, us in self.attention_calls if c == chunk],
+                                           algorithm, world, group) for chunk in (1, 2)}
+        return by_chunks[1] + max(0.0, by_chunks[2] - by_chunks[1]) * (chunks - 1)
 
     def attention_in_step_us(self, algorithm: str, world: int, group: int) -> float:
         """Microseconds one CP attention op call costs inside a step beyond its cost alone (``attention_in_step``)."""
-        return _per_group(self.attention_in_step, algorithm, world, group)
+        return self._at_group(self.attention_in_step, algorithm, world, group)
 
     def attention_byte_us(self, algorithm: str, world: int, group: int) -> float:
         """Microseconds per MiB of a CP attention op call's tensors (``attention_bytes``)."""
-        return _per_group(self.attention_bytes, algorithm, world, group)
+        return self._at_group(self.attention_bytes, algorithm, world, group)
+
+    def _at_group(self, rows: Iterable[tuple[int, str, float]], algorithm: str, world: int, group: int) -> float:
+        """``rows``' ``[ranks, algorithm, us]`` of ``algorithm`` (measured with the whole world one group) for a
+        group of ``group`` ranks in a world of ``world``: the value at a world of ``group`` ranks, slowed as much as
+        the world's ranks outnumber the cores beyond the group's (a pair of four ranks on two cores: twice a pair
+        alone, measured within 5-25%); 0 when not measured."""
+        points = [(w, (us,)) for w, a, us in rows if a == algorithm]
+        if group <= 1 or not points:
+            return 0.0
+        return _by_world(points, group)[0] * self.host_scale(world) / self.host_scale(group)
 
     def kind_link_at(self, kind: str, ranks: int) -> tuple[float, float, float] | None:
         """``(GB/s per rank, step latency us, call latency us)`` of ``kind`` at a world of ``ranks``
@@ -173,15 +180,6 @@ class CpuConstants:
                    if self.attention_in_step else {})}
 
 
-def _per_group(rows: tuple[tuple[int, str, float], ...], algorithm: str, world: int, group: int) -> float:
-    """``rows``' ``[ranks, algorithm, us]`` of ``algorithm`` at the world size, in proportion to the group's ranks
-    less one as ``CpuConstants.attention_call_us``; 0 when not measured."""
-    points = [(w, (us,)) for w, a, us in rows if a == algorithm]
-    if group <= 1 or not points:
-        return 0.0
-    return _by_world(points, world)[0] * (group - 1) / (max(world, 2) - 1)
-
-
 def _by_world(points: list[tuple[int, tuple[float, ...]]], world: int) -> tuple[float, ...]:
     """``points`` (world size increasing) at ``world``: linear between them, the end values beyond."""
     if world <= points[0][0]:
@@ -235,9 +233,16 @@ def parse_cpu(value: Any, source: str) -> CpuConstants | None:
     """The ``cpu`` mapping of a hardware file (None: not a CPU profile); ``InputError`` naming the key otherwise."""
     if value is None:
         return None
-    if not isinstance(value, dict) or not set(KEYS) - OPTIONAL <= set(value) <= set(KEYS):
-        raise InputError(f"{source}: cpu must be a mapping with {', '.join(KEYS)} ({', '.join(OPTIONAL)} optional) "
-                         f"({'; '.join(f'{k}: {v}' for k, v in KEYS.items())})")
+    if not isinstance(value, dict):
+        raise InputError(f"{source}: cpu must be a mapping with {', '.join(KEYS)} ({', '.join(OPTIONAL)} optional), "
+                         f"got {type(value).__name__}")
+    missing, unknown = sorted(set(KEYS) - OPTIONAL - set(value)), sorted(set(value) - set(KEYS))
+    if missing:
+        raise InputError(f"{source}: cpu lacks {', '.join(missing)} ("
+                         f"{'; '.join(f'{k}: {KEYS[k]}' for k in missing)}); re-run cp-train-plan --calibrate")
+    if unknown:
+        raise InputError(f"{source}: cpu has unknown key(s) {', '.join(unknown)}: remove them (the keys are "
+                         f"{', '.join(KEYS)})")
     cores = value["cores"]
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
         raise InputError(f"{source}: cpu.cores must be an integer >= 1, got {cores!r}")
