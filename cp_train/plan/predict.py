@@ -84,9 +84,13 @@ class Prediction:
                 "breakdown_s": vars(self.breakdown)}
 
 
+FSDP_COPY_OUT_PASSES = 2  # bytes of the unsharded parameters an FSDP2 copy-out reads and writes
+
+
 def _data_parallel_seconds(work: Workload, rates: Rates, forward: float, backward: float) -> float:
     """Exposed FSDP or DDP seconds per step: FSDP prefetches a layer's gather during the layer before and
-    reduce-scatters while the next layer's backward runs; DDP all-reduces in buckets during the backward."""
+    reduce-scatters while the next layer's backward runs, but copies each gathered unit out on the compute stream;
+    DDP all-reduces in buckets during the backward."""
     config, model = work.config, work.config.model
     parallel = config.parallel
     ranks, spans = group_spans_nodes(work, "data", rates.gpus_per_node)
@@ -108,6 +112,10 @@ def _data_parallel_seconds(work: Workload, rates: Rates, forward: float, backwar
     root = root_parameters(model) // parallel.tp
     root_gather = collective_seconds("all_gather", work.compute_bytes * root // ranks, ranks, link)
     root_scatter = collective_seconds("reduce_scatter", 4 * root, ranks, link)
+    # each gathered unit is copied out into its parameters on the compute stream (FSDP2's ``wait_for_unshard``:
+    # ``foreach_all_gather_copy_out``), nothing to hide behind: the gathered buffer read and the parameters written
+    copy_out = FSDP_COPY_OUT_PASSES * work.compute_bytes / rates.memory_bytes_per_s
+    per_micro += copy_out * (model.num_layers * (1 + gathers_backward) * layer + root)
     return (work.accumulation * (per_micro + root_gather)
             + reduces * (model.num_layers * max(0.0, scatter - per_layer_b) + root_scatter))
 
