@@ -133,7 +133,7 @@ def test_the_command_line_plans_a_cpu_layout_from_a_profile_file(tmp_path: Path,
 ])
 def test_a_bad_cpu_section_names_the_key(change: dict, words: tuple[str, ...]) -> None:
     profile = cpu_profile(**change)
-    profile["cpu"] = {key: value for key, value in profile["cpu"].items() if value is not None}
+    profile["cpu"] = {key: value for key, value in profile["cpu"].items() if value is not None}  # None: left out
     with pytest.raises(HardwareError) as error:
         from_dict(profile, "hardware file cpu.yaml")
     message = str(error.value)

@@ -13,6 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cp_train.plan.inputs.hardware import Hardware
+from cp_train.plan.rates import DeviceRates
+
+
+def _phase_seconds(rates: DeviceRates) -> float:
+    """The planned seconds of the ``PHASE_SIZE`` GEMM that precedes each call timed in a step."""
+    from cp_train.plan.calibration.calibrate_ranks import PHASE_SIZE
+
+    return 2.0 * PHASE_SIZE**3 / rates.matmul(PHASE_SIZE, PHASE_SIZE, PHASE_SIZE)
 
 
 def attention_byte_costs(hardware: Hardware, sized: list[tuple[int, str, float]], say: Callable[[str], None]
@@ -25,15 +33,8 @@ def attention_byte_costs(hardware: Hardware, sized: list[tuple[int, str, float]]
     negligible call's."""
     from cp_train.config.schema import Config
     from cp_train.model.config import ModelConfig
-    from cp_train.plan.calibration.calibrate_ranks import (
-        PHASE_SIZE,
-        SIZED_BATCH,
-        SIZED_HEAD_DIM,
-        SIZED_ROWS,
-        call_bytes,
-    )
+    from cp_train.plan.calibration.calibrate_ranks import SIZED_BATCH, SIZED_HEAD_DIM, SIZED_ROWS, call_bytes
     from cp_train.plan.cpu_comm import cp_comm_seconds
-    from cp_train.plan.rates import DeviceRates
     from cp_train.plan.time_model import attention_seconds
     from cp_train.plan.workload import build_workload
 
@@ -51,7 +52,7 @@ def attention_byte_costs(hardware: Hardware, sized: list[tuple[int, str, float]]
         rates, work = DeviceRates(hardware, world=world), build_workload(config, world, 4)
         forward, backward, _, _ = attention_seconds(work, rates)
         planned = forward + backward + sum(cp_comm_seconds(work, rates, 1))  # its small-call costs and its bytes
-        seconds = seconds / 2 - 2.0 * PHASE_SIZE**3 / rates.matmul(PHASE_SIZE, PHASE_SIZE, PHASE_SIZE)
+        seconds = seconds / 2 - _phase_seconds(rates)  # one call, the GEMM before it taken out
         extra = call_bytes(algorithm, world, SIZED_ROWS, SIZED_HEAD_DIM, SIZED_BATCH) - call_bytes(algorithm, world)
         out.append((world, algorithm, max(0.0, 1e6 * (seconds - planned)) / (extra / 2**20)))
         say(f"CP attention op {algorithm} at {world} ranks, {SIZED_ROWS} rows, in a step: {seconds * 1e3:.2f} ms "
@@ -67,13 +68,12 @@ def attention_in_step_costs(hardware: Hardware, pairs: list[tuple[int, str, floa
     ``[(ranks, algorithm, seconds of two PHASE_SIZE GEMMs and two calls)]``) beyond its cost alone and the GEMMs at
     the profile's rate for a rank of that world. Ranks that compute arrive at the op apart (more of them than cores:
     in the scheduler's time slices), and the op waits for the last."""
-    from cp_train.plan.calibration.calibrate_ranks import PHASE_SIZE
     from cp_train.plan.rates import DeviceRates
 
     out = []
     for world, algorithm, seconds in pairs:
         rates = DeviceRates(hardware, world=world)
-        gemm = 2.0 * PHASE_SIZE**3 / rates.matmul(PHASE_SIZE, PHASE_SIZE, PHASE_SIZE)
+        gemm = _phase_seconds(rates)
         alone = hardware.cpu.attention_call_us(algorithm, world, world, 1) * 1e-6 if hardware.cpu else 0.0
         out.append((world, algorithm, max(0.0, 1e6 * (seconds / 2 - gemm - alone))))
         say(f"CP attention op {algorithm} at {world} ranks in a step: {seconds / 2 * 1e3:.2f} ms a GEMM and a call, "
