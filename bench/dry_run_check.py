@@ -25,7 +25,7 @@ from bench.common import emit  # noqa: E402
 from bench.tensor_bytes import LiveTensorBytes  # noqa: E402
 from cp_train.config.schema import Config  # noqa: E402
 from cp_train.config.sources import load_config  # noqa: E402
-from cp_train.memory.dry_run import plan  # noqa: E402
+from cp_train.memory.dry_run import memory_plan  # noqa: E402
 from cp_train.parallel.cp.algorithms import canonical_algorithm  # noqa: E402
 from cp_train.parallel.mesh.state import ParallelState, run_with_parallel  # noqa: E402
 from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
@@ -116,7 +116,7 @@ def layout(config: Config) -> tuple[int, int, int, int]:
 def planned(config: Config) -> dict[str, Any]:
     """The dry run's figures for the largest rank of ``config``'s layout."""
     tp, cp, dp, _ = layout(config)
-    _, ranks, _, _ = plan(config, tp * cp * dp)
+    _, ranks, _, _ = memory_plan(config, tp * cp * dp)
     worst = max(ranks, key=lambda r: r.total_bytes)
     return {"planned": worst.total_bytes, "planned_state": worst.state_bytes, "planned_phase": worst.phase,
             "planned_gathered": worst.gathered_bytes, "planned_activations": worst.activation_bytes}

@@ -3,10 +3,10 @@
     python -m bench.optimizer [--cases cp1 cp2-ring cp2-ring-fsdp] [--rounds 2] [--steps 6]
 
 - ``adamw``: one AdamW step over cpu-tiny's 3.1M parameters (``build_optimizer``, random gradients), one thread;
-  the median of ``seconds_per_call``.
-- each case of ``bench.planner`` (cpu-tiny with its overrides, spawned gloo ranks, glibc's defaults): the trainer's
-  ``train_step`` with ``optimizer.implementation`` foreach and fused, a fresh world each, the two taking turns for
-  ``--rounds`` rounds; a step is the slowest rank's, the figure the median of every round's steps after 3.
+  the median of repeated timings.
+- each case (cpu-tiny with its overrides, one document per sample, spawned gloo ranks, glibc's defaults): the
+  trainer's ``train_step`` with ``optimizer.implementation`` foreach and fused, a fresh world each, the two taking
+  turns for ``--rounds`` rounds; a step is the slowest rank's, the figure the median of every round's steps after 3.
 
 ``ratio`` is fused / foreach, both measured in the same command. Prints JSON lines, then a table.
 """
@@ -25,21 +25,46 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/optimizer.py` from anywhere
 
 from bench.common import emit, glibc_malloc  # noqa: E402
-from bench.planner import CASES, case_config  # noqa: E402
+from cp_train.config.schema import Config  # noqa: E402
+from cp_train.config.sources import load_config  # noqa: E402
 from cp_train.parallel.mesh.state import ParallelState, run_with_parallel  # noqa: E402
 from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
 
 IMPLEMENTATIONS = ("foreach", "fused")
+CONFIG = Path(__file__).resolve().parents[1] / "launch" / "configs" / "cpu-tiny.yaml"
+COMMON = {"data.document_mask": False, "train.eval_interval": 0, "train.steps": 1000, "logging.console": False,
+          "logging.wandb": False, "logging.interval": 1000}
+CASES: dict[str, dict[str, Any]] = {"cp1": {"parallel.cp": 1}, "cp2-ring": {}, "cp2-ring-fsdp": {"parallel.fsdp": True}}
 
 
-def adamw_seconds(implementation: str) -> float:
-    """One AdamW step over cpu-tiny's parameters with ``implementation``, one thread (the calibration's timing)."""
-    from cp_train.plan.calibration.calibrate import adamw_step_seconds
+def case_config(name: str, run_dir: str) -> Config:
+    """cpu-tiny with the case's overrides, running into ``run_dir``."""
+    values = {**COMMON, "logging.dir": f"{run_dir}/{name}", **CASES[name]}
+    return load_config(CONFIG, overrides=[f"{key}={value}" for key, value in values.items()])
+
+
+def adamw_seconds(implementation: str, repeats: int = 20) -> float:
+    """One AdamW step over cpu-tiny's parameters with ``implementation``, one thread: the median of ``repeats``."""
+    from cp_train.config.schema import OptimizerConfig
+    from cp_train.model.gpt import GPTModel
+    from cp_train.optim import build_optimizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return adamw_step_seconds(implementation, budget=0.3)[0]
+        model_config = case_config("cp1", "runs/bench-optimizer").model
+        model_config.vocab_size = 8192  # the embedded corpus' tokenizer's
+        model = GPTModel(model_config)
+        for param in model.parameters():
+            param.grad = torch.randn_like(param)
+        optimizer = build_optimizer(model, OptimizerConfig(implementation=implementation), torch.device("cpu"))
+        optimizer.step()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     finally:
         torch.set_num_threads(threads)
 

@@ -28,11 +28,11 @@ from cp_train.data.loader import CP_PLAN
 from cp_train.eval.periodic import PeriodicEval
 from cp_train.loss import device_sums, global_loss_tokens, host_sum, masked_loss_sum, reduce_loss, reduce_sums
 from cp_train.memory.dry_run import fsdp_reduce_for_run
-from cp_train.metrics.prediction import PlannerCheck
 from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
 from cp_train.metrics.throughput import IntervalMeter, peak_tflops, reset_peak_memory
 from cp_train.optim import clip_gradients, global_grad_norm
 from cp_train.parallel.dp.ddp import gradient_sync
+from cp_train.perf.run_check import PlannerCheck
 from cp_train.preemption import Preemption
 from cp_train.results import NonFiniteLossError, StepResult, TrainResult
 

@@ -14,7 +14,7 @@ from cp_train.data.loader import rank_positions
 from cp_train.parallel.cp.attention import build_cp_plan, context_parallel_attention
 from cp_train.parallel.cp.ring import comm as ring_comm
 from cp_train.parallel.kernels import torch_ops
-from cp_train.plan.inputs.documents import packed_document_ids
+from cp_train.perf.inputs.documents import packed_document_ids
 
 HEADS, KV_HEADS, DIM, BATCH = 4, 2, 8, 2
 
@@ -22,7 +22,7 @@ HEADS, KV_HEADS, DIM, BATCH = 4, 2, 8, 2
 def count_attention(seqlen: int, layout: str, algorithm: str, documents: tuple[int, ...] | None = None
                     ) -> dict[str, Any]:
     """One fp32 forward + backward of causal CP attention on this rank's ``seqlen / world`` tokens (one document
-    per sample, or the documents of ``documents``' lengths packed as ``cp_train.plan.inputs.documents`` packs them): the
+    per sample, or the documents of ``documents``' lengths packed as ``cp_train.perf.inputs.documents`` packs them): the
     forward kernel area (query-key pairs times heads and samples) and the bytes sent, by tag."""
     world, rank = dist.get_world_size(), dist.get_rank()
     n = seqlen // world
@@ -67,7 +67,7 @@ def count_tp_collectives(state: Any, config: Any) -> dict[str, list[int]]:
     """One fp32 forward + backward of the model of ``config`` with its loss on this rank (``run_with_parallel``):
     ``{kind: [calls, input bytes]}`` of every collective it issues (the CP attention op's body included)."""
     from cp_train.build import build_model
-    from cp_train.plan.calibration.calibrate import OpCounter
+    from tests.dispatch_count import OpCounter
 
     seen: dict[str, list[int]] = {}
 

@@ -13,7 +13,7 @@ import torch
 from bench import dry_run_check
 from bench.tensor_bytes import LiveTensorBytes
 from cp_train.config.sources import load_config
-from cp_train.memory.dry_run import GIB, RankMemory, plan, resolve_fsdp_reduce, with_reduce
+from cp_train.memory.dry_run import GIB, RankMemory, memory_plan, resolve_fsdp_reduce, with_reduce
 from cp_train.memory.dry_run_report import report, shrink_hint
 from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
 from tests import dry_run_cases, trainer_cases
@@ -71,7 +71,7 @@ def test_sequence_parallelism_halves_the_block_inputs(spawn_world, corpus, tmp_p
         config = trainer_cases.tiny_config(corpus, str(tmp_path / str(sp)), ParallelDims(tp=2, cp=1, dp=1), **{
             "parallel.sequence_parallel": sp, "model.activation_checkpointing": "full"})
         measured[sp] = spawn_world(2).run(run_with_parallel, (2, 1, 1), dry_run_cases.block_input_bytes, config)[0]
-        _, _, activations, assumed = plan(config, 2)
+        _, _, activations, assumed = memory_plan(config, 2)
         assert assumed["sequence_parallel"] is sp
         planned[sp] = activations["block_input"]
     assert len(measured[True]) == 2 * trainer_cases.TINY_MODEL["num_layers"]  # two micro-batches
@@ -86,7 +86,7 @@ def _8b(*overrides: str):  # noqa: ANN202
 def test_fsdp_reduce_auto_is_per_step_where_it_fits_else_per_microbatch() -> None:
     """8 micro-batches per step (8B, cp 8): per_step keeps every parameter's unsharded fp32 gradient."""
     config = _8b("train.global_batch_size=8")
-    needs = {mode: plan(with_reduce(config, mode), 8, only=[0])[1][0].total_bytes / GIB
+    needs = {mode: memory_plan(with_reduce(config, mode), 8, only=[0])[1][0].total_bytes / GIB
              for mode in ("per_step", "per_microbatch")}
     assert needs["per_step"] > needs["per_microbatch"] + 20, needs  # 4 B x 8.0 B parameters x 7/8
     roomy, tight = needs["per_step"] + 1, (needs["per_step"] + needs["per_microbatch"]) / 2
@@ -103,7 +103,7 @@ def test_fsdp_reduce_auto_is_per_step_where_it_fits_else_per_microbatch() -> Non
 
 def test_the_hints_name_micro_batches_the_fsdp_reduction_checkpointing_and_sequence_parallelism() -> None:
     config = _8b("train.global_batch_size=8", "parallel.fsdp_reduce=per_step")
-    worst = plan(config, 8, only=[0])[1][0]
+    worst = memory_plan(config, 8, only=[0])[1][0]
     hint = report(config, 8, 40.0, "8b", reserve_gib=3).text.splitlines()[-1]
     assert hint.startswith("to fit: parallel.fsdp_reduce=per_microbatch (no unsharded gradients"), hint
     assert "fewer, larger micro-batches (train.micro_batch_size=8:" in hint, hint

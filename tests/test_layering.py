@@ -4,6 +4,9 @@
 - ``cp_train.model`` imports only ``cp_train.parallel``;
 - ``cp_train.data`` imports only the layouts of ``cp_train.parallel.cp``;
 - the trainer (``cp_train/*.py``, config, checkpoint, metrics, memory) never imports ``cp_train.cli``;
+- the planner (``cp_train.perf``) and the long-context eval (``cp_train.eval``) sit above the trainer's pieces:
+  only the trainer loop, the commands and themselves import them, and neither imports the other;
+- no folder-level cycle: the packages (and the root's modules) import each other in one direction;
 - ``cp_train.parallel.mesh`` does not load the kernels, read statically and checked in a fresh interpreter;
 - the library imports modules, never its own public faces (the lazy ``__init__``s), and no import cycle exists.
 
@@ -26,6 +29,7 @@ LAYOUT_MODULES = {"cp_train.parallel.cp.layout", "cp_train.parallel.cp.balanced_
 FACES = {"cp_train", "cp_train.parallel", "cp_train.model", "cp_train.data"}
 TRAINER_LOOP = ("cp_train.trainer", "cp_train.build", "cp_train.run_parts")
 TRAINER_PACKAGES = ("cp_train.config", "cp_train.checkpoint", "cp_train.metrics", "cp_train.memory")
+UPPER = {"cp_train.perf": "cp_train.eval", "cp_train.eval": "cp_train.perf"}  # above the pieces, beside each other
 
 
 def _module_files() -> dict[str, Path]:
@@ -98,8 +102,13 @@ def test_data_imports_only_the_layouts() -> None:
     assert _violations("cp_train.data", lambda t: _under(t, "cp_train.data") or t in LAYOUT_MODULES) == []
 
 
+def _entry(name: str) -> bool:
+    """``python -m`` entry points (``__main__``), which start a command."""
+    return name.endswith("__main__")
+
+
 def test_nothing_below_the_commands_imports_them() -> None:
-    below = [name for name in GRAPH if not _under(name, "cp_train.cli") and name not in ("cp_train.__main__",)]
+    below = [name for name in GRAPH if not _under(name, "cp_train.cli") and not _entry(name)]
     assert [f"{name} imports {t}" for name in below for t in GRAPH[name] if _under(t, "cp_train.cli")] == []
 
 
@@ -107,6 +116,34 @@ def test_trainer_packages_sit_below_the_trainer_loop() -> None:
     """config, checkpoint, metrics and memory serve the trainer and never import it."""
     for package in TRAINER_PACKAGES:
         assert _violations(package, lambda t: t not in TRAINER_LOOP) == []
+
+
+@pytest.mark.parametrize("package", sorted(UPPER))
+def test_only_the_loop_and_the_commands_import_the_planner_and_the_eval(package: str) -> None:
+    def may_import(name: str) -> bool:
+        return (_under(name, package) or _under(name, "cp_train.cli") or name in TRAINER_LOOP or _entry(name))
+    assert [f"{name} imports {t}" for name in GRAPH if not may_import(name) for t in GRAPH[name]
+            if _under(t, package)] == []
+    assert _violations(package, lambda t: not _under(t, UPPER[package])) == []
+
+
+def _folder(name: str) -> str:
+    """The package folder of a module (``cp_train.perf.inputs.runs`` -> ``cp_train.perf``); the root's modules,
+    which mix layers, stand alone."""
+    parts = name.split(".")
+    if parts[0] != "cp_train" or len(parts) < 3 and name not in MODULES:
+        return name
+    package = ".".join(parts[:2])
+    return package if package in MODULES and MODULES[package].name == "__init__.py" else name
+
+
+def test_no_folder_level_cycle() -> None:
+    folders: dict[str, set[str]] = {}
+    for name, targets in GRAPH.items():
+        if not _entry(name):
+            folders.setdefault(_folder(name), set()).update(_folder(t) for t in targets if _folder(t) != _folder(name))
+    cycles = _cycles(folders)
+    assert cycles == [], cycles
 
 
 def _closure(start: str) -> set[str]:
@@ -140,16 +177,17 @@ def test_the_library_imports_modules_not_its_public_faces() -> None:
     assert [f"{name} imports {t}" for name in inside for t in GRAPH[name] if t in FACES] == []
 
 
-def _cycles() -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
+def _cycles(graph: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """Strongly connected components of more than one node of ``graph`` (default: the modules; Tarjan)."""
+    graph = GRAPH if graph is None else graph
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in GRAPH.get(node, ()):
-            if nxt not in GRAPH:
+        for nxt in graph.get(node, ()):
+            if nxt not in graph:
                 continue
             if nxt not in index:
                 visit(nxt)
@@ -167,7 +205,7 @@ def _cycles() -> list[list[str]]:
             if len(component) > 1:
                 found.append(sorted(component))
 
-    for node in sorted(GRAPH):
+    for node in sorted(graph):
         if node not in index:
             visit(node)
     return found
@@ -186,6 +224,12 @@ def test_the_checks_see_a_violation(monkeypatch) -> None:
     monkeypatch.setitem(GRAPH, "cp_train.model.gpt", GRAPH["cp_train.model.gpt"] | {"cp_train.model.block"})
     monkeypatch.setitem(GRAPH, "cp_train.model.block", GRAPH["cp_train.model.block"] | {"cp_train.model.gpt"})
     assert any({"cp_train.model.block", "cp_train.model.gpt"} <= set(cycle) for cycle in _cycles())
+    monkeypatch.setitem(GRAPH, "cp_train.metrics.throughput", GRAPH["cp_train.metrics.throughput"] | {
+        "cp_train.perf.predict"})  # metrics <-> perf: a folder cycle, and metrics below the planner
+    with pytest.raises(AssertionError):
+        test_no_folder_level_cycle()
+    with pytest.raises(AssertionError):
+        test_only_the_loop_and_the_commands_import_the_planner_and_the_eval("cp_train.perf")
 
 
 @pytest.mark.parametrize("folder", sorted(FOLDERS))

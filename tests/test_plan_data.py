@@ -13,18 +13,25 @@ import pytest
 from cp_train.errors import InputError
 from cp_train.model.flops import model_flops_per_token
 from cp_train.model.hf.config import hf_config
-from cp_train.plan.inputs.hardware import HardwareError, from_dict, interpolate, known_hardware, load_hardware
-from cp_train.plan.inputs.presets import (
-    PUBLISHED_PARAMETERS,
+from cp_train.perf.inputs.hardware import HardwareError, from_dict, interpolate, known_hardware, load_hardware
+from cp_train.perf.inputs.presets import (
     ModelSpecError,
     load_model,
     model_preset,
     parameter_count,
     preset_names,
 )
-from cp_train.plan.inputs.published import FLOP_CONVENTIONS, PUBLISHED, published_run
+from cp_train.perf.inputs.runs import FLOP_CONVENTIONS, measured_run, measured_runs
 
 ROOT = Path(__file__).resolve().parents[1]
+# published parameter counts (the model cards' / HF pages' rounding), the presets' checks
+PUBLISHED_PARAMETERS: dict[str, float] = {
+    "llama3-8b": 8.03e9,     # https://huggingface.co/meta-llama/Llama-3.1-8B ("8.03B params")
+    "llama3-70b": 70.6e9,    # https://huggingface.co/meta-llama/Llama-3.1-70B ("70.6B params")
+    "llama3-405b": 405.9e9,  # https://huggingface.co/meta-llama/Llama-3.1-405B (405,853,388,800 weights)
+    "llama2-7b": 6.74e9,     # https://huggingface.co/meta-llama/Llama-2-7b-hf ("6.74B params")
+    "qwen2.5-7b": 7.62e9,    # https://huggingface.co/Qwen/Qwen2.5-7B ("7.62B params", with the q/k/v biases)
+}
 BUILT_IN = ("h100-sxm", "h100-sxm-96g", "h200", "b200", "a100-80g", "h800")
 POSITIVE = ("bf16_tflops", "hbm_gib", "hbm_tb_s", "nvlink_gb_s", "nvlink_latency_us", "net_gb_s", "net_latency_us",
             "collective_latency_us")
@@ -126,8 +133,13 @@ def test_precisions_and_a_gpu_without_fp8() -> None:
     with pytest.raises(HardwareError) as error:
         a100.peak_tflops("fp8")
     _one_line_error(error, "a100-80g", "bf16")
+    from cp_train.perf.rates import DeviceRates  # the rates check the precision once, at the boundary
+
     with pytest.raises(HardwareError):
-        h100.gemm_fraction(1e9, "fp16")
+        DeviceRates(h100, "fp16")
+    with pytest.raises(HardwareError) as error:
+        DeviceRates(a100, "fp8")
+    _one_line_error(error, "a100-80g", "no fp8 peak")
 
 
 # exact counts of the released checkpoints (HF safetensors totals); Qwen2.5-7B's less its 129,024 q/k/v biases
@@ -180,8 +192,8 @@ def test_load_model_reads_hf_config_and_project_yaml(tmp_path: Path) -> None:
 
 def test_every_published_run_names_a_known_preset_and_profile() -> None:
     presets, profiles = set(preset_names()), set(known_hardware())
-    assert len({run.key for run in PUBLISHED}) == len(PUBLISHED) >= 30
-    for run in PUBLISHED:
+    assert len({run.key for run in measured_runs()}) == len(measured_runs()) >= 30
+    for run in measured_runs():
         assert run.model in presets and run.hardware in profiles, run.key
         assert run.precision in ("bf16", "fp8") and run.activation_checkpointing in (
             "full", "selective", "none", "unknown"), run.key
@@ -194,24 +206,24 @@ def test_every_published_run_names_a_known_preset_and_profile() -> None:
 
 
 def test_the_issue_rows_are_recorded_as_published() -> None:
-    titan = published_run("titan-8b-128k-fsdp2-cp4")
+    titan = measured_run("titan-8b-128k-fsdp2-cp4")
     assert (titan.tokens_per_s_per_gpu, titan.peak_memory_gib, titan.seq_len, titan.gpus) == (1071, 84.0, 131072, 8)
     assert (titan.dp, titan.cp, titan.tp, titan.fsdp, titan.precision, titan.activation_checkpointing,
             titan.compiled, titan.hardware) == (2, 4, 1, True, "fp8", "full", True, "h100-sxm-96g")
-    short = published_run("titan-8b-8k-fsdp8-compile")
+    short = measured_run("titan-8b-8k-fsdp8-compile")
     assert (short.tokens_per_s_per_gpu, short.dp, short.precision, short.compiled) == (6667, 8, "bf16", True)
-    nemo = published_run("nemo-l2-7b-128k")
+    nemo = measured_run("nemo-l2-7b-128k")
     assert (nemo.tflops_per_gpu, nemo.flop_convention, nemo.tp, nemo.cp, nemo.dp, nemo.gpus, nemo.precision) == (
         555, "causal_full", 4, 4, 8, 128, "fp8")
-    ring = published_run("ring-h800-zigzag")
+    ring = measured_run("ring-h800-zigzag")
     assert (ring.attention_fraction_of_ideal, ring.cp, ring.cp_layout, ring.hardware) == (0.902, 8, "zigzag", "h800")
     with pytest.raises(KeyError):
-        published_run("nope")
+        measured_run("nope")
 
 
 def test_rows_with_both_figures_count_causal_attention_in_full() -> None:
     """NeMo 24.07's TFLOP/s over tokens/s is 6N + 12·L·d·s per token (the 'full' convention), within 1%."""
-    for run in PUBLISHED:
+    for run in measured_runs():
         if run.tflops_per_gpu is not None and run.tokens_per_s_per_gpu is not None:
             per_token = run.tflops_per_gpu * 1e12 / run.tokens_per_s_per_gpu
             full = model_flops_per_token(run.model_config(), run.seq_len, causal=False)
@@ -221,12 +233,12 @@ def test_rows_with_both_figures_count_causal_attention_in_full() -> None:
 def test_fp8_linears_pay_their_casts_and_keep_the_head_in_bf16() -> None:
     """``--precision fp8``: the block GEMMs run at the fp8 rate and add ``FP8_CAST_BYTES`` per element cast (input
     and weight forward, the output's gradient backward) at the memory rate; the LM head stays bf16."""
-    from cp_train.plan.published_check import run_config
-    from cp_train.plan.rates import DeviceRates
-    from cp_train.plan.time_model import FP8_CAST_BYTES, fp8_cast_seconds, matmul_seconds
-    from cp_train.plan.workload import build_workload
+    from bench.planner_published import run_config
+    from cp_train.perf.rates import DeviceRates
+    from cp_train.perf.time_model import FP8_CAST_BYTES, fp8_cast_seconds, matmul_seconds
+    from cp_train.perf.workload import build_workload
 
-    run = next(r for r in PUBLISHED if r.key == "titan-8b-8k-fsdp8-fp8")
+    run = next(r for r in measured_runs() if r.key == "titan-8b-8k-fsdp8-fp8")
     hardware = load_hardware("h100-sxm")
     work = build_workload(run_config(run, "none"), 8, 2)
     bf16, fp8 = DeviceRates(hardware, "bf16"), DeviceRates(hardware, "fp8")
@@ -246,13 +258,14 @@ def test_fsdp_exposes_the_root_units_gather_and_reduce_scatter() -> None:
     gather and reduce-scatter, and every unit's copy-out into its parameters on the compute stream (the unsharded
     bf16 bytes read and written; the blocks twice, resharded after the forward), are the exposed data-parallel
     time of a long enough step."""
-    from cp_train.plan.predict import FSDP_COPY_OUT_PASSES, breakdown, layer_parameters, root_parameters
-    from cp_train.plan.published_check import run_config
-    from cp_train.plan.rates import DeviceRates
-    from cp_train.plan.time_model import collective_seconds
-    from cp_train.plan.workload import build_workload
+    from bench.planner_published import run_config
+    from cp_train.perf.inputs.presets import layer_parameters, root_parameters
+    from cp_train.perf.predict import FSDP_COPY_OUT_PASSES, breakdown
+    from cp_train.perf.rates import DeviceRates
+    from cp_train.perf.time_model import collective_seconds
+    from cp_train.perf.workload import build_workload
 
-    run = next(r for r in PUBLISHED if r.key == "titan-8b-8k-fsdp128-compile")
+    run = next(r for r in measured_runs() if r.key == "titan-8b-8k-fsdp128-compile")
     config = run_config(run, "selective")
     config.parallel.dp = run.dp
     rates = DeviceRates(load_hardware(run.hardware))
@@ -264,3 +277,18 @@ def test_fsdp_exposes_the_root_units_gather_and_reduce_scatter() -> None:
     copy_out = work.accumulation * FSDP_COPY_OUT_PASSES * 2 * unsharded / rates.memory_bytes_per_s
     assert breakdown(work, rates).data_comm == pytest.approx(expected + copy_out, rel=1e-6)
     assert 0.01 < copy_out / breakdown(work, rates).step < 0.03  # 2% of the 8B model's step at 8k
+
+
+def test_the_gpu_table_and_the_profiles_agree_on_the_peaks() -> None:
+    """One table of GPU names (``metrics.throughput.GPUS``): the MFU's peak and the planner's profile for the run
+    check; a profile it names has that peak, and an NVL part (another peak) has no profile, so it is not predicted."""
+    from cp_train.metrics.throughput import GPUS, gpu_entry
+    from cp_train.perf.run_check import device_profile
+
+    named = {profile for _, profile in GPUS.values() if profile}
+    assert named <= set(known_hardware()) and {"h100-sxm", "h200", "b200"} <= named
+    for peak, profile in GPUS.values():
+        if profile:
+            assert load_hardware(profile).bf16_tflops == peak, profile
+    assert gpu_entry("NVIDIA H200 NVL") == (835.0, None) and device_profile("NVIDIA H200 NVL") is None
+    assert device_profile("NVIDIA H200") == "h200" and device_profile("NVIDIA H100 80GB HBM3") == "h100-sxm"

@@ -1,10 +1,11 @@
-"""The planner (``cp_train.plan``) against what the code it models does.
+"""The planner (``cp_train.perf``, ``cp-train-plan``) against what the code it models does.
 
 - Its attention work per rank equals the kernel area the CP attention executes (counted at the CPU kernel), and
   the bytes it puts on the wire equal the bytes the ring, all-gather and Ulysses code sends (``BYTES_SENT``),
   rank by rank, at cp 2 and 4 in every static layout.
-- ``cp-train-plan`` prints a table and JSON lines with the documented keys; it searches only layouts the trainer
-  accepts, and bad input is one line naming what to change.
+- ``cp-train-plan`` prints a table and JSON lines with the documented keys, each figure with its range; it searches
+  only layouts the trainer accepts, and bad input (a CPU config or profile among it) is one line naming what to
+  change.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import json
 
 import pytest
 
+from cp_train.cli.plan import main as plan_main
 from cp_train.config.schema import Config
 from cp_train.model.config import ModelConfig
 from cp_train.parallel.mesh.state import run_with_parallel
-from cp_train.plan.cli import main as plan_main
-from cp_train.plan.workload import build_workload
+from cp_train.perf.workload import build_workload
 from tests import planner_cases
 
 SEQ = 64
@@ -92,6 +93,16 @@ def test_json_lines_carry_both_flop_conventions_and_the_breakdown(capsys) -> Non
     assert set(record["breakdown_s"]) >= {"matmuls", "attention", "cp_comm", "tp_comm", "data_comm", "optimizer"}
     assert record["step_time_s"] == pytest.approx(sum(record["breakdown_s"].values()))
     assert 0 < record["mfu"]["causal_half"] < 1 and record["fits"] is True
+    assert record["breakdown_s"]["host"] > 0
+    low, high = record["tokens_per_s_per_gpu_range"]
+    assert 0 < low < high and high / low <= 1.5
+    step_low, step_high = record["step_time_s_range"]  # the same errors: time x throughput is the tokens per step
+    assert step_low * high == pytest.approx(step_high * low) == pytest.approx(
+        record["step_time_s"] * record["tokens_per_s_per_gpu"])
+    assert set(record["tflops_per_gpu_range"]) == {"causal_half", "causal_full"}
+    for convention, (lo, hi) in record["tflops_per_gpu_range"].items():
+        assert lo / low == pytest.approx(record["tflops_per_gpu"][convention] / record["tokens_per_s_per_gpu"])
+        assert hi / lo == pytest.approx(high / low)
 
 
 def test_search_ranks_fitting_layouts_by_throughput_and_explains_the_best(capsys) -> None:
@@ -104,10 +115,12 @@ def test_search_ranks_fitting_layouts_by_throughput_and_explains_the_best(capsys
     assert speeds == sorted(speeds, reverse=True)
     assert {r["cp_algorithm"] for r in records} >= {"ring", "allgather", "ulysses"}
     assert all(r["tp"] * r["cp"] * r["dp"] == 8 for r in records)
+    assert all(r["tokens_per_s_per_gpu_range"][0] < r["tokens_per_s_per_gpu_range"][1] for r in records)
     assert plan_main(["llama3-8b", "--seq-len", "131072", "--gpus", "8", "--cp", "8", "--tp", "1", "--fsdp",
                       "--micro-batch", "1", "--explain", "--top", "1"]) == 0
     text = capsys.readouterr().out
     assert "where the time goes" in text and "bounded by" in text and "memory per GPU" in text
+    assert "expected:" in text and "measured runs of regime large/long" in text and "titan-8b-128k-fsdp2-cp4" in text
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -115,11 +128,22 @@ def test_search_ranks_fitting_layouts_by_throughput_and_explains_the_best(capsys
     (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--hardware", "tpu-v9"], "h100-sxm"),
     (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--tp", "3"], "tp"),
     (["llama3-8b", "--seq-len", "8190", "--gpus", "8", "--cp", "8"], "seq_len"),
+    (["launch/configs/cpu-tiny.yaml", "--seq-len", "256", "--gpus", "2"], "predicts GPUs"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--attention-kernel", "fa9"], "flash2"),
+    (["--calibrate", "gpu.yaml"], "has none"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(capsys, argv, message) -> None:
     assert plan_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_cpu_profile_is_one_line_pointing_at_the_dry_run(tmp_path, capsys) -> None:
+    path = tmp_path / "cpu.yaml"
+    path.write_text("name: cpu-calibrated\ncompute_dtype: fp32\ncpu: {cores: 2}\n")
+    assert plan_main(["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--hardware", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "CPU profile" in err and "--dry-run" in err, err
 
 
 def test_a_hardware_file_missing_a_constant_names_it(tmp_path, capsys) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from cp_train.plan.cli import main as plan_main
-from cp_train.plan.inputs.documents import document_pieces, packed_document_ids, parse_document_lengths
+from cp_train.cli.plan import main as plan_main
+from cp_train.perf.inputs.documents import document_pieces, packed_document_ids, parse_document_lengths
 from tests import planner_cases
 from tests.test_planner import SEQ, _workload
 

@@ -173,7 +173,7 @@ def test_dry_run_plans_the_measured_state_bytes(runs, corpus) -> None:
             continue
         overrides = {**VARIANTS.get(layout[3], {}), "parallel.backend": "gloo"} if layout[3:] else {}
         dims = ParallelDims(tp=layout[0], cp=layout[1], dp=layout[2])
-        _, ranks, _, _ = dry_run.plan(trainer_cases.tiny_config(corpus, "unused", dims, **overrides), dims.world)
+        _, ranks, _, _ = dry_run.memory_plan(trainer_cases.tiny_config(corpus, "unused", dims, **overrides), dims.world)
         setup = runs[layout][0]["setup"]
         for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "state_bytes"):
             assert [getattr(rank, key) for rank in ranks] == setup[f"{key}_by_rank"], (layout, key)

@@ -39,7 +39,7 @@ def dry_run(config: Config, args: Namespace) -> int:
     does not fit the device."""
     from cp_train.memory.dry_run import dry_run_world
     from cp_train.memory.dry_run_report import report
-    from cp_train.metrics.prediction import dry_run_line
+    from cp_train.perf.run_check import dry_run_line
 
     device_gib = args.device_memory_gib
     if device_gib is None:

@@ -191,7 +191,7 @@ def dry_run_vocab(config: Config) -> int:
                       f"--set model.vocab_size=128256 for Llama 3")
 
 
-def plan(config: Config, world: int, only: list[int] | None = None
+def memory_plan(config: Config, world: int, only: list[int] | None = None
          ) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, Any]]:
     """Every rank's memory (or the ranks ``only``) for ``config`` on ``world`` ranks: the layout, per rank
     figures, the activation estimate's terms and the assumptions (device, dtypes, tokens)."""
@@ -243,7 +243,7 @@ def resolve_fsdp_reduce(config: Config, world: int, device_gib: float | None, re
     if parallel.backend == "gloo" or device_gib is None:
         return "per_step", "on CPU: no device memory to fit"
     usable = device_gib - reserve
-    needs = {mode: max(r.total_bytes for r in plan(with_reduce(config, mode), world, only=[0])[1]) / GIB
+    needs = {mode: max(r.total_bytes for r in memory_plan(with_reduce(config, mode), world, only=[0])[1]) / GIB
              for mode in ("per_step", "per_microbatch")}
     if needs["per_step"] <= usable:
         return "per_step", (f"fits: {sig3(needs['per_step'])} of {sig3(usable)} GiB usable; per_microbatch would "

@@ -6,7 +6,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from cp_train.config.schema import Config
-from cp_train.memory.dry_run import GIB, PHASES, RankMemory, dry_run_vocab, plan, resolve_fsdp_reduce, sig3, with_reduce
+from cp_train.memory.dry_run import (
+    GIB,
+    PHASES,
+    RankMemory,
+    dry_run_vocab,
+    memory_plan,
+    resolve_fsdp_reduce,
+    sig3,
+    with_reduce,
+)
 
 
 class DryRunReport(NamedTuple):
@@ -23,7 +32,7 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     reduce, why = resolve_fsdp_reduce(config, world, device_gib, reserve_gib)
     auto = config.parallel.fsdp_reduce == "auto"
     config = with_reduce(config, reduce)
-    dims, ranks, activations, assumed = plan(config, world)
+    dims, ranks, activations, assumed = memory_plan(config, world)
     parallel, model = config.parallel, config.model
     worst = max(ranks, key=lambda r: r.total_bytes)
     mode = (f"FSDP over dp x cp ({'ZeRO-3' if parallel.fsdp_reshard_after_forward else 'ZeRO-2'})"

@@ -11,7 +11,7 @@
 - step time and peak memory: also the max over all ranks (``max_over_ranks``), memory as a percentage of
   the device's (``device_memory_gib``: CUDA's total memory, or the machine's ``MemTotal`` on CPU).
 - MFU: TFLOP/s per device over the device's peak: ``logging.peak_tflops`` if set, else the dense
-  bf16 tensor-core peak of the GPU found in ``PEAK_TFLOPS`` by name, else ``logging.cpu_peak_tflops`` on CPU.
+  bf16 tensor-core peak of the GPU found in ``GPUS`` by name, else ``logging.cpu_peak_tflops`` on CPU.
   A GPU missing from the table has no known peak: MFU is NaN (one warning names ``logging.peak_tflops``).
 - attention imbalance: the busiest CP rank's attention work (query-key pairs under the mask) over the
   mean, per global batch, averaged over the interval (1.0: balanced; see the ``balanced`` CP layout).
@@ -36,30 +36,47 @@ from cp_train.model.config import ModelConfig
 from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
 from cp_train.results import StepResult
 
-# Dense bf16 tensor-core peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
-PEAK_TFLOPS: dict[str, float] = {
-    "H200 NVL": 835.0, "H200": 989.0,
-    "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
-    "GH200": 989.0, "B200": 2250.0, "B100": 1750.0,
-    "A100": 312.0, "A800": 312.0, "A30": 165.0, "A10G": 70.0, "A10": 125.0,
-    "L40S": 362.0, "L40": 181.0, "L4": 121.0,
-    "RTX 4090": 165.2, "RTX A6000": 154.8, "RTX 3090": 71.0,
-    "V100": 125.0,  # fp16
-    "MI300X": 1307.0, "MI250X": 383.0,
+# Per device name: the dense bf16 tensor-core peak TFLOP/s (no sparsity, the vendors' data sheets) and the planner's
+# hardware profile of that device where it has one (cp_train/perf/inputs/profiles; the profile's bf16_tflops is this
+# peak). The one table of GPU names: the MFU's peak and the planner's run check both read it.
+GPUS: dict[str, tuple[float, str | None]] = {
+    "H200 NVL": (835.0, None), "H200": (989.0, "h200"),
+    "H100 SXM": (989.0, "h100-sxm"), "H100 80GB HBM3": (989.0, "h100-sxm"), "H100 NVL": (835.0, None),
+    "H100 PCIe": (756.0, None), "H100": (989.0, "h100-sxm"), "H800": (989.0, "h800"),
+    "GH200": (989.0, None), "B200": (2250.0, "b200"), "B100": (1750.0, None),
+    "A100": (312.0, "a100-80g"), "A800": (312.0, None), "A30": (165.0, None), "A10G": (70.0, None),
+    "A10": (125.0, None), "L40S": (362.0, None), "L40": (181.0, None), "L4": (121.0, None),
+    "RTX 4090": (165.2, None), "RTX A6000": (154.8, None), "RTX 3090": (71.0, None),
+    "V100": (125.0, None),  # fp16
+    "MI300X": (1307.0, None), "MI250X": (383.0, None),
 }
 
 
-def gpu_peak_tflops(device_name: str) -> float | None:
+def gpu_entry(device_name: str) -> tuple[float, str | None] | None:
     """The table's entry whose name occurs in ``device_name`` (case, ``-`` and ``_`` ignored), longest match
     first: the NVL and PCIe parts get their own lower peaks (``NVIDIA H200 NVL`` 835, ``NVIDIA H200`` 989), or None."""
     def words(text: str) -> str:
         return " ".join(text.lower().replace("-", " ").replace("_", " ").split())
 
     found = words(device_name)
-    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
+    for name in sorted(GPUS, key=len, reverse=True):
         if words(name) in found:
-            return PEAK_TFLOPS[name]
+            return GPUS[name]
     return None
+
+
+def gpu_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of ``device_name`` (``gpu_entry``), or None."""
+    entry = gpu_entry(device_name)
+    return entry[0] if entry else None
+
+
+def implausible_mfu(mfu: float, peak_tflops: float, source: str) -> str | None:
+    """A warning when the measured MFU is above 100%: the FLOPs or the peak are miscounted."""
+    if mfu <= 1.0:
+        return None
+    return (f"measured MFU {mfu:.0%} is above 100% of {peak_tflops:g} TFLOP/s ({source}): the peak is wrong for this "
+            f"device (set logging.peak_tflops) or the FLOPs are miscounted")
 
 
 def peak_tflops(device: torch.device, override: float | None, cpu_peak: float) -> tuple[float, str]:

@@ -1,7 +1,7 @@
-"""``python -m cp_train.plan``: the planner's command line (``cli.py``)."""
+"""``python -m cp_train.plan``: ``cp-train-plan`` (``cp_train/cli/plan.py``)."""
 
 import sys
 
-from cp_train.plan.cli import main
+from cp_train.cli.plan import main
 
 sys.exit(main())

@@ -209,7 +209,7 @@ def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses:
 def layout_plan(algorithm: str, layout: str, world: int, rank: int, local_len: int, ulysses: int = 1,
                 causal: bool = True, window: Window | None = None) -> CPPlan:
     """The plan ``plan_batch`` returns for one document per sample in a static ``layout`` (cached; no process
-    group needed): what rank ``rank`` of ``world`` runs, for the planner (``cp_train.plan``)."""
+    group needed): what rank ``rank`` of ``world`` runs, for the planner (``cp_train.perf``)."""
     return _static_plan(algorithm, layout, causal, world, ulysses, rank, local_len, window)
 
 

@@ -1,7 +1,7 @@
 """GPU constants for the planner: peaks, memory, links, and measured GEMM and attention efficiency curves.
 
 A ``Hardware`` is one GPU type in one kind of node. The built-in profiles are the YAML files in
-``cp_train/plan/inputs/profiles/`` (one per GPU type, each constant's source in a comment); a user's file has the
+``cp_train/perf/inputs/profiles/`` (one per GPU type, each constant's source in a comment); a user's file has the
 same keys, and ``to_yaml`` writes that format (so ``--calibrate OUT.yaml`` and ``--hardware OUT.yaml`` agree).
 
 Units: TFLOP/s dense (no sparsity) per GPU; HBM in GiB (2**30 bytes, the device's total as nvidia-smi shows
@@ -10,15 +10,15 @@ Efficiencies are fractions of the matching peak, 0 < f <= 1:
 
 - ``gemm_bf16`` / ``gemm_fp8``: points ``[FLOPs of one GEMM call (2*b*m*n*k), fraction of the peak]``,
   FLOPs increasing, interpolated linearly in log(FLOPs) and constant beyond the ends.
-- ``gemm_fp32``: the same for fp32 (a CPU profile: ``compute_dtype: fp32``, ``fp32_tflops`` its measured peak
-  and ``cpu`` its cores and gloo links, ``cpu_profile.py``; a GPU profile leaves the three out).
-- ``attention``: per kernel, head_dim and mask, points ``[block length, fraction of the peak]`` (the peak of
-  ``compute_dtype``: bf16 on GPUs) for one forward + backward kernel call of ``block`` query rows over ``block``
-  keys; FLOPs counted as flash attention does (forward ``4 * pairs * heads * head_dim``, backward 2.5x that,
-  causal: visible pairs only), interpolated in log(length).
+- ``attention``: per kernel, head_dim and mask, points ``[block length, fraction of the bf16 peak]`` for one
+  forward + backward kernel call of ``block`` query rows over ``block`` keys; FLOPs counted as flash attention
+  does (forward ``4 * pairs * heads * head_dim``, backward 2.5x that, causal: visible pairs only), interpolated in
+  log(length).
 - ``nvlink_efficiency`` / ``net_efficiency``: the bus bandwidth NCCL ring collectives reach over the link's.
 - Latencies follow NCCL's model: a collective costs ``collective_latency_us`` plus one step latency per ring
   step (``nvlink_latency_us`` inside a node, ``net_latency_us`` for a step that crosses nodes).
+- The host: ``host_op_us`` per op the host dispatches (Python, the dispatcher, the launch) and
+  ``graph_build_ms`` per cuDNN execution graph built for a new attention shape (``host.py``).
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from typing import Any
 import yaml
 
 from cp_train.errors import InputError
-from cp_train.plan.inputs.cpu_profile import CpuConstants, parse_cpu
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
-PRECISIONS = ("bf16", "fp8", "fp32")
+PRECISIONS = ("bf16", "fp8")
 Curve = tuple[tuple[float, float], ...]
 
 FIELDS: dict[str, str] = {  # every key of a hardware file -> what it holds (named in errors)
@@ -56,13 +55,10 @@ FIELDS: dict[str, str] = {  # every key of a hardware file -> what it holds (nam
     "attention_kernel": "the kernel the trainer uses on this GPU (one of the attention entries' kernels)",
     "gpus_per_node": "GPUs per node (default 8)",
     "notes": "free text (default empty)",
-    "compute_dtype": "the dtype the trainer computes in on this device: bf16 (GPUs, default) or fp32 (CPU)",
-    "fp32_tflops": "fp32 matmul peak, TFLOP/s per device (default 0: none; a CPU profile's measured rate)",
-    "gemm_fp32": "fp32 GEMM efficiency: a list of [GEMM FLOPs, fraction of fp32_tflops] (empty when fp32_tflops is 0)",
-    "cpu": "a CPU profile's cores, thread speedup, op overhead and gloo links (cpu_profile.py; default none)",
+    "host_op_us": "host time per dispatched op (Python, dispatcher, kernel launch), microseconds",
+    "graph_build_ms": "host time to build one cuDNN attention execution graph for a new shape, milliseconds",
 }
-OPTIONAL = {"gpus_per_node": 8, "notes": "", "compute_dtype": "bf16", "fp32_tflops": 0.0, "gemm_fp32": [],
-            "cpu": None}
+OPTIONAL = {"gpus_per_node": 8, "notes": ""}
 
 
 class HardwareError(InputError):
@@ -114,33 +110,31 @@ class Hardware:
     gemm_fp8: Curve
     attention: tuple[AttentionCurve, ...]
     attention_kernel: str
+    host_op_us: float
+    graph_build_ms: float
     gpus_per_node: int = 8
     notes: str = ""
-    compute_dtype: str = "bf16"
-    fp32_tflops: float = 0.0
-    gemm_fp32: Curve = ()
-    cpu: CpuConstants | None = None
 
     def peak_tflops(self, precision: str = "bf16") -> float:
-        """Dense peak TFLOP/s per device for ``precision`` (bf16 | fp8 | fp32)."""
-        _check_precision(precision)
-        peak = {"bf16": self.bf16_tflops, "fp8": self.fp8_tflops, "fp32": self.fp32_tflops}[precision]
+        """Dense peak TFLOP/s per device for ``precision`` (bf16 | fp8)."""
+        if precision not in PRECISIONS:
+            raise HardwareError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        peak = self.bf16_tflops if precision == "bf16" else self.fp8_tflops
         if peak <= 0:
             raise HardwareError(f"hardware {self.name} has no {precision} peak ({precision}_tflops 0): plan with "
-                                f"precision {self.compute_dtype}")
+                                f"precision bf16")
         return peak
 
     def gemm_fraction(self, flops: float, precision: str = "bf16") -> float:
         """Fraction of ``peak_tflops(precision)`` one GEMM call of ``flops`` (2*b*m*n*k) reaches."""
-        self.peak_tflops(precision)
-        return interpolate({"bf16": self.gemm_bf16, "fp8": self.gemm_fp8, "fp32": self.gemm_fp32}[precision], flops)
+        return interpolate(self.gemm_bf16 if precision == "bf16" else self.gemm_fp8, flops)
 
     def attention_fraction(self, head_dim: int, block: float, causal: bool = True, kernel: str | None = None
                            ) -> float:
-        """Fraction of the compute dtype's peak one forward + backward attention call of ``block`` rows x ``block`` keys
-        reaches with ``kernel`` (default ``attention_kernel``); for a call of ``rows`` x ``keys`` pass the side of
-        the square of the same area, ``sqrt(rows * keys)``. A head_dim without a curve uses the nearest one (in
-        log2); a mask without a curve uses the other mask's curve."""
+        """Fraction of the bf16 peak one forward + backward attention call of ``block`` rows x ``block`` keys reaches
+        with ``kernel`` (default ``attention_kernel``); for a call of ``rows`` x ``keys`` pass the side of the square
+        of the same area, ``sqrt(rows * keys)``. A head_dim without a curve uses the nearest one (in log2); a mask
+        without a curve uses the other mask's curve."""
         kernel = kernel or self.attention_kernel
         curves = [curve for curve in self.attention if curve.kernel == kernel]
         if not curves:
@@ -157,24 +151,17 @@ class Hardware:
         out: dict[str, Any] = {}
         for item in fields(self):
             value = getattr(self, item.name)
-            if item.name in ("gemm_bf16", "gemm_fp8", "gemm_fp32"):
+            if item.name in ("gemm_bf16", "gemm_fp8"):
                 value = [[float(x), float(y)] for x, y in value]
             elif item.name == "attention":
                 value = [{"kernel": c.kernel, "head_dim": c.head_dim, "causal": c.causal,
                           "points": [[float(x), float(y)] for x, y in c.points]} for c in value]
-            elif item.name == "cpu" and value is not None:
-                value = value.to_dict()
             out[item.name] = value
         return out
 
     def to_yaml(self) -> str:
         """The YAML text of ``to_dict`` (the format ``load_hardware`` reads)."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
-
-
-def _check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise HardwareError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
 
 
 def _numeric(value: Any) -> Any:
@@ -236,6 +223,9 @@ def from_dict(data: Any, source: str = "hardware") -> Hardware:
     """A ``Hardware`` from a file's mapping; ``HardwareError`` naming ``source`` and the key otherwise."""
     if not isinstance(data, dict):
         raise HardwareError(f"{source}: the top level must be a mapping of constants ({', '.join(FIELDS)})")
+    if "cpu" in data or data.get("compute_dtype") == "fp32":
+        raise HardwareError(f"{source} is a CPU profile: cp-train-plan predicts GPUs (for a CPU run's memory use "
+                            f"train.py --dry-run)")
     unknown = sorted(str(key) for key in data if key not in FIELDS)
     if unknown:
         raise HardwareError(f"{source}: unknown key {unknown[0]!r}; the keys are {', '.join(FIELDS)}")
@@ -246,29 +236,19 @@ def from_dict(data: Any, source: str = "hardware") -> Hardware:
     if not isinstance(data["name"], str) or not data["name"]:
         raise HardwareError(f"{source}: name must be a non-empty string, got {data['name']!r}")
     values: dict[str, Any] = {"name": data["name"], "notes": str(data["notes"] or "")}
-    if data["compute_dtype"] not in ("bf16", "fp32"):
-        raise HardwareError(f"{source}: compute_dtype must be bf16 or fp32, got {data['compute_dtype']!r}")
-    values["compute_dtype"] = data["compute_dtype"]
-    cpu_profile = data["compute_dtype"] == "fp32"  # a CPU computes in fp32 and may have no bf16 rate
-    values["bf16_tflops"] = _number(data, "bf16_tflops", source, zero=cpu_profile)
-    for key in ("hbm_gib", "hbm_tb_s", "nvlink_gb_s", "nvlink_latency_us", "net_gb_s",
-                "net_latency_us", "collective_latency_us"):
-        values[key] = _number(data, key, source, zero=key.endswith("latency_us"))
+    for key in ("bf16_tflops", "hbm_gib", "hbm_tb_s", "nvlink_gb_s", "nvlink_latency_us", "net_gb_s",
+                "net_latency_us", "collective_latency_us", "host_op_us", "graph_build_ms"):
+        values[key] = _number(data, key, source, zero=key.endswith(("latency_us", "_us", "_ms")))
     values["fp8_tflops"] = _number(data, "fp8_tflops", source, zero=True)
-    values["fp32_tflops"] = _number(data, "fp32_tflops", source, zero=not cpu_profile)
     for key in ("nvlink_efficiency", "net_efficiency"):
         values[key] = _number(data, key, source, fraction=True)
     gpus = data["gpus_per_node"]
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise HardwareError(f"{source}: gpus_per_node must be an integer >= 1, got {gpus!r}")
     values["gpus_per_node"] = gpus
-    for key in ("gemm_bf16", "gemm_fp8", "gemm_fp32"):  # empty only without the matching peak
+    for key in ("gemm_bf16", "gemm_fp8"):  # empty only without the matching peak
         peak = values[key.replace("gemm_", "") + "_tflops"]
         values[key] = _curve(data[key], key, source) if data[key] or peak > 0 else ()
-    try:
-        values["cpu"] = parse_cpu(data["cpu"], source)
-    except InputError as error:
-        raise HardwareError(str(error)) from None
     values["attention"] = _attention(data["attention"], source)
     kernels = sorted({curve.kernel for curve in values["attention"]})
     if data["attention_kernel"] not in kernels:

@@ -1,13 +1,14 @@
-"""``cp-train-plan`` (``python -m cp_train.plan``): predict the layouts a model can train in, before renting.
+"""``cp-train-plan`` (``python -m cp_train.perf``): predict what the layouts a model can train in will do on GPUs,
+with the range measured runs like each came out in, before renting (``cp_train/perf``, docs/planner.md).
 
     cp-train-plan llama3-8b --seq-len 131072 --gpus 8 --hardware h100-sxm            # search: the best 10
     cp-train-plan llama3-8b --seq-len 131072 --gpus 8 --cp 4 --fsdp --explain          # one layout, in words
     cp-train-plan launch/configs/gpt-8b-128k-cp8.yaml --seq-len 131072 --gpus 8 --json
-    cp-train-plan --calibrate cpu.yaml                                      # measure this machine (GPU or CPU)
-    cp-train-plan launch/configs/cpu-tiny.yaml --seq-len 256 --gpus 2 --hardware cpu.yaml --cp 2 --eager
+    cp-train-plan --calibrate gpu.yaml                                       # measure this machine's GPU
 
-With no layout flag it searches every layout the trainer can run (``search.py``); any layout flag fixes that
-setting. Prints a table, or one JSON line per layout (``--json``). Bad input is one line and exit status 2.
+With no layout flag it searches every layout the trainer can run (``cp_train/perf/search.py``); any layout flag
+fixes that setting. Prints a table, or one JSON line per layout (``--json``). Bad input is one line and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import json
 import sys
 from collections.abc import Sequence
 
-from cp_train.config.schema import Config
+from cp_train.config.schema import Config, ConfigError
+from cp_train.config.sources import load_config
 from cp_train.errors import InputError
 from cp_train.memory.dry_run import RESERVE_FRACTION, RESERVE_GIB, reserve_gib
-from cp_train.plan.explain import explain
-from cp_train.plan.inputs.documents import document_pieces, parse_document_lengths
-from cp_train.plan.inputs.hardware import load_hardware
-from cp_train.plan.inputs.presets import load_model
-from cp_train.plan.predict import Prediction
-from cp_train.plan.rates import DeviceRates
-from cp_train.plan.search import Choices, search
+from cp_train.perf.explain import explain
+from cp_train.perf.inputs.documents import document_pieces, parse_document_lengths
+from cp_train.perf.inputs.hardware import load_hardware
+from cp_train.perf.inputs.presets import load_model
+from cp_train.perf.predict import Prediction
+from cp_train.perf.rates import DeviceRates
+from cp_train.perf.search import Choices, search
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=128256,
                         help="for a project YAML whose model.vocab_size is null (the tokenizer's); default 128256")
     parser.add_argument("--eager", action="store_true", help="plan the eager step (default: compiled, --compile)")
-    parser.add_argument("--precision", choices=("bf16", "fp8", "fp32"), default=None,
-                        help="the linears' precision (default: the hardware's compute dtype, bf16 on GPUs and fp32 "
-                             "on a calibrated CPU; fp8: for comparison with published fp8 runs)")
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                        help="the linears' precision (fp8: for comparison with published fp8 runs)")
+    parser.add_argument("--attention-kernel", default=None, metavar="KERNEL",
+                        help="the attention kernel planned, one of the profile's curves (cudnn, flash2; default: "
+                             "the profile's, the trainer's choice on that GPU)")
     for flag, kind in (("--tp", int), ("--cp", int), ("--dp", int), ("--ulysses-size", int), ("--mlp-chunks", int),
                        ("--micro-batch", int)):
         parser.add_argument(flag, type=kind, default=None)
@@ -65,15 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="one JSON line per layout instead of the table")
     parser.add_argument("--explain", action="store_true", help="the best layout's time and memory in words")
     parser.add_argument("--calibrate", metavar="OUT.yaml", default=None,
-                        help="measure this machine (its GPU when there is one, else its CPU; 1-4 minutes) and "
-                             "write a hardware profile for --hardware OUT.yaml; no model or layout needed")
+                        help="measure this machine's GPU (about a minute) and write a hardware profile for "
+                             "--hardware OUT.yaml; no model or layout needed")
     parser.add_argument("--quick", action="store_true", help="with --calibrate: a few sizes only (seconds)")
     return parser
 
 
-def base_config(args: argparse.Namespace, cpu: bool = False) -> Config:
-    """The run config every candidate starts from: the model, sequence and batch; CUDA with bf16, or with ``cpu``
-    (a calibrated CPU profile) gloo ranks in fp32, eager."""
+def _check_gpu_config(spec: str) -> None:
+    """A project YAML config that runs on CPU ranks (gloo): one line saying the planner predicts GPUs."""
+    if not spec.endswith((".yaml", ".yml")):
+        return
+    try:
+        backend = load_config(spec).parallel.backend
+    except ConfigError:
+        return  # ``load_model`` says what is wrong with the file
+    if backend == "gloo":
+        raise InputError(f"{spec} runs on CPU ranks (parallel.backend gloo): cp-train-plan predicts GPUs; for its "
+                         f"memory run train.py --config {spec} --dry-run")
+
+
+def base_config(args: argparse.Namespace) -> Config:
+    """The run config every candidate starts from: the model, sequence and batch, on CUDA in bf16."""
+    _check_gpu_config(args.model)
     config = Config()
     config.model = load_model(args.model, vocab_size=args.vocab_size)
     config.model.max_position_embeddings = max(config.model.max_position_embeddings, args.seq_len)
@@ -82,9 +99,9 @@ def base_config(args: argparse.Namespace, cpu: bool = False) -> Config:
     if tokens % args.seq_len:
         raise InputError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {args.seq_len}")
     config.train.global_batch_size = tokens // args.seq_len
-    config.train.dtype = "fp32" if cpu else "bf16"
-    config.train.compile = not (args.eager or cpu)
-    config.parallel.backend = "gloo" if cpu else None  # None: CUDA (the dry run plans nccl runs on CUDA)
+    config.train.dtype = "bf16"
+    config.train.compile = not args.eager
+    config.parallel.backend = None  # CUDA: the dry run plans nccl runs
     config.logging.wandb = False
     return config
 
@@ -104,7 +121,7 @@ def choices_of(args: argparse.Namespace) -> Choices:
 
 def table(predictions: list[Prediction]) -> str:
     header = ("#", "tp", "cp", "dp", "cp algorithm", "layout", "fsdp", "ckpt", "mlp", "mb", "step s", "tok/s/GPU",
-              "TFLOP/s half|full", "MFU half|full", "GiB", "fits")
+              "range", "TFLOP/s half|full", "range (half)", "MFU half|full", "GiB", "fits")
     rows = [header]
     for index, p in enumerate(predictions, 1):
         r = p.record()
@@ -112,7 +129,9 @@ def table(predictions: list[Prediction]) -> str:
         rows.append((str(index), str(r["tp"]), str(r["cp"]), str(r["dp"]), algorithm, r["cp_layout"] if r["cp"] > 1
                      else "-", "yes" if r["fsdp"] else "no", r["activation_checkpointing"], str(r["mlp_chunks"]),
                      str(r["micro_batch"]), f"{r['step_time_s']:.3g}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                     "{:,.0f}-{:,.0f}".format(*r["tokens_per_s_per_gpu_range"]),
                      "{:.0f} | {:.0f}".format(*r["tflops_per_gpu"].values()),
+                     "{:.0f}-{:.0f}".format(*r["tflops_per_gpu_range"]["causal_half"]),
                      "{:.1%} | {:.1%}".format(*r["mfu"].values()), f"{r['memory_gib']['total']:.3g}",
                      "yes" if r["fits"] else "NO"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -125,13 +144,14 @@ def _documents_note(documents: tuple[int, ...], seq_len: int) -> str:
 
 
 def calibrate_main(path: str, quick: bool) -> int:
-    """``--calibrate OUT.yaml``: measure, print each measurement, write the profile."""
-    from cp_train.plan.calibration.calibrate import write_profile
+    """``--calibrate OUT.yaml``: measure this GPU, print each measurement, write the profile."""
+    from cp_train.perf.calibrate import write_profile
 
     try:
         write_profile(path, quick, log=lambda line: print(line, flush=True))
-    except OSError as error:
-        print(f"cp-train-plan: cannot write {path}: {error}", file=sys.stderr)
+    except (OSError, InputError) as error:
+        print(f"cp-train-plan: {error}" if isinstance(error, InputError) else
+              f"cp-train-plan: cannot write {path}: {error}", file=sys.stderr)
         return 2
     print(f"wrote {path}: use it with --hardware {path}")
     return 0
@@ -149,13 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         hardware = load_hardware(args.hardware)
         if args.gpus_per_node:
             hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
-        base = base_config(args, cpu=hardware.cpu is not None)
-        args.precision = args.precision or hardware.compute_dtype
-        rates = DeviceRates(hardware, args.precision)
+        base = base_config(args)
+        rates = DeviceRates(hardware, args.precision, args.attention_kernel)
         reserve = reserve_gib(hardware.hbm_gib, args.reserve_gib, args.reserve_fraction)
         documents = parse_document_lengths(args.document_lengths) if args.document_lengths else None
-        result = search(base, args.gpus, rates, hardware.peak_tflops(hardware.compute_dtype), hardware.hbm_gib,
-                        reserve, choices_of(args), documents)
+        result = search(base, args.gpus, rates, hardware.peak_tflops("bf16"), hardware.hbm_gib, reserve,
+                        choices_of(args), documents)
     except InputError as error:
         print(f"cp-train-plan: {error}", file=sys.stderr)
         return 2
@@ -170,10 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"{base.model.num_layers} layers x {base.model.hidden_size} hidden, seq {args.seq_len:,}, "
               f"{args.gpus} x {hardware.name}, {base.train.global_batch_size} samples per step, {args.precision} "
-              f"linears: {result.evaluated} layouts, {len(result.ranked)} valid, "
+              f"linears, {rates.kernel} attention: {result.evaluated} layouts, {len(result.ranked)} valid, "
               f"{sum(p.fits for p in result.ranked)} fit" + (_documents_note(documents, args.seq_len) if documents
                                                                 else ""))
         print(table(shown))
+        print(f"range: the planner's errors on the {len(shown[0].band.runs)} measured runs of regime "
+              f"{'/'.join(shown[0].band.regime)} (cp_train/perf/ranges.py; --explain names them)")
     if args.explain:
         print(explain(shown[0], hardware))
     return 0

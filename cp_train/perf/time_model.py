@@ -7,19 +7,18 @@ collectives and hops (a ring hop hides behind its step's kernels, so a step cost
 all-gather's chunks overlap the compute of the chunk before; Ulysses' all-to-alls are exposed), FSDP's
 gathers and reduce-scatters (prefetched: exposed only where a layer's communication outlasts its compute).
 Per step: the micro-batches, DDP's gradient all-reduce (overlapped with the last backward but its last
-bucket), and the optimizer (AdamW: memory-bound, 28 bytes per local parameter).
+bucket), the optimizer (AdamW: memory-bound, 28 bytes per local parameter) and the host's own time (``host.py``).
 
 Which link a group uses follows Megatron's rank order (tp fastest, then cp, then dp): a group whose ranks
-span more than one node runs at the network's rate, else at NVLink's (``Rates.link``).
+span more than one node runs at the network's rate, else at NVLink's (``DeviceRates.link``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
-from cp_train.plan.inputs.hardware import Hardware
-from cp_train.plan.workload import ATTENTION_BACKWARD, Collective, KernelCall, Workload
+from cp_train.perf.rates import DeviceRates
+from cp_train.perf.workload import ATTENTION_BACKWARD, Collective, KernelCall, Workload
 
 # fp8 linears (``--precision fp8``) cast each operand before its matmul, with current (dynamic) scaling as
 # torchao's float8 training and Transformer Engine's current-scaling recipe run it: a pass over the bf16 tensor
@@ -30,35 +29,6 @@ from cp_train.plan.workload import ATTENTION_BACKWARD, Collective, KernelCall, W
 FP8_CAST_BYTES = 6
 ADAMW_BYTES = 28  # fused AdamW per fp32 parameter: read p, g, m, v (16), write p, m, v (12)
 DDP_BUCKET_BYTES = 25 * 2**20
-
-
-class Rates(Protocol):
-    """What the time model asks of a device (``rates.py`` builds one from a hardware profile)."""
-
-    gpus_per_node: int
-    memory_bytes_per_s: float
-    call_latency_s: float  # a collective's fixed cost, on top of its per-step latency
-    op_seconds: float  # host time per dispatched op (a CPU profile's; 0 on a GPU: launches run ahead)
-    cpu_threads: int  # torch threads per CPU rank (``cpu_comm.py``: nothing overlaps); 0 on a GPU
-    adamw_bytes: float | None  # a CPU profile's measured AdamW step per parameter (None: ``ADAMW_BYTES``)
-
-    def at_world(self, world: int) -> Rates:
-        """These rates for one rank of a layout of ``world`` ranks (CPU ranks share the machine's cores)."""
-
-    precision: str  # the linears' precision (bf16 | fp8 | fp32)
-    hardware: Hardware
-
-    def matmul(self, m: int, n: int, k: int, precision: str | None = None) -> float:
-        """FLOP/s of a ``[m, k] @ [k, n]`` matmul in ``precision`` (default: the run's linears')."""
-
-    def attention(self, call: KernelCall, head_dim: int) -> float:
-        """FLOP/s of a flash kernel call (fwd and bwd alike), counting 4 * area * head_dim per head forward."""
-
-    def link(self, spans_nodes: bool) -> tuple[float, float]:
-        """``(bytes/s per rank per direction, latency s)`` of a collective inside a node or across nodes."""
-
-    def kind_link(self, kind: str, spans_nodes: bool) -> tuple[tuple[float, float], float]:
-        """``(link, call latency s)`` of a collective of ``kind`` (a CPU profile may fit each kind apart)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +43,7 @@ class Breakdown:
     tp_comm: float
     data_comm: float  # exposed FSDP gathers and reduce-scatters, DDP's all-reduce
     optimizer: float
-    host: float = 0.0  # the host's time per dispatched op (``host_ops.py``): CPU profiles only
+    host: float  # the host's dispatch and cuDNN graph builds the GPU waits for (``host.py``)
 
     @property
     def step(self) -> float:
@@ -102,24 +72,25 @@ def group_spans_nodes(work: Workload, group: str, gpus_per_node: int) -> tuple[i
     return extent[0], extent[1] > gpus_per_node
 
 
-def collectives_seconds(work: Workload, rates: Rates, collectives: list[Collective], phase: str,
+def collectives_seconds(work: Workload, rates: DeviceRates, collectives: list[Collective], phase: str,
                         scale: int = 1) -> float:
     """Seconds of the ``phase`` collectives of ``collectives``, each ``scale`` times its size."""
     total = 0.0
     for c in collectives:
         if c.phase == phase:
             ranks, spans = group_spans_nodes(work, c.group, rates.gpus_per_node)
-            total += c.count * collective_seconds(c.kind, c.size * scale, ranks, *rates.kind_link(c.kind, spans))
+            total += c.count * collective_seconds(c.kind, c.size * scale, ranks, rates.link(spans),
+                                                  rates.call_latency_s)
     return total
 
 
-def _kernel_seconds(calls: tuple[KernelCall, ...], work: Workload, rates: Rates) -> float:
+def _kernel_seconds(calls: tuple[KernelCall, ...], work: Workload, rates: DeviceRates) -> float:
     d = work.config.model.head_dim
     per_call = work.batch * work.attention_heads * 4.0 * d
     return sum(per_call * call.area / rates.attention(call, d) for call in calls)
 
 
-def attention_seconds(work: Workload, rates: Rates) -> tuple[float, float, float, float]:
+def attention_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float, float, float]:
     """One layer's CP attention: ``(forward kernels, backward kernels, forward exposed comm, backward exposed
     comm)`` of the slowest rank at each step (ranks wait for each other at every hop). A ring step costs the
     longer of its kernels and its hop; the all-gather's one transfer per direction travels in kv-head chunks
@@ -163,16 +134,16 @@ def _overlapped(comm: float, compute: float, local: float, chunks: int = 2) -> f
     return exposed + (chunks - 1) * max(0.0, per_comm - per_compute)
 
 
-def matmul_seconds(work: Workload, rates: Rates) -> tuple[float, float, float]:
+def matmul_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float, float]:
     """``(blocks forward, head forward, blocks' elementwise forward)`` seconds of one micro-batch; the head runs
     in the compute dtype (bf16 when the linears are fp8)."""
     blocks = sum(g.flops / rates.matmul(g.m, g.n, g.k) for g in work.gemms)
     head_gemm = work.head_gemm
-    head = head_gemm.flops / rates.matmul(head_gemm.m, head_gemm.n, head_gemm.k, rates.hardware.compute_dtype)
+    head = head_gemm.flops / rates.matmul(head_gemm.m, head_gemm.n, head_gemm.k, "bf16")
     return blocks, head, work.elementwise_bytes / rates.memory_bytes_per_s
 
 
-def fp8_cast_seconds(work: Workload, rates: Rates) -> tuple[float, float]:
+def fp8_cast_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one micro-batch's fp8 casts (``FP8_CAST_BYTES``; 0 unless the linears
     are fp8): the forward casts each block GEMM's input and weight, the backward its output's gradient."""
     if rates.precision != "fp8":

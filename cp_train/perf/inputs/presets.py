@@ -52,16 +52,6 @@ CONFIG_PRESETS: dict[str, tuple[str, int | None]] = {
     "gpt-1b": ("launch/configs/gpt-1b-128k-cp8.yaml", 32768),
     "gpt-8b": ("launch/configs/gpt-8b-128k-cp8.yaml", None),
 }
-# published parameter counts (the model cards' / HF pages' rounding), for the tests
-PUBLISHED_PARAMETERS: dict[str, float] = {
-    "llama3-8b": 8.03e9,     # https://huggingface.co/meta-llama/Llama-3.1-8B ("8.03B params")
-    "llama3-70b": 70.6e9,    # https://huggingface.co/meta-llama/Llama-3.1-70B ("70.6B params")
-    "llama3-405b": 405.9e9,  # https://huggingface.co/meta-llama/Llama-3.1-405B (405,853,388,800 weights)
-    "llama2-7b": 6.74e9,     # https://huggingface.co/meta-llama/Llama-2-7b-hf ("6.74B params")
-    "qwen2.5-7b": 7.62e9,    # https://huggingface.co/Qwen/Qwen2.5-7B ("7.62B params", with the q/k/v biases)
-}
-
-
 class ModelSpecError(InputError):
     """A model spec that names no preset and no readable config; the message lists the presets."""
 
@@ -123,11 +113,18 @@ def load_model(spec: str | Path, vocab_size: int | None = None) -> ModelConfig:
                          f"or pass a project YAML config or a Hugging Face config.json")
 
 
+def layer_parameters(model: ModelConfig) -> int:
+    """Weights of one block: fused QKV, output projection, SwiGLU and the two norms (no biases)."""
+    d, hidden = model.head_dim, model.hidden_size
+    return hidden * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * hidden \
+        + 3 * hidden * model.ffn_hidden_size + 2 * hidden
+
+
+def root_parameters(model: ModelConfig) -> int:
+    """The embedding, the final norm and the LM head (none when tied)."""
+    return model.vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2) + model.hidden_size
+
+
 def parameter_count(config: ModelConfig) -> int:
-    """Weights of the model ``config`` builds: embedding, per layer q/k/v/o, SwiGLU MLP and two RMSNorms,
-    the final norm, and the LM head unless tied (no biases)."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    attention = hidden * (config.num_heads + 2 * config.num_kv_heads) * head_dim + config.num_heads * head_dim * hidden
-    layer = attention + 3 * hidden * config.ffn_hidden_size + 2 * hidden
-    embedding = config.vocab_size * hidden
-    return embedding + config.num_layers * layer + hidden + (0 if config.tie_embeddings else embedding)
+    """Weights of the model ``config`` builds: every block and the root (no biases)."""
+    return config.num_layers * layer_parameters(config) + root_parameters(config)

@@ -1,9 +1,10 @@
-"""Every run checks the planner: the planner's prediction for the run's own layout (``cp_train.plan``), and the
-sanity guard on measured throughput.
+"""Every run checks the planner: its prediction (and range) for the run's own layout, and the sanity guard on
+measured throughput.
 
 The hardware is ``logging.hardware_profile`` (a profile name or a YAML file, e.g. one written by
-``cp-train-plan --calibrate``), else the profile of the CUDA device's name; a CPU run without a profile, or an
-unknown GPU, is not predicted. A prediction never stops a run: a failure becomes a note.
+``cp-train-plan --calibrate``), else the profile of the CUDA device's name (``metrics.throughput.GPUS``); a CPU
+run without a profile, or a GPU without one, is not predicted. A prediction never stops a run: a failure becomes
+a note.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 from cp_train.config.schema import Config
 from cp_train.errors import InputError
 from cp_train.memory.dry_run import reserve_gib
-from cp_train.plan.inputs.hardware import Hardware, load_hardware
-from cp_train.plan.predict import predict
-from cp_train.plan.rates import DeviceRates
-
-DEVICE_PROFILES = (("H200", "h200"), ("H800", "h800"), ("H100", "h100-sxm"), ("B200", "b200"), ("A100", "a100-80g"))
+from cp_train.metrics.throughput import gpu_entry, implausible_mfu
+from cp_train.perf.host import GRAPH_SAMPLES
+from cp_train.perf.inputs.documents import document_pieces
+from cp_train.perf.inputs.hardware import Hardware, load_hardware
+from cp_train.perf.predict import predict
+from cp_train.perf.rates import DeviceRates
 
 
 def run_hardware(config: Config, device: torch.device) -> Hardware | None:
@@ -35,11 +37,12 @@ def run_hardware(config: Config, device: torch.device) -> Hardware | None:
 
 
 def device_profile(name: str) -> str | None:
-    """The built-in hardware profile of a CUDA device named ``name`` (``DEVICE_PROFILES``), None when unknown."""
-    return next((profile for key, profile in DEVICE_PROFILES if key in name), None)
+    """The built-in hardware profile of a CUDA device named ``name`` (``metrics.throughput.GPUS``), or None."""
+    entry = gpu_entry(name)
+    return entry[1] if entry else None
 
 
-def sample_documents(dataset: Any, samples: int = 1) -> tuple[int, ...] | None:
+def sample_documents(dataset: Any, samples: int = GRAPH_SAMPLES) -> tuple[int, ...] | None:
     """The lengths of the document pieces in the first ``samples`` samples of ``dataset`` (items with
     ``document_ids``, ``data/gpt_dataset.py``), in order; None when it has none."""
     try:
@@ -56,7 +59,7 @@ def run_prediction(config: Config, world: int, device: torch.device, documents: 
                    ) -> tuple[dict[str, Any] | None, str | None]:
     """``(prediction, note)``: the planner's step time, tokens/s per device, MFU and peak memory for ``config``
     on ``world`` ranks of this run's hardware (None when there is none), and a note when it could not be made.
-    ``documents``: the lengths of the documents packed into a sample (``sample_documents``; None: one per
+    ``documents``: the lengths of the documents packed into its samples (``sample_documents``; None: one per
     sample)."""
     try:
         hardware = run_hardware(config, device)
@@ -73,7 +76,8 @@ def run_prediction(config: Config, world: int, device: torch.device, documents: 
         return None, (f"the planner predicts MFU {record['mfu']['causal_half']:.0%} on {hardware.name}, above the "
                       f"hardware's peak: the profile's rates are wrong ({profile})")
     return {"hardware": hardware.name, "step_time_s": record["step_time_s"],
-            "documents_per_sample": len(documents) if documents else 1,
+            "step_time_s_range": record["step_time_s_range"], "regime": record["regime"],
+            "documents_per_sample": len(document_pieces(documents, config.data.seq_len)) if documents else 1,
             "tokens_per_s_per_device": record["tokens_per_s_per_gpu"], "mfu": record["mfu"]["causal_half"],
             "memory_gib": record["memory_gib"]["total"], "fits": record["fits"]}, None
 
@@ -91,10 +95,11 @@ def dry_run_line(config: Config, world: int) -> str | None:
     prediction, note = run_prediction(chosen, world, local)
     if prediction is None:
         return note
+    low, high = prediction["step_time_s_range"]
     return (f"planner ({prediction['hardware']}; cp-train-plan for other layouts): a step of "
-            f"{config.train.global_batch_size * config.data.seq_len:,} tokens in {prediction['step_time_s']:.3g} s, "
-            f"{prediction['tokens_per_s_per_device']:,.0f} tokens/s per device, MFU {prediction['mfu']:.1%} "
-            f"(causal attention at half)")
+            f"{config.train.global_batch_size * config.data.seq_len:,} tokens in {prediction['step_time_s']:.3g} s "
+            f"(runs like it: {low:.3g}-{high:.3g} s), {prediction['tokens_per_s_per_device']:,.0f} tokens/s per "
+            f"device, MFU {prediction['mfu']:.1%} (causal attention at half)")
 
 
 def measured_against_predicted(step_time_s: float, prediction: dict[str, Any] | None) -> str | None:
@@ -102,8 +107,10 @@ def measured_against_predicted(step_time_s: float, prediction: dict[str, Any] | 
     if not prediction or not step_time_s:
         return None
     ratio = step_time_s / prediction["step_time_s"]
+    low, high = prediction["step_time_s_range"]
+    where = "inside" if low <= step_time_s <= high else "outside"
     return (f"step time {step_time_s:.3g} s measured / {prediction['step_time_s']:.3g} s predicted by the planner "
-            f"on {prediction['hardware']} = {ratio:.2f}")
+            f"on {prediction['hardware']} = {ratio:.2f} ({where} the range of runs like it, {low:.3g}-{high:.3g} s)")
 
 
 class PlannerCheck:
@@ -133,10 +140,3 @@ class PlannerCheck:
         line = measured_against_predicted(statistics.median(times), self.prediction) if times else None
         return [line] if line else []
 
-
-def implausible_mfu(mfu: float, peak_tflops: float, source: str) -> str | None:
-    """A warning when the measured MFU is above 100%: the FLOPs or the peak are miscounted."""
-    if mfu <= 1.0:
-        return None
-    return (f"measured MFU {mfu:.0%} is above 100% of {peak_tflops:g} TFLOP/s ({source}): the peak is wrong for this "
-            f"device (set logging.peak_tflops) or the FLOPs are miscounted")

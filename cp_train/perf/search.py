@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
-from cp_train.plan.predict import Prediction, predict
-from cp_train.plan.time_model import Rates
+from cp_train.parallel.cp.algorithms import ALGORITHMS
+from cp_train.perf.predict import Prediction, predict
+from cp_train.perf.rates import DeviceRates
 
-ALGORITHMS = ("ring", "allgather", "ulysses", "hybrid")
 RING_LAYOUTS = ("zigzag", "stripe", "contiguous")  # one document per sample: the static layouts
 DOCUMENT_LAYOUTS = (*RING_LAYOUTS, "balanced")  # packed documents: the balanced layout places them too
 CHECKPOINTING = ("none", "selective", "full")
@@ -83,7 +83,7 @@ class SearchResult:
     evaluated: int
 
 
-def search(base: Config, gpus: int, rates: Rates, peak_tflops: float, device_gib: float, reserve_gib: float,
+def search(base: Config, gpus: int, rates: DeviceRates, peak_tflops: float, device_gib: float, reserve_gib: float,
            choices: Choices = Choices(), documents: tuple[int, ...] | None = None) -> SearchResult:
     """Predict every valid candidate; ``ranked`` holds them all, the fitting ones first, faster first.
     ``documents``: the lengths of the documents packed into each sample (None: one per sample)."""

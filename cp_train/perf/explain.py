@@ -3,14 +3,16 @@ move it."""
 
 from __future__ import annotations
 
-from cp_train.plan.inputs.hardware import Hardware
-from cp_train.plan.predict import Prediction
+from cp_train.perf.inputs.hardware import Hardware
+from cp_train.perf.predict import Prediction
+from cp_train.perf.ranges import MIN_RUNS
 
 PARTS = {"matmuls": "the linear layers' matmuls", "attention": "the attention kernels",
          "elementwise": "memory-bound work (norms, residual adds, RoPE, SwiGLU, the loss)",
          "recompute": "activation checkpointing's recompute", "cp_comm": "exposed CP communication",
          "tp_comm": "TP communication", "data_comm": "exposed FSDP/DDP communication",
-         "optimizer": "the optimizer step", "host": "the host's time per op (Python, dispatcher, autograd)"}
+         "optimizer": "the optimizer step",
+         "host": "the host (dispatching ops, building cuDNN graphs for new attention shapes)"}
 
 # what moves each part, when it is the largest one not bound by the hardware's peak
 MOVES = {"recompute": "less checkpointing (selective instead of full, or none where memory allows)",
@@ -21,7 +23,7 @@ MOVES = {"recompute": "less checkpointing (selective instead of full, or none wh
          "elementwise": "a compiled step (fusing the memory-bound work) or larger matmuls",
          "attention": "a faster attention kernel (FA3 or cuDNN) or a layout that balances the causal work",
          "matmuls": "fp8 linears, or larger matmuls (a larger micro-batch)",
-         "host": "larger micro-batches (fewer, larger ops), a compiled step, or no more ranks than cores"}
+         "host": "a compiled step, larger micro-batches (fewer, larger ops), or documents in fewer kernel shapes"}
 
 
 def explain(prediction: Prediction, hardware: Hardware) -> str:
@@ -35,13 +37,18 @@ def explain(prediction: Prediction, hardware: Hardware) -> str:
              f"{record['activation_checkpointing']}, micro-batch {record['micro_batch']}): a step of "
              f"{prediction.tokens_per_step:,} tokens takes {step:.3g} s, {prediction.tokens_per_s_per_gpu:,.0f} "
              f"tokens/s per GPU."]
+    band, low, high = prediction.band, *record["tokens_per_s_per_gpu_range"]
+    lines.append(f"expected: {low:,.0f}-{high:,.0f} tokens/s per GPU, the planner's error ({band.low:+.0%} to "
+                 f"{band.high:+.0%}, padded) on the {len(band.runs)} measured runs of regime {'/'.join(band.regime)} "
+                 f"(model/sequence/precision/nodes; classes dropped from the right until {MIN_RUNS} runs share it): "
+                 f"{', '.join(band.runs)}.")
     lines.append("where the time goes: " + ", ".join(
         f"{PARTS[name]} {parts[name]:.3g} s ({parts[name] / step:.0%})" for name in ranked if parts[name] > 0))
     half, full = record["tflops_per_gpu"]["causal_half"], record["tflops_per_gpu"]["causal_full"]
     lines.append(f"model FLOPs: {half:.0f} TFLOP/s per GPU with causal attention counted at half (Megatron-Bridge: "
                  f"6N + 6·L·d·s per token), {full:.0f} counted in full (torchtitan: 6N + 12·L·d·s): MFU "
                  f"{record['mfu']['causal_half']:.1%} and {record['mfu']['causal_full']:.1%} of "
-                 f"{hardware.peak_tflops(hardware.compute_dtype):.4g} TFLOP/s {hardware.compute_dtype}.")
+                 f"{hardware.peak_tflops('bf16'):.4g} TFLOP/s bf16.")
     compute = parts["matmuls"] + parts["attention"]
     bound = "compute" if compute >= 0.5 * step else f"{PARTS[ranked[0]]}"
     movable = next((name for name in ranked if name not in ("matmuls",)), ranked[0])

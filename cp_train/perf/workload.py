@@ -11,13 +11,13 @@ rank's tokens per sample (``seq_len / cp``), ``batch`` the micro-batch's samples
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cp_train.config.schema import Config
 from cp_train.model.config import ModelConfig
 from cp_train.parallel.cp.algorithms import canonical_algorithm
 from cp_train.parallel.cp.plan.batch_plan import layout_plan
-from cp_train.plan.inputs.documents import document_pieces, rank_plans
+from cp_train.perf.inputs.documents import document_pieces, rank_plans
 
 # rows per rank a static layout is planned at when the rank has a multiple of it, then scaled: zigzag's and
 # contiguous' segments are multiples of their chunks (exact); stripe's diagonal is one row off (< 0.1% of the area)
@@ -104,7 +104,6 @@ class Workload:
     elementwise_bytes: float  # memory traffic of the norms, residual adds, RoPE and SwiGLU, all layers, forward
     loss_bytes: float  # the cross entropy's memory traffic, forward
     accumulation: int  # micro-batches per optimizer step
-    notes: list[str] = field(default_factory=list)
 
 
 def _ulysses_collectives(heads: int, kv_heads: int, d: int, compute: int, n: int, degree: int,
@@ -249,21 +248,16 @@ def _tp_outside_collectives(model: ModelConfig, config: Config, rows: int, resid
 # (F.rms_norm) either way. RoPE (rope.apply_rope: x*cos + rotate_half(x)*sin): 2 fused, 9 eager (the
 # half-rotation's negation and cat, two products, the sum). SwiGLU: 3 fused, 5 eager (silu, then the product).
 ROPE_PASSES, SWIGLU_PASSES = {True: 2, False: 9}, {True: 3, False: 5}
-# eager on CPU (gloo) F.rms_norm is not fused: pow (read, write), mean (read), x * rstd (read, write), * weight
-# (read, write): seven passes of the fp32 rows
-CPU_NORM_PASSES = 7
 
 
 def _elementwise_bytes(model: ModelConfig, config: Config, rows: int, compute: int, residual: int) -> float:
     """Forward memory traffic of one micro-batch's memory-bound work over ``rows`` tokens: per layer two
-    RMSNorms (read the residual, write the compute dtype; eager on CPU its decomposed passes), two residual
-    adds (read two, write one), RoPE on q and k, SwiGLU's silu and product (passes of ``ffn/tp`` rows),
-    compiled or eager (``train.compile``)."""
+    RMSNorms (read the residual, write the compute dtype), two residual adds (read two, write one), RoPE on q and
+    k, SwiGLU's silu and product (passes of ``ffn/tp`` rows), compiled or eager (``train.compile``)."""
     tp, compiled = config.parallel.tp, config.train.compile
     shard = rows // tp if config.parallel.sequence_parallel_on else rows
     hidden, d = model.hidden_size, model.head_dim
-    cpu_eager = config.parallel.backend == "gloo" and not compiled
-    norms = 2 * shard * hidden * (CPU_NORM_PASSES * compute if cpu_eager else residual + compute)
+    norms = 2 * shard * hidden * (residual + compute)
     adds = 2 * 3 * shard * hidden * residual
     rope = ROPE_PASSES[compiled] * rows * (model.num_heads + model.num_kv_heads) // tp * d * compute
     swiglu = SWIGLU_PASSES[compiled] * rows * (model.ffn_hidden_size // tp) * compute

@@ -7,17 +7,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from cp_train.config.schema import Config
-from cp_train.memory.dry_run import GIB, plan
-from cp_train.model.config import ModelConfig
+from cp_train.memory.dry_run import GIB, memory_plan
 from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
-from cp_train.plan.cpu_comm import cp_comm_seconds, data_seconds
-from cp_train.plan.host_ops import step_ops
-from cp_train.plan.inputs.documents import document_pieces
-from cp_train.plan.time_model import (
+from cp_train.perf.host import host_seconds
+from cp_train.perf.inputs.documents import document_pieces
+from cp_train.perf.inputs.presets import layer_parameters, parameter_count, root_parameters
+from cp_train.perf.ranges import ErrorBand, Regime, band, regime_of
+from cp_train.perf.rates import DeviceRates
+from cp_train.perf.time_model import (
     ADAMW_BYTES,
     DDP_BUCKET_BYTES,
     Breakdown,
-    Rates,
     attention_seconds,
     collective_seconds,
     collectives_seconds,
@@ -25,19 +25,7 @@ from cp_train.plan.time_model import (
     group_spans_nodes,
     matmul_seconds,
 )
-from cp_train.plan.workload import Workload, build_workload
-
-
-def layer_parameters(model: ModelConfig) -> int:
-    """Weights of one block: fused QKV, output projection, SwiGLU and the two norms."""
-    d, hidden = model.head_dim, model.hidden_size
-    return hidden * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * hidden \
-        + 3 * hidden * model.ffn_hidden_size + 2 * hidden
-
-
-def root_parameters(model: ModelConfig) -> int:
-    """The embedding, the final norm and the LM head (none when tied)."""
-    return model.vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2) + model.hidden_size
+from cp_train.perf.workload import Workload, build_workload
 
 
 @dataclass(frozen=True)
@@ -52,6 +40,14 @@ class Prediction:
     peak_tflops: float
     memory_gib: dict[str, float]
     usable_gib: float
+    regime: Regime  # its class for the error range (``ranges.py``)
+    kernel: str  # the attention kernel planned
+    precision: str  # the linears' precision planned
+
+    @property
+    def band(self) -> ErrorBand:
+        """The errors of the measured runs like it (``ranges.band``)."""
+        return band(self.regime)
 
     @property
     def step_time_s(self) -> float:
@@ -77,9 +73,14 @@ class Prediction:
                 "fsdp": p.fsdp, "sequence_parallel": p.sequence_parallel_on,
                 "activation_checkpointing": m.activation_checkpointing, "mlp_chunks": m.mlp_chunks,
                 "micro_batch": t.micro_batch_size, "seq_len": self.config.data.seq_len, "gpus": self.world,
-                "step_time_s": self.step_time_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "attention_kernel": self.kernel, "precision": self.precision,
+                "step_time_s": self.step_time_s, "step_time_s_range": list(self.band.seconds(self.step_time_s)),
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "tokens_per_s_per_gpu_range": list(self.band.throughput(self.tokens_per_s_per_gpu)),
                 "tflops_per_gpu": {c: self.tflops_per_gpu(c) for c in conventions},
+                "tflops_per_gpu_range": {c: list(self.band.throughput(self.tflops_per_gpu(c))) for c in conventions},
                 "mfu": {c: self.tflops_per_gpu(c) / self.peak_tflops for c in conventions},
+                "regime": "/".join(self.band.regime), "range_runs": len(self.band.runs),
                 "memory_gib": self.memory_gib, "usable_gib": self.usable_gib, "fits": self.fits,
                 "breakdown_s": vars(self.breakdown)}
 
@@ -87,7 +88,7 @@ class Prediction:
 FSDP_COPY_OUT_PASSES = 2  # bytes of the unsharded parameters an FSDP2 copy-out reads and writes
 
 
-def _data_parallel_seconds(work: Workload, rates: Rates, forward: float, backward: float) -> float:
+def _data_parallel_seconds(work: Workload, rates: DeviceRates, forward: float, backward: float) -> float:
     """Exposed FSDP or DDP seconds per step: FSDP prefetches a layer's gather during the layer before and
     reduce-scatters while the next layer's backward runs, but copies each gathered unit out on the compute stream;
     DDP all-reduces in buckets during the backward."""
@@ -120,15 +121,14 @@ def _data_parallel_seconds(work: Workload, rates: Rates, forward: float, backwar
             + reduces * (model.num_layers * max(0.0, scatter - per_layer_b) + root_scatter))
 
 
-def breakdown(work: Workload, rates: Rates) -> Breakdown:
-    """The step's seconds by part (see ``time_model.py``)."""
+def breakdown(work: Workload, rates: DeviceRates, documents: tuple[int, ...] | None = None) -> Breakdown:
+    """The step's seconds by part (see ``time_model.py``); ``documents``: the packed documents' lengths (the host's
+    cuDNN graphs, ``host.py``)."""
     config, model = work.config, work.config.model
     blocks, head, elementwise = matmul_seconds(work, rates)
     cast_f, cast_b = fp8_cast_seconds(work, rates)
     loss = work.loss_bytes / rates.memory_bytes_per_s
     attn_f, attn_b, cp_f, cp_b = (model.num_layers * x for x in attention_seconds(work, rates))
-    if rates.cpu_threads:  # CPU ranks: every message costs its time (cpu_comm.py)
-        cp_f, cp_b = (model.num_layers * x for x in cp_comm_seconds(work, rates, rates.cpu_threads))
     tp_f = model.num_layers * collectives_seconds(work, rates, work.tp_collectives, "forward")
     tp_b = model.num_layers * collectives_seconds(work, rates, work.tp_collectives, "backward")
     tp_outside = sum(collectives_seconds(work, rates, work.tp_outside_collectives, phase)
@@ -145,26 +145,24 @@ def breakdown(work: Workload, rates: Rates) -> Breakdown:
         recompute += sum(g.flops / rates.matmul(g.m, g.n, g.k) for g in work.gemms if g.name.startswith("mlp"))
     forward = blocks + head + elementwise + loss + attn_f
     backward = 2 * (blocks + head + elementwise + loss) + attn_b
-    data = (data_seconds(work, rates, layer_parameters(model), root_parameters(model)) if rates.cpu_threads
-            else _data_parallel_seconds(work, rates, forward, backward))
     local_params = (model.num_layers * layer_parameters(model) + root_parameters(model)) / config.parallel.tp
     if config.parallel.fsdp:
         local_params /= work.config.parallel.cp * (config.parallel.dp or 1)
-    a = work.accumulation
+    a, hardware = work.accumulation, rates.hardware
     return Breakdown(matmuls=a * 3 * (blocks + head), attention=a * (attn_f + attn_b),
                      elementwise=a * (3 * (elementwise + loss) + cast_f + cast_b), recompute=a * recompute,
-                     cp_comm=a * (cp_f + cp_b), tp_comm=a * (tp_f + tp_b + recompute_tp + tp_outside), data_comm=data,
-                     optimizer=(rates.adamw_bytes or ADAMW_BYTES) * local_params / rates.memory_bytes_per_s,
-                     host=step_ops(work) * rates.op_seconds)
+                     cp_comm=a * (cp_f + cp_b), tp_comm=a * (tp_f + tp_b + recompute_tp + tp_outside),
+                     data_comm=_data_parallel_seconds(work, rates, forward, backward),
+                     optimizer=ADAMW_BYTES * local_params / rates.memory_bytes_per_s,
+                     host=host_seconds(work, hardware.host_op_us, hardware.graph_build_ms, rates.kernel, documents))
 
 
-def predict(config: Config, world: int, rates: Rates, peak_tflops: float, device_gib: float,
+def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, device_gib: float,
             reserve_gib: float, documents: tuple[int, ...] | None = None) -> Prediction:
-    """``config`` (validated by the dry run's ``plan``) on ``world`` ranks of a device with ``rates``;
+    """``config`` (validated by the dry run's ``memory_plan``) on ``world`` ranks of a device with ``rates``;
     ``documents``: the lengths of the documents packed into each sample (``documents.py``; None: one document
     per sample, or ``data.document_mask`` off)."""
-    rates = rates.at_world(world)
-    dims, ranks, _, assumed = plan(config, world, only=[0])  # rank 0 holds FSDP's largest shards
+    dims, ranks, _, assumed = memory_plan(config, world, only=[0])  # rank 0 holds FSDP's largest shards
     config.parallel.dp = dims.dp
     compute = 2 if assumed["compute"] == "bf16" else 4
     work = build_workload(config, world, compute, documents if config.data.document_mask else None)
@@ -181,5 +179,7 @@ def predict(config: Config, world: int, rates: Rates, peak_tflops: float, device
         flops = {"causal_half": dense + attention_flops(config.model, sum(c * (c + 1) // 2 for c in pieces)) / seq,
                  "causal_full": dense + attention_flops(config.model, sum(c * c for c in pieces)) / seq}
     tokens = config.train.global_batch_size * seq
-    return Prediction(config, world, breakdown(work, rates), tokens, flops, peak_tflops, memory,
-                      device_gib - reserve_gib)
+    hardware = rates.hardware
+    regime = regime_of(parameter_count(config.model), seq, rates.precision, world, hardware.gpus_per_node)
+    return Prediction(config, world, breakdown(work, rates, documents if config.data.document_mask else None), tokens,
+                      flops, peak_tflops, memory, device_gib - reserve_gib, regime, rates.kernel, rates.precision)

@@ -1,11 +1,9 @@
-"""Packed documents for the planner: a sample built from document lengths, and each CP rank's plan of it.
+"""Packed documents for the planner: samples cut from document lengths, and each CP rank's plan of one.
 
-The trainer packs documents end to end into samples of ``seq_len`` tokens (``data/gpt_dataset.py``) and, with
-``data.document_mask``, attention stays inside each document. The planner takes the documents' lengths (the
-run's own, or ``--document-lengths``) and plans one sample made from them, as the loader does: the lengths in
-order, the first starting at token 0, the last cut at the sample's end (a length list shorter than the sample
-repeats). Each CP rank's plan is ``plan_from_gathered`` of its tokens in the layout (the ``balanced`` layout
-places them by their documents), the very plan the trainer's data loader builds.
+The trainer packs documents end to end into samples of ``seq_len`` tokens (``data/gpt_dataset.py``); with
+``data.document_mask`` attention stays inside each. From the documents' lengths (the run's own, or
+``--document-lengths``; a list shorter than the sample repeats) the planner cuts samples as the loader does and
+plans each rank's tokens with ``plan_from_gathered`` in the layout, the very plan the trainer's loader builds.
 """
 
 from __future__ import annotations
@@ -67,6 +65,22 @@ def packed_document_ids(lengths: tuple[int, ...], seq_len: int) -> torch.Tensor:
 def document_pieces(lengths: tuple[int, ...], seq_len: int) -> list[int]:
     """The documents' token counts inside the one sample ``packed_document_ids`` builds."""
     return torch.bincount(packed_document_ids(lengths, seq_len)[0]).tolist()
+
+
+def consecutive_samples(lengths: tuple[int, ...], seq_len: int, count: int) -> list[tuple[int, ...]]:
+    """The document pieces of the first ``count`` samples cut from ``lengths`` end to end (the list repeating as
+    often as needed), as the loader packs them: a document cut at a sample's end continues the next."""
+    samples, left, index = [], 0, 0
+    for _ in range(count):
+        pieces, room = [], seq_len
+        while room:
+            if not left:
+                left, index = lengths[index % len(lengths)], index + 1
+            take = min(left, room)
+            pieces.append(take)
+            left, room = left - take, room - take
+        samples.append(tuple(pieces))
+    return samples
 
 
 def rank_plans(algorithm: str, layout: str, cp: int, ulysses: int, lengths: tuple[int, ...], seq_len: int

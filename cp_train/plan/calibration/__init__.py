@@ -1,1 +1,0 @@
-"""``cp-train-plan --calibrate``: measure this machine and write a hardware profile."""
