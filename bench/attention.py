@@ -43,7 +43,7 @@ import os
 
 from bench.attention_cases import DTYPES, time_case
 from bench.common import emit, glibc_malloc, median
-from cp_train.parallel.cp.algorithms import ALGORITHMS
+from cp_train.parallel.cp.algorithms.registry import cp_algorithm_names
 from cp_train.parallel.cp.layout import LAYOUTS
 from cp_train.parallel.spawn import SpawnedWorld
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "stripe"], choices=LAYOUTS)
     parser.add_argument("--documents", nargs="+", default=["1"], help="1, a mean document length, or corpus")
     parser.add_argument("--torch-cp", action="store_true", help="also time PyTorch's own ring attention")
-    parser.add_argument("--algorithms", nargs="+", default=["ring"], choices=list(ALGORITHMS))
+    parser.add_argument("--algorithms", nargs="+", default=["ring"], choices=cp_algorithm_names())
     parser.add_argument("--ulysses-size", type=int, default=2, help="hybrid: CP ranks per Ulysses group")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)

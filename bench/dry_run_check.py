@@ -26,7 +26,7 @@ from bench.tensor_bytes import LiveTensorBytes  # noqa: E402
 from cp_train.config.schema import Config  # noqa: E402
 from cp_train.config.sources import load_config  # noqa: E402
 from cp_train.memory.dry_run import memory_plan  # noqa: E402
-from cp_train.parallel.cp.algorithms import canonical_algorithm  # noqa: E402
+from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm  # noqa: E402
 from cp_train.parallel.mesh.state import ParallelState, run_with_parallel  # noqa: E402
 from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
 from cp_train.trainer import Trainer  # noqa: E402
@@ -109,8 +109,8 @@ def measure_step(state: ParallelState, config: Config) -> dict[str, Any]:
 def layout(config: Config) -> tuple[int, int, int, int]:
     """``(tp, cp, dp, ulysses_size)`` of ``config`` (``run_with_parallel``'s shorthand)."""
     parallel = config.parallel
-    hybrid = canonical_algorithm(parallel.cp_algorithm) == "hybrid"
-    return parallel.tp, parallel.cp, parallel.dp or 1, parallel.ulysses_size if hybrid else 1
+    subgroups = get_cp_algorithm(parallel.cp_algorithm).subgroups
+    return parallel.tp, parallel.cp, parallel.dp or 1, parallel.ulysses_size if subgroups else 1
 
 
 def planned(config: Config) -> dict[str, Any]:

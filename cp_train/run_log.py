@@ -60,7 +60,7 @@ def _kv_bytes(trainer: Trainer) -> dict[str, int]:
     model, mp = trainer.config.model, trainer.model.parallel
     dtype = trainer.autocast_dtype or next(trainer.model.parameters()).dtype
     return kv_bytes_per_layer(model.windows, mp.algorithm, mp.attention_layout, mp.cp_size, mp.cp_rank,
-                              mp.cp.ulysses_size if mp.algorithm == "hybrid" else 1,
+                              mp.cp.ulysses_size,
                               trainer.config.data.seq_len // mp.cp_size, trainer.config.train.micro_batch_size,
                               model.num_kv_heads // mp.tp_size, model.head_dim, dtype)
 

@@ -24,7 +24,6 @@ from cp_train.model.attention import attention_spec
 from cp_train.model.block import Block, BlockInputs, rms_norm
 from cp_train.model.config import ModelConfig, param_seed
 from cp_train.model.rope import rope_tables
-from cp_train.parallel.cp.algorithms import check_heads
 from cp_train.parallel.cp.attention import build_cp_plan
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.op import plan_handle
@@ -63,7 +62,7 @@ def _is_int(x: torch.Tensor) -> bool:
 class GPTModel(nn.Module):
     """GPT over the TP and CP groups of ``parallel`` (``ModelParallel``, validated once; None: no TP or CP),
     which also says how the sequence is split over CP (``parallel.layout``) and how CP attends
-    (``parallel.algorithm``: ring, allgather, ulysses or hybrid). The model checks it against ``config`` here,
+    (``parallel.algorithm``: a ``CPAlgorithm``). The model checks it against ``config`` here,
     once; the layers trust it."""
 
     def __init__(self, config: ModelConfig, parallel: ModelParallel | None = None, dtype: torch.dtype | None = None,
@@ -71,8 +70,8 @@ class GPTModel(nn.Module):
         super().__init__()
         parallel = parallel or ModelParallel.build()
         config.validate(parallel.tp_size, parallel.cp_size, layout=parallel.layout)
-        check_heads(parallel.algorithm, config.num_heads // parallel.tp_size,
-                    config.num_kv_heads // parallel.tp_size, parallel.ulysses_degree)
+        parallel.algorithm.check_heads(config.num_heads // parallel.tp_size, config.num_kv_heads // parallel.tp_size,
+                                       parallel.cp_size, parallel.cp.ulysses_size)
         self.config, self.parallel = config, parallel
         self.layer_pairs: float | None = None  # the last forward's mean_layer_pairs (what the MFU counts)
         factory = {"dtype": dtype, "device": device}

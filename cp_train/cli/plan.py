@@ -23,6 +23,7 @@ from cp_train.config.schema import Config, ConfigError
 from cp_train.config.sources import load_config
 from cp_train.errors import InputError
 from cp_train.memory.dry_run import RESERVE_FRACTION, RESERVE_GIB, reserve_gib
+from cp_train.parallel.cp.algorithms.registry import cp_algorithm_names
 from cp_train.perf.explain import explain
 from cp_train.perf.inputs.documents import document_pieces, parse_document_lengths
 from cp_train.perf.inputs.hardware import load_hardware
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind in (("--tp", int), ("--cp", int), ("--dp", int), ("--ulysses-size", int), ("--mlp-chunks", int),
                        ("--micro-batch", int)):
         parser.add_argument(flag, type=kind, default=None)
-    parser.add_argument("--cp-algorithm", choices=("ring", "allgather", "ulysses", "hybrid"), default=None)
+    parser.add_argument("--cp-algorithm", choices=cp_algorithm_names(), default=None)
     parser.add_argument("--cp-layout", choices=("zigzag", "stripe", "contiguous", "balanced"), default=None,
                         help="balanced: with --document-lengths (it places tokens by their documents)")
     parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)

@@ -36,7 +36,8 @@ class ParallelConfig:
     backend: str | None = None  # None: nccl on CUDA, else gloo
     timeout_minutes: float = 10.0  # bounds every collective; fractions work (0.05 = 3 s)
     cp_layout: str = "zigzag"  # contiguous | zigzag | stripe | balanced (how the sequence is split over CP)
-    cp_algorithm: str = "ring"  # ring | allgather | ulysses | hybrid (Megatron's p2p, all_gather, a2a, a2a+p2p)
+    # ring | allgather | ulysses | hybrid (Megatron's p2p, all_gather, a2a, a2a+p2p), or one registered by train.imports
+    cp_algorithm: str = "ring"
     ulysses_size: int = 1  # hybrid: adjacent CP ranks per Ulysses group (cp = ulysses_size x ring size)
     fsdp: bool = False  # shard parameters, gradients and optimizer state over DP x CP (FSDP2); false: DDP
     fsdp_reshard_after_forward: bool = True  # free the gathered parameters after forward (ZeRO-3); false: ZeRO-2
@@ -105,6 +106,9 @@ class TrainConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (memory/cpu_memory.py)
     compile: bool = False  # torch.compile each block and the head with its loss (fullgraph; GPT.compile_parts)
+    # Python modules imported before the config is checked: they register CP algorithms
+    # (cp_train.parallel.register_cp_algorithm), e.g. [my_package.my_algorithm]
+    imports: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -3,6 +3,7 @@ onto the defaults by ``build_config`` (later wins)."""
 
 from __future__ import annotations
 
+import importlib
 import typing
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,23 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
             section, name = key.split(".", 1)
             setattr(getattr(config, section), name, coerce(key, value, kind))
     config.model.resolve()
+    import_modules(config.train.imports)
     config.explicit_keys = frozenset(DEPRECATED_KEYS.get(key, key) for _, values in layers for key in values)
     config.deprecations = tuple(notes)
     if config.checkpoint.init_from_hf:
         apply_hf_model(config)  # the model's shape comes from the HF config.json
     return config
 
+
+
+def import_modules(names: list[str]) -> None:
+    """Import ``train.imports`` (modules that register CP algorithms); ConfigError naming the one that fails."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ConfigError(f"train.imports: cannot import {name} ({error}): put its package on PYTHONPATH or "
+                              f"install it") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

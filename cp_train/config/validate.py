@@ -11,7 +11,7 @@ import torch
 from cp_train.config.schema import Config, ConfigError, field_type
 from cp_train.errors import InputError
 from cp_train.model.config import NORMS
-from cp_train.parallel.cp.algorithms import canonical_algorithm, check_algorithm, check_heads
+from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.cp.layout import LAYOUTS, check_layout
 from cp_train.parallel.mesh.rank_groups import check_ulysses
 from cp_train.parallel.mesh.rank_groups import resolve_dp as resolve_layout_dp
@@ -68,12 +68,12 @@ def _check_cp_algorithm(config: Config) -> None:
     """parallel.cp_algorithm and parallel.ulysses_size against cp and the heads per TP rank."""
     parallel, model = config.parallel, config.model
     try:
-        algorithm = canonical_algorithm(parallel.cp_algorithm)
+        algorithm = get_cp_algorithm(parallel.cp_algorithm)
         check_ulysses(parallel.cp, parallel.ulysses_size)
-        check_algorithm(algorithm, parallel.cp, parallel.ulysses_size)
+        algorithm.check(parallel.cp, parallel.ulysses_size)
         if parallel.cp > 1 and model.num_heads % parallel.tp == 0 and model.num_kv_heads % parallel.tp == 0:
-            degree = parallel.ulysses_size if algorithm == "hybrid" else parallel.cp
-            check_heads(algorithm, model.num_heads // parallel.tp, model.num_kv_heads // parallel.tp, degree)
+            algorithm.check_heads(model.num_heads // parallel.tp, model.num_kv_heads // parallel.tp, parallel.cp,
+                                  parallel.ulysses_size)
     except ValueError as error:
         raise ConfigError(f"parallel.cp_algorithm={parallel.cp_algorithm}: {error}") from None
 
@@ -199,7 +199,7 @@ def check_parallel_state(config: Config, state: ParallelState, dp: int) -> None:
     if dims != state.dims:
         raise ValueError(f"config layout {dims} differs from the parallel state's {state.dims}")
     ulysses = state.cp_ulysses.size if state.cp_ulysses else 1
-    if config.parallel.cp > 1 and canonical_algorithm(config.parallel.cp_algorithm) == "hybrid" \
+    if config.parallel.cp > 1 and get_cp_algorithm(config.parallel.cp_algorithm).subgroups \
             and ulysses != config.parallel.ulysses_size:
         raise ValueError(f"parallel.ulysses_size {config.parallel.ulysses_size} differs from the parallel state's "
                          f"Ulysses groups of {ulysses}: initialise it with ulysses_size="

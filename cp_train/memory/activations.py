@@ -32,16 +32,19 @@ from __future__ import annotations
 from cp_train.memory import attention_memory
 from cp_train.memory.attention_memory import Shapes
 from cp_train.model.config import ModelConfig
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 
 
 def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, residual: int, autocast: bool,
-              algorithm: str = "ring", ulysses: int = 1, sequence_parallel: bool = False,
+              algorithm: CPAlgorithm | None = None, ulysses: int = 1, sequence_parallel: bool = False,
               cuda: bool = False) -> Shapes:
-    """``Shapes`` for ``tokens`` per rank of ``model`` at (tp, cp); ``ulysses``: hybrid's ulysses_size."""
-    degree = cp if algorithm == "ulysses" else ulysses
+    """``Shapes`` for ``tokens`` per rank of ``model`` at (tp, cp) with the CP ``algorithm`` (None: ring);
+    ``ulysses``: hybrid's ulysses_size."""
+    algorithm = algorithm or get_cp_algorithm("ring")
+    degree = algorithm.head_degree(cp, ulysses) if cp > 1 else 1
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
                   model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, autocast, cp,
-                  algorithm if cp > 1 else "ring", degree, tp, sequence_parallel and tp > 1, cuda)
+                  algorithm, degree, tp, sequence_parallel and tp > 1, cuda)
 
 
 def _stream(s: Shapes) -> int:

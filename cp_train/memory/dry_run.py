@@ -46,7 +46,7 @@ from cp_train.model.meta import meta_model
 from cp_train.model.parallelize import fsdp_shard_dim
 from cp_train.model.shards import tensor_parallel_dim
 from cp_train.optim import adamw_implementation, build_optimizer
-from cp_train.parallel.cp.algorithms import canonical_algorithm
+from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.mesh.rank_groups import ParallelDims
 
 GIB = 2.0**30
@@ -206,7 +206,7 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None
     tokens = config.train.micro_batch_size * config.data.seq_len // dims.cp
     accumulation = config.train.global_batch_size // (config.train.micro_batch_size * dp)
     shapes = shapes_of(config.model, tokens, dims.tp, dims.cp, compute, compute if fsdp else 4, bf16 and not fsdp,
-                       canonical_algorithm(parallel.cp_algorithm), parallel.ulysses_size,
+                       get_cp_algorithm(parallel.cp_algorithm), parallel.ulysses_size,
                        parallel.sequence_parallel_on, cuda=cuda)
     activations = activation_estimate(config.model, shapes)
     optimizer = config.optimizer

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm
 from cp_train.parallel.cp.plan.batch_plan import layout_plan
 from cp_train.parallel.cp.plan.window_plan import as_window, kv_bytes_received
 
 
-def kv_bytes_per_layer(windows: list[int | None], algorithm: str, layout: str, cp: int, rank: int, ulysses: int,
+def kv_bytes_per_layer(windows: list[int | None], algorithm: CPAlgorithm, layout: str, cp: int, rank: int, ulysses: int,
                        local_len: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype
                        ) -> dict[str, int]:
     """``{"full" | "window W": bytes}`` for each distinct entry of ``windows`` (the model's per-layer windows,
-    None: full attention); ``kv_heads`` this rank's (after TP). Empty without CP."""
+    None: full attention); ``algorithm`` the run's; ``ulysses`` its subgroups' size (1 without); ``kv_heads`` this
+    rank's (after TP). Empty without CP."""
     if cp == 1:
         return {}
     layout = "zigzag" if layout == "balanced" else layout

@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from cp_train.config.schema import Config
-from cp_train.parallel.cp.algorithms import canonical_algorithm
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 from cp_train.parallel.cp.plan.varlen_plan import MANY_CALLS
 from cp_train.perf.inputs.documents import consecutive_samples, rank_plans
 from cp_train.perf.workload import Workload
@@ -50,17 +50,15 @@ def step_ops(config: Config, accumulation: int) -> float:
 
 
 @lru_cache(maxsize=256)
-def new_shapes_per_micro_batch(algorithm: str, layout: str, cp: int, ulysses: int, seq_len: int,
+def new_shapes_per_micro_batch(algorithm: CPAlgorithm, layout: str, cp: int, ulysses: int, seq_len: int,
                                documents: tuple[int, ...]) -> float:
     """Distinct document-dependent dense call shapes per rank and micro-batch over ``GRAPH_SAMPLES`` samples cut
-    from ``documents`` (the busiest rank): calls of steps of fewer than ``MANY_CALLS`` calls not of the one-document
-    plan's shapes. Ulysses' document blocks are not counted."""
+    from ``documents`` (the busiest rank): calls of ring steps of fewer than ``MANY_CALLS`` calls not of the
+    one-document plan's shapes (Ulysses' document blocks are not counted)."""
     samples = consecutive_samples(documents, seq_len, GRAPH_SAMPLES)
     if cp == 1:
         shapes = {(n, n) for pieces in samples if len(pieces) < MANY_CALLS for n in pieces if n != seq_len}
         return len(shapes) / len(samples)
-    if algorithm == "ulysses":
-        return 0.0
     static = _dense_shapes(rank_plans(algorithm, layout, cp, ulysses, (seq_len,), seq_len))
     per_rank = [set() for _ in range(cp)]
     for pieces in samples:
@@ -71,7 +69,7 @@ def new_shapes_per_micro_batch(algorithm: str, layout: str, cp: int, ulysses: in
 
 def _dense_shapes(plans: list) -> list[set[tuple[int, int, bool]]]:
     return [{(c.segment.rows, c.segment.keys, c.segment.causal) for step in plan.ring.steps
-             if len(step.calls) < MANY_CALLS for c in step.calls} for plan in plans]
+             if len(step.calls) < MANY_CALLS for c in step.calls} if plan.ring else set() for plan in plans]
 
 
 def host_seconds(work: Workload, host_op_us: float, graph_build_ms: float, kernel: str,
@@ -82,9 +80,7 @@ def host_seconds(work: Workload, host_op_us: float, graph_build_ms: float, kerne
     seconds = step_ops(config, work.accumulation) * host_op_us * 1e-6
     if documents and kernel == "cudnn" and config.data.document_mask:
         p = config.parallel
-        algorithm = canonical_algorithm(p.cp_algorithm)
-        ulysses = p.ulysses_size if algorithm == "hybrid" else 1
-        shapes = new_shapes_per_micro_batch(algorithm, p.cp_layout, p.cp, ulysses, config.data.seq_len,
-                                            tuple(documents))
+        shapes = new_shapes_per_micro_batch(get_cp_algorithm(p.cp_algorithm), p.cp_layout, p.cp, p.ulysses_size,
+                                            config.data.seq_len, tuple(documents))
         seconds += work.accumulation * work.batch * shapes * 2 * graph_build_ms * 1e-3
     return seconds

@@ -9,6 +9,7 @@ from typing import Any
 from cp_train.config.schema import Config
 from cp_train.memory.dry_run import GIB, memory_plan
 from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
+from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.perf.host import host_seconds
 from cp_train.perf.inputs.documents import document_pieces
 from cp_train.perf.inputs.presets import layer_parameters, parameter_count, root_parameters
@@ -68,8 +69,9 @@ class Prediction:
         """The JSON line of this layout (``cp-train-plan --json``)."""
         p, m, t = self.config.parallel, self.config.model, self.config.train
         conventions = tuple(self.flops_per_token)
+        subgroups = get_cp_algorithm(p.cp_algorithm).subgroups
         return {"tp": p.tp, "cp": p.cp, "dp": self.world // (p.tp * p.cp), "cp_algorithm": p.cp_algorithm,
-                "ulysses_size": p.ulysses_size if p.cp_algorithm == "hybrid" else None, "cp_layout": p.cp_layout,
+                "ulysses_size": p.ulysses_size if subgroups else None, "cp_layout": p.cp_layout,
                 "fsdp": p.fsdp, "sequence_parallel": p.sequence_parallel_on,
                 "activation_checkpointing": m.activation_checkpointing, "mlp_chunks": m.mlp_chunks,
                 "micro_batch": t.micro_batch_size, "seq_len": self.config.data.seq_len, "gpus": self.world,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
-from cp_train.parallel.cp.algorithms import ALGORITHMS
+from cp_train.parallel.cp.algorithms.registry import BUILT_IN, get_cp_algorithm
 from cp_train.perf.predict import Prediction, predict
 from cp_train.perf.rates import DeviceRates
 
@@ -33,8 +33,8 @@ class Choices:
     tp: tuple[int, ...] | None = None  # None: every power of two within a node that divides the GPUs
     cp: tuple[int, ...] | None = None
     dp: tuple[int, ...] | None = None
-    algorithms: tuple[str, ...] = ALGORITHMS
-    layouts: tuple[str, ...] | None = None  # None: RING_LAYOUTS for ring and all-gather, zigzag otherwise
+    algorithms: tuple[str, ...] = tuple(BUILT_IN)
+    layouts: tuple[str, ...] | None = None  # None: RING_LAYOUTS where every rank keeps all heads, else zigzag
     fsdp: tuple[bool, ...] = (True, False)
     checkpointing: tuple[str, ...] = CHECKPOINTING
     mlp_chunks: tuple[int, ...] | None = None  # None: 1, and 4 without checkpointing
@@ -57,12 +57,12 @@ def candidates(base: Config, gpus: int, gpus_per_node: int, choices: Choices, do
         dp = gpus // (tp * cp) if gpus % (tp * cp) == 0 else None
         if choices.dp and dp is not None and dp not in choices.dp:
             continue
-        for algorithm in (choices.algorithms if cp > 1 else ("ring",)):
+        for algorithm in (choices.algorithms if cp > 1 else choices.algorithms[:1]):
+            resolved = get_cp_algorithm(algorithm)
             ulysses_sizes = (choices.ulysses or [u for u in _powers_of_two(cp) if 1 < u < cp]
-                             if algorithm == "hybrid" else [1])
+                             if resolved.subgroups else [1])
             layouts = choices.layouts or ((DOCUMENT_LAYOUTS if documents else RING_LAYOUTS)
-                                          if algorithm in ("ring", "allgather") and cp > 1
-                                          else ("zigzag",))
+                                          if resolved.head_degree(cp, 2) == 1 and cp > 1 else ("zigzag",))
             micro = choices.micro_batches or tuple(m for m in _powers_of_two(max(1, samples // (dp or 1))))
             for ulysses, layout, fsdp, mode, batch in itertools.product(
                     ulysses_sizes, layouts, choices.fsdp, choices.checkpointing, micro):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.perf.rates import DeviceRates
 from cp_train.perf.workload import ATTENTION_BACKWARD, Collective, KernelCall, Workload
 
@@ -68,7 +69,7 @@ def group_spans_nodes(work: Workload, group: str, gpus_per_node: int) -> tuple[i
     tp, cp = parallel.tp, parallel.cp
     world = tp * cp * (work.config.parallel.dp or 1)
     extent = {"tp": (tp, tp), "cp": (cp, tp * cp), "ulysses": (parallel.ulysses_size, tp * parallel.ulysses_size),
-              "ring": (cp // max(1, parallel.ulysses_size), tp * cp), "data": (world // tp, world)}[group]
+              "data": (world // tp, world)}[group]
     return extent[0], extent[1] > gpus_per_node
 
 
@@ -95,10 +96,11 @@ def attention_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float,
     comm)`` of the slowest rank at each step (ranks wait for each other at every hop). A ring step costs the
     longer of its kernels and its hop; the all-gather's one transfer per direction travels in kv-head chunks
     behind the compute of the chunk before (``_overlapped``); Ulysses' all-to-alls are exposed."""
-    algorithm = work.config.parallel.cp_algorithm
-    ranks, spans = group_spans_nodes(work, "ring" if algorithm == "hybrid" else "cp", rates.gpus_per_node)
-    bandwidth, latency = rates.link(spans)
-    gathered = algorithm == "allgather"
+    parallel = work.config.parallel
+    algorithm = get_cp_algorithm(parallel.cp_algorithm)
+    ranks = algorithm.ring_size(parallel.cp, parallel.ulysses_size)  # K/V travel among these; across nodes as cp
+    bandwidth, latency = rates.link(group_spans_nodes(work, "cp", rates.gpus_per_node)[1])
+    gathered = algorithm.gathers_kv
     kernels_f = kernels_b = exposed_f = exposed_b = 0.0
     for index in range(len(work.attention[0])):
         steps = [rank_steps[index] for rank_steps in work.attention]

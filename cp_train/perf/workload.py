@@ -15,18 +15,20 @@ from dataclasses import dataclass
 
 from cp_train.config.schema import Config
 from cp_train.model.config import ModelConfig
-from cp_train.parallel.cp.algorithms import canonical_algorithm
+from cp_train.parallel.cp.algorithms.costs import (
+    PLAN_ROWS,
+    AttentionStep,
+    Collective,
+    KernelCall,
+    WorkInputs,
+)
+from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.cp.plan.batch_plan import layout_plan
 from cp_train.perf.inputs.documents import document_pieces, rank_plans
 
-# rows per rank a static layout is planned at when the rank has a multiple of it, then scaled: zigzag's and
-# contiguous' segments are multiples of their chunks (exact); stripe's diagonal is one row off (< 0.1% of the area)
-PLAN_ROWS = 2048
+__all__ = ["ATTENTION_BACKWARD", "AttentionStep", "Collective", "Gemm", "KernelCall", "Workload", "build_workload"]
+
 ATTENTION_BACKWARD = 2.5  # flash attention's backward: five matmuls of the forward's size against two
-# passes over an fp32 [rows, heads, head_dim] tensor: the eager merge out -= sigmoid(lse_b - lse) * (out - out_b)
-# reads out and out_b and writes their difference, reads and writes the product, reads both and writes out (7);
-# an fp32 gradient accumulation reads both and writes one (3)
-MERGE_PASSES, ACCUMULATE_PASSES = 7, 3
 
 
 @dataclass(frozen=True)
@@ -42,48 +44,6 @@ class Gemm:
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.n * self.k * self.count
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """One attention kernel call per sample and local query head: ``rows`` queries x ``keys`` keys."""
-
-    rows: int
-    keys: int
-    causal: bool
-
-    @property
-    def area(self) -> int:
-        if not self.causal:
-            return self.rows * self.keys
-        return self.rows * (self.keys - self.rows) + self.rows * (self.rows + 1) // 2
-
-
-@dataclass(frozen=True)
-class AttentionStep:
-    """One step of the CP attention on one rank: its kernel calls, the bytes its ring hop sends meanwhile
-    (forward, backward) and the memory traffic of merging its result (forward: the online-softmax update of
-    the fp32 output; backward: adding the step's dq into the fp32 dq and its dK/dV into the accumulator)."""
-
-    calls: tuple[KernelCall, ...]
-    send_forward: int
-    send_backward: int
-    merge_forward: int = 0
-    merge_backward: int = 0
-
-
-@dataclass(frozen=True)
-class Collective:
-    """``count`` collectives of ``kind`` over ``group`` per micro-batch, each with ``size`` bytes of input per
-    rank (the full tensor for an all-reduce or reduce-scatter, this rank's part for an all-gather), ``phase``
-    forward or backward (the recompute repeats the forward's); the trainer waits for each."""
-
-    name: str
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
-    group: str  # tp | cp | ulysses | data (dp x cp, FSDP and DDP)
-    size: int
-    count: int
-    phase: str
 
 
 @dataclass
@@ -106,97 +66,35 @@ class Workload:
     accumulation: int  # micro-batches per optimizer step
 
 
-def _ulysses_collectives(heads: int, kv_heads: int, d: int, compute: int, n: int, degree: int,
-                         group: str) -> list[Collective]:
-    """Ulysses' all-to-alls over ``degree`` ranks (per sample): q, k, v in (kv heads repeated up to the degree
-    when fewer), the output and its fp32 lse back; the backward sends the output's gradient in and dq, dk, dv
-    back."""
-    sent_kv = max(kv_heads, degree)
-    qkv = (heads + 2 * sent_kv) * d * compute * n
-    out = heads * d * compute * n
-    return [Collective("ulysses q/k/v", "all_to_all", group, qkv, 1, "forward"),
-            Collective("ulysses out", "all_to_all", group, out, 1, "forward"),
-            Collective("ulysses lse", "all_to_all", group, heads * 4 * n, 1, "forward"),
-            Collective("ulysses d_out", "all_to_all", group, out, 1, "backward"),
-            Collective("ulysses dq/dk/dv", "all_to_all", group, qkv, 1, "backward")]
-
-
 def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int,
                      documents: tuple[int, ...] | None = None) -> tuple[list[list[AttentionStep]], int,
                                                                        list[Collective]]:
     """Every CP rank's attention steps (one layer, one sample), the local heads a call runs over and the
-    attention's collectives per layer (per sample, scaled by the batch later).
-
-    A ring step's bytes are its hop: the K/V rows it passes on (forward, and again in the backward) and the
-    dK/dV accumulator (fp32). The all-gather's steps carry what its one transfer sends for each destination:
-    the rows of this rank's block that rank uses (the whole block when everyone uses all of it) and, in the
-    backward, those rows again and the fp32 dK/dV of the rows this rank received. ``documents``: the lengths
-    of the documents packed into each sample (``documents.py``; None: one document per sample)."""
+    attention's collectives per layer (per sample, scaled by the batch later): the algorithm's
+    (``CPAlgorithm.attention_work``) from the plans the trainer runs, the local kernel's calls at cp 1.
+    ``documents``: the lengths of the documents packed into each sample (``documents.py``; None: one document
+    per sample)."""
     parallel = config.parallel
     tp, cp = parallel.tp, parallel.cp
-    heads, kv_heads, d = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
+    heads = model.num_heads // tp
     whole = (tuple(KernelCall(c, c, True) for c in document_pieces(documents, n * cp)) if documents
              else (KernelCall(n * cp, n * cp, True),))  # the local kernel's calls over the whole sample
     if cp == 1:
         return [[AttentionStep(whole, 0, 0)]], heads, []
-    algorithm = canonical_algorithm(parallel.cp_algorithm)
-    if algorithm == "ulysses" and documents:
-        return _ulysses_documents(rank_plans(algorithm, parallel.cp_layout, cp, 1, documents, n * cp), heads,
-                                  kv_heads, d, compute, cp)
-    if algorithm == "ulysses":
-        return ([[AttentionStep(whole, 0, 0)]] * cp, heads // cp,
-                _ulysses_collectives(heads, kv_heads, d, compute, n, cp, "cp"))
-    ulysses = parallel.ulysses_size if algorithm == "hybrid" else 1
-    collectives = (_ulysses_collectives(heads, kv_heads, d, compute, n, ulysses, "ulysses")
-                   if algorithm == "hybrid" else [])
-    local_heads, local_kv = heads // ulysses, max(1, kv_heads // ulysses)
-    kv_row, grad_row = 2 * local_kv * d * compute, 2 * local_kv * d * 4  # K and V of a token; dK, dV in fp32
-    small = PLAN_ROWS if n % PLAN_ROWS == 0 and not documents else n  # a static layout's plan scales with n
+    algorithm = get_cp_algorithm(parallel.cp_algorithm)
     # the balanced layout places each document's chunks by the documents: with one document per sample it
     # places zigzag's chunks (parallel/cp/balanced_layout.py)
     layout = "zigzag" if parallel.cp_layout == "balanced" and not documents else parallel.cp_layout
-    scale = n // small
-    plans = (rank_plans(algorithm, layout, cp, ulysses, documents, n * cp) if documents
-             else [layout_plan(algorithm, layout, cp, rank, small, ulysses) for rank in range(cp)])
-    everyone = []
-    for whole_plan in plans:
-        plan = whole_plan.ring
-        steps = []
-        for index, step in enumerate(plan.steps):
-            calls = tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal)
-                          for c in step.calls)
-            if algorithm == "allgather":
-                sent = (small if plan.whole_blocks else step.kv_rows[0]) * scale * kv_row if index else 0
-                back = (small if plan.whole_blocks else step.held_rows) * scale * grad_row if index else 0
-            else:
-                sent, back = step.kv_rows[0] * scale * kv_row, step.grad_rows[0] * scale * grad_row
-            rows, keys = sum(c.rows for c in calls), sum(c.keys for c in calls)
-            merge = MERGE_PASSES * rows * local_heads * d * 4 if index else 0
-            accumulate = ACCUMULATE_PASSES * 4 * d * (rows * local_heads + 2 * keys * local_kv) if index else 0
-            steps.append(AttentionStep(calls, sent, sent + back, merge, accumulate))
-        everyone.append(steps)
-    return everyone, local_heads, collectives
 
+    def plans(ulysses: int) -> tuple[list, int, int]:
+        if documents:
+            return rank_plans(algorithm, layout, cp, ulysses, documents, n * cp), 1, n
+        small = PLAN_ROWS if n % PLAN_ROWS == 0 else n  # a static layout's plan scales with n
+        return [layout_plan(algorithm, layout, cp, rank, small, ulysses) for rank in range(cp)], n // small, small
 
-def _calls(plan) -> tuple[KernelCall, ...]:  # noqa: ANN001 - a RankPlan
-    return tuple(KernelCall(c.segment.rows, c.segment.keys, c.segment.causal) for step in plan.steps
-                 for c in step.calls)
+    return algorithm.attention_work(WorkInputs(heads, model.num_kv_heads // tp, model.head_dim, compute, n, cp,
+                                               parallel.ulysses_size, whole, plans, documents is not None))
 
-
-def _ulysses_documents(plans: list, heads: int, kv_heads: int, d: int, compute: int, cp: int
-                       ) -> tuple[list[list[AttentionStep]], int, list[Collective]]:
-    """Ulysses over packed documents (``parallel/cp/ulysses/documents.py``): each rank attends its home documents
-    with all its heads (here: each call ``cp`` times at ``heads / cp``) and, for its ``heads / cp``, every rank's
-    block of cross queries against the cross keys; only the cross rows take the all-to-alls (sized here by the
-    rank with the most)."""
-    everyone = []
-    for plan in plans:
-        documents = plan.documents
-        home = _calls(documents.home) * cp if documents.home is not None else ()
-        cross = tuple(call for block in documents.blocks for call in _calls(block))
-        everyone.append([AttentionStep(home + cross, 0, 0)])
-    cross_rows = max(plans[0].documents.counts)
-    return everyone, heads // cp, _ulysses_collectives(heads, kv_heads, d, compute, cross_rows, cp, "cp")
 
 
 def _tp_collectives(model: ModelConfig, config: Config, n: int, compute: int) -> list[Collective]:

@@ -5,8 +5,8 @@ this rank's slice of the sequence, ``[batch, local_seqlen, heads, head_dim]`` in
 (``layout.py``), checks it, builds the batch's ``CPPlan`` (``build_cp_plan``; or takes ``plan=``, built once
 for all layers) and the call's frozen ``AttentionSpec`` (``spec.build_spec``), and returns this rank's output
 slice. ``attend`` is the internal entry behind it, for callers that validated once and hold a spec and a plan
-already (the model's layers): no checks, a dispatch on ``spec.algorithm`` to ``ring_call``,
-``allgather_call`` or ``ulysses_call`` (hybrid included). ``group`` is the CP process group, or
+already (the model's layers): no checks; ``spec.algorithm`` (a ``CPAlgorithm``, ``algorithms/``) gives the
+autograd Function that runs it, and one rank runs the local kernel. ``group`` is the CP process group, or
 ``CPGroups`` with the Ulysses and ring subgroups for ``hybrid``. A sliding ``window`` lives in the plan (its
 mask predicate); learned ``sinks`` ``[H]`` go to the algorithm's Function (``sinks.py``).
 """
@@ -16,15 +16,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cp_train.parallel.cp.algorithms import canonical_algorithm, check_heads
-from cp_train.parallel.cp.allgather import allgather_call
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 from cp_train.parallel.cp.layout import check_layout_name
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, plan_batch
 from cp_train.parallel.cp.plan.window_plan import Window, as_window
 from cp_train.parallel.cp.ring.attention import ring_call
 from cp_train.parallel.cp.sinks import check_sinks
 from cp_train.parallel.cp.spec import AttentionSpec, build_spec
-from cp_train.parallel.cp.ulysses.attention import ulysses_call
 from cp_train.parallel.mesh.model_parallel import CPGroups
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -62,15 +60,15 @@ def as_groups(group: dist.ProcessGroup | CPGroups | None) -> CPGroups:
 
 def build_cp_plan(group: dist.ProcessGroup | CPGroups | None, layout: str, causal: bool, local_len: int,
                   document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  algorithm: str = "ring", window: int | tuple[int, int] | Window | None = None) -> CPPlan | None:
+                  algorithm: str | CPAlgorithm = "ring", window: int | tuple[int, int] | Window | None = None
+                  ) -> CPPlan | None:
     """This batch's plan (``plan.batch_plan``): what every rank computes at every step, from the documents and
     positions of all CP ranks (one all-gather when ``document_ids`` are given). Build it once per batch and
     pass it to every layer of one ``window`` (an int W: W keys including the query, HF's ``sliding_window``;
     flash-attn's ``(left, right)``; None: unbounded; ``window_plan.as_window``); None: one document per sample
     at one rank without a window (the plain local kernel)."""
     groups = as_groups(group)
-    algorithm = canonical_algorithm(algorithm) if groups.size > 1 else "ring"  # one rank: the local kernel
-    return plan_batch(algorithm, groups, layout, causal, local_len, document_ids, position_ids,
+    return plan_batch(get_cp_algorithm(algorithm), groups, layout, causal, local_len, document_ids, position_ids,
                       as_window(window, causal))
 
 
@@ -78,20 +76,17 @@ def attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CP
                    plan: CPPlan | None, sinks: torch.Tensor | None = None
                    ) -> tuple[type[torch.autograd.Function], tuple]:
     """The autograd Function that computes ``spec.algorithm``'s attention, and its ``apply`` arguments (the k and
-    v among them are repeated along heads where Ulysses needs it: ``ulysses_call``). The ring's halo exchange
-    (``plan.halo``: a window on zigzag) runs the all-gather Function on its plan of the rows each rank uses."""
-    if spec.algorithm == "ring" and (plan is None or not plan.halo):
-        return ring_call(q, k, v, groups.cp if groups.size > 1 else None, spec, None if plan is None else plan.ring,
-                         sinks)
-    if spec.algorithm in ("ring", "allgather"):
-        return allgather_call(q, k, v, groups.cp, spec, plan, sinks)
-    return ulysses_call(q, k, v, groups, spec, plan, sinks)
+    v among them are repeated along heads where Ulysses needs it). One rank runs the local kernel: the ring's
+    Function without a ring, over the plan's local calls."""
+    if groups.size == 1:
+        return ring_call(q, k, v, None, spec, None if plan is None else plan.ring, sinks)
+    return spec.algorithm.call(q, k, v, groups, spec, plan, sinks)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
            plan: CPPlan | None, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of inputs that were validated once, with the call's ``spec`` and the batch's ``plan``
-    prebuilt (``spec.algorithm`` is "ring" at cp 1; the window is the plan's), ``sinks`` ``[H]`` or None. No
+    prebuilt (the window is the plan's), ``sinks`` ``[H]`` or None. No
     checks: the caller vouches for the shapes."""
     function, args = attention_call(q, k, v, groups, spec, plan, sinks)
     return function.apply(*args)
@@ -103,15 +98,16 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                head_chunks: int | None = None, return_lse: bool = False,
                                deterministic: bool | None = None, overlap: bool | None = None,
                                document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                               plan: CPPlan | None = None, algorithm: str = "ring",
+                               plan: CPPlan | None = None, algorithm: str | CPAlgorithm = "ring",
                                window: int | tuple[int, int] | Window | None = None,
                                sinks: torch.Tensor | None = None):
     """Exact attention of this rank's q on the whole sequence's k/v, over the CP group.
 
     q [B, n, H, D]; k, v [B, n, Hk, D] (GQA when Hk < H), all in ``layout``. ``group`` None (or a
     group of one) means no context parallelism: the local kernel on this sequence. Returns out
-    [B, n, H, D] in q's dtype (and lse [B, H, n] fp32 if ``return_lse``). ``algorithm``: ring,
-    allgather, ulysses or hybrid (``algorithms.py``; hybrid needs ``CPGroups``). ``backend`` picks
+    [B, n, H, D] in q's dtype (and lse [B, H, n] fp32 if ``return_lse``). ``algorithm``: a name (ring,
+    allgather, ulysses, hybrid or one registered: ``algorithms/registry.py``; hybrid needs ``CPGroups``) or a
+    ``CPAlgorithm``. ``backend`` picks
     the kernel (``cp_train.parallel.kernels.select``); ``deterministic`` (None:
     ``torch.are_deterministic_algorithms_enabled()``) asks for deterministic backwards; ``head_chunks`` and
     ``overlap`` tune the ring (defaults: ``spec.default_head_chunks`` for the backward and one chunk for the
@@ -131,13 +127,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if plan is not None and (document_ids is not None or position_ids is not None):
         raise ValueError("pass the mask one way: plan= (from build_cp_plan) or document_ids/position_ids, "
                          "not both")
-    algorithm = canonical_algorithm(algorithm)
-    if groups.size == 1:
-        algorithm = "ring"  # without CP every algorithm is the local kernel
-    if plan is not None and plan.algorithm != algorithm:
+    algorithm = get_cp_algorithm(algorithm)
+    if plan is not None and plan.algorithm != algorithm and len(plan.areas) > 1:  # one rank's plan: any algorithm
         raise ValueError(f"plan= was built for the {plan.algorithm} algorithm but the call runs {algorithm}: "
-                         f"build it with build_cp_plan(..., algorithm={algorithm!r})")
-    check_heads(algorithm, q.shape[2], k.shape[2], groups.ulysses_size if algorithm == "hybrid" else groups.size)
+                         f"build it with build_cp_plan(..., algorithm={algorithm.name!r})")
+    algorithm.check_heads(q.shape[2], k.shape[2], groups.size, groups.ulysses_size)
     check_sinks(sinks, q.shape[2], q.dtype)
     window = as_window(window, causal)
     if plan is not None and window is not None and plan.window != window:

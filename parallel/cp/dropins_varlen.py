@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.dropins import check_package_options, default_group
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
@@ -59,7 +60,7 @@ def _varlen(zigzag: bool, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_sc
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
     docs, positions = _local_pieces(cu_seqlens.cpu(), world, zigzag)
     ring = plan_for_documents(docs, positions, rank, causal, window)
-    plan = CPPlan("ring", ring, None, ring.packed, ring.areas, ring.max_calls, window=window)
+    plan = CPPlan(get_cp_algorithm("ring"), ring, None, ring.packed, ring.areas, ring.max_calls, window=window)
     out, lse = context_parallel_attention(q[None], k[None], v[None], group, "zigzag" if zigzag else "contiguous",
                                           causal, softmax_scale, return_lse=True,
                                           deterministic=deterministic or None, plan=plan)

@@ -1,7 +1,7 @@
 """How one context-parallel attention call site runs, decided once: the frozen ``AttentionSpec`` and
 ``build_spec``, which makes it (the kernel, the scale and the ring's head chunks and overlap by default).
 
-The algorithms it names are in ``algorithms.py``; the groups it runs on are ``CPGroups``
+The algorithm it names is a ``CPAlgorithm`` (``algorithms/``); the groups it runs on are ``CPGroups``
 (``cp_train.parallel.mesh.model_parallel``).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cp_train.parallel.cp.algorithms import canonical_algorithm
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.kernels.select import BACKENDS, AttentionKernel, select_kernel
 
@@ -29,7 +29,7 @@ class AttentionSpec:
     keeps no activations, so chunking the forward lowers no peak and costs a copy and a kernel call per chunk
     (3-5% of the forward on CPU at cp=2)."""
 
-    algorithm: str
+    algorithm: CPAlgorithm
     layout: str
     causal: bool
     scale: float
@@ -90,7 +90,7 @@ def transfer_kernel(kernel: AttentionKernel, plan: CPPlan | None) -> AttentionKe
 
 
 def build_spec(device: torch.device, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, head_dim: int, *,
-               algorithm: str = "ring", layout: str = "zigzag", causal: bool = True,
+               algorithm: str | CPAlgorithm = "ring", layout: str = "zigzag", causal: bool = True,
                softmax_scale: float | None = None, backend: str | None = None, head_chunks: int | None = None,
                deterministic: bool | None = None, overlap: bool | None = None,
                plan: CPPlan | None = None) -> AttentionSpec:
@@ -106,7 +106,7 @@ def build_spec(device: torch.device, dtype: torch.dtype, batch: int, heads: int,
     if head_chunks is None:
         head_chunks = default_head_chunks(device, kv_heads, plan, batch * heads // kv_heads)
     return AttentionSpec(
-        algorithm=canonical_algorithm(algorithm), layout=layout, causal=causal,
+        algorithm=get_cp_algorithm(algorithm), layout=layout, causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim),
         kernel=transfer_kernel(select_kernel(device, dtype, head_dim, backend, deterministic), plan),
         head_chunks=head_chunks,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm
 from cp_train.parallel.mesh.model_parallel import CPGroups, ModelParallel
 from cp_train.parallel.mesh.rank_groups import DATA_AXES, DATA_AXIS, Groups, ParallelDims, compute_rank_groups
 
@@ -59,7 +60,7 @@ class ParallelState:
     cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
     cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
 
-    def model_parallel(self, layout: str = "zigzag", algorithm: str = "ring",
+    def model_parallel(self, layout: str = "zigzag", algorithm: str | CPAlgorithm = "ring",
                        sequence_parallel: bool = False) -> ModelParallel:
         """The model's parallel settings on this state's TP and CP groups (``ModelParallel.build`` validates them)."""
         return ModelParallel.build(self.tp.group, self.cp_groups, layout, algorithm, sequence_parallel)

@@ -2,7 +2,8 @@
 
 ``ModelParallel`` is built and validated once (``ModelParallel.build``, or ``ParallelState.model_parallel``)
 and passed whole to the model and its layers, which trust it: the TP group, the CP groups, the CP layout the
-tokens arrive in and the CP algorithm that attends, with the sizes and ranks read once.
+tokens arrive in and the CP algorithm that attends (a ``CPAlgorithm``, resolved from its name here, once), with
+the sizes and ranks read once.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from cp_train.parallel.cp.algorithms import canonical_algorithm, check_algorithm
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 from cp_train.parallel.cp.layout import check_layout_name
 
 
@@ -45,12 +46,12 @@ def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
 class ModelParallel:
     """The model's parallel settings, validated once. ``tp_group`` None: no TP; ``cp.cp`` None: no CP.
     ``layout`` is the CP layout of the tokens (``cp_train.parallel.cp.layout``) and ``algorithm`` the CP
-    algorithm (``ring`` whenever cp is 1: every algorithm is then the local kernel)."""
+    algorithm (at cp 1 every algorithm is the local kernel)."""
 
     tp_group: dist.ProcessGroup | None
     cp: CPGroups
     layout: str
-    algorithm: str
+    algorithm: CPAlgorithm
     tp_size: int
     tp_rank: int
     cp_size: int
@@ -59,15 +60,16 @@ class ModelParallel:
 
     @classmethod
     def build(cls, tp_group: dist.ProcessGroup | None = None, cp_group: dist.ProcessGroup | CPGroups | None = None,
-              layout: str = "zigzag", algorithm: str = "ring", sequence_parallel: bool = False) -> ModelParallel:
+              layout: str = "zigzag", algorithm: str | CPAlgorithm = "ring", sequence_parallel: bool = False
+              ) -> ModelParallel:
         """Validate and freeze the settings; ``ValueError`` saying what to change (an unknown layout or
         algorithm, hybrid without its Ulysses and ring subgroups). ``sequence_parallel`` takes effect at tp > 1."""
         check_layout_name(layout)
         groups = cp_group if isinstance(cp_group, CPGroups) else CPGroups(cp_group)
         cp_size, cp_rank = _size_and_rank(groups.cp)
-        algorithm = canonical_algorithm(algorithm) if cp_size > 1 else "ring"
-        if algorithm == "hybrid":
-            check_algorithm(algorithm, cp_size, groups.ulysses_size)
+        algorithm = get_cp_algorithm(algorithm)
+        if cp_size > 1 and algorithm.subgroups:
+            algorithm.check(cp_size, groups.ulysses_size)
         tp_size, tp_rank = _size_and_rank(tp_group)
         return cls(tp_group, groups, layout, algorithm, tp_size, tp_rank, cp_size, cp_rank,
                    sequence_parallel and tp_size > 1)
@@ -79,7 +81,5 @@ class ModelParallel:
 
     @property
     def ulysses_degree(self) -> int:
-        """Ranks the Ulysses all-to-all splits the heads over (1 for ring and all-gather)."""
-        if self.algorithm == "hybrid":
-            return self.cp.ulysses_size
-        return self.cp_size if self.algorithm == "ulysses" else 1
+        """Ranks the attention heads are split over (``CPAlgorithm.head_degree``; 1 for ring and all-gather)."""
+        return self.algorithm.head_degree(self.cp_size, self.cp.ulysses_size)

@@ -14,6 +14,7 @@ import torch
 
 from cp_train.data.loader import rank_positions
 from cp_train.errors import InputError
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm
 from cp_train.parallel.cp.plan.batch_plan import CPPlan, plan_from_gathered
 
 
@@ -83,7 +84,7 @@ def consecutive_samples(lengths: tuple[int, ...], seq_len: int, count: int) -> l
     return samples
 
 
-def rank_plans(algorithm: str, layout: str, cp: int, ulysses: int, lengths: tuple[int, ...], seq_len: int
+def rank_plans(algorithm: CPAlgorithm, layout: str, cp: int, ulysses: int, lengths: tuple[int, ...], seq_len: int
                ) -> list[CPPlan]:
     """Every CP rank's plan of the sample packed from ``lengths`` (rank order)."""
     docs = packed_document_ids(lengths, seq_len)

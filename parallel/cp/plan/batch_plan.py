@@ -1,18 +1,12 @@
-"""Per-batch plans of every CP algorithm: the mask as kernel segments and the token orders they need.
+"""Per-batch plans: the mask as kernel segments and the token orders a CP algorithm needs.
 
-``plan_batch`` gathers every CP rank's documents and positions once per batch (nothing for one
-document per sample in a static layout: that plan is cached) and returns a ``CPPlan``:
-
-- ``ring``: the ring plan over the CP group (``rank_plan.py``); with a sliding window where sending each
-  rank the rows it uses from their owners moves fewer rows than relaying them around the ring
-  (``window_plan.halo_is_cheaper``: zigzag), the all-gather plan's halo exchange (``halo``).
-- ``allgather``: this rank's queries attend every rank's gathered K/V block where it lands, one step
-  per block in ring order (``gathered_plan``; no ``order``).
-- ``ulysses``: after the all-to-all a rank holds every token (of its heads) in rank order; for one
-  document ``order`` puts the tokens in sequence order for one plain causal call. With documents,
-  ``documents`` says which stay home (attended locally with all heads) and plans the cross rows that
-  travel, block by block where they land (``ulysses_plan.py``).
-- ``hybrid``: the same inside each Ulysses group, and ``ring`` is the ring plan across the groups.
+``plan_batch`` gathers every CP rank's documents and positions once per batch (nothing for one document per
+sample in a static layout: that plan is cached) and returns the ``CPPlan`` the algorithm makes of them
+(``CPAlgorithm.plan``, ``cp_train.parallel.cp.algorithms``) from the primitives here: ``ring_rank_plan`` (the
+ring plan over the CP group, ``rank_plan.py``; with a sliding window where sending each rank the rows it uses
+from their owners moves fewer rows than relaying them, the all-gather plan's halo exchange), ``rank_order``
+(Ulysses' rows in sequence order) and ``work``. At one rank every algorithm is the local kernel: the ring plan
+of that rank.
 
 ``order`` indexes rows gathered rank after rank, per sample ``[1 or B, rows]``, or the folded
 ``[1, B*rows]`` when the plan is packed (samples differ). ``areas`` are every CP rank's query-key pairs
@@ -27,21 +21,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.device import CPU, Apply, MovedOnce, plan_device
 from cp_train.parallel.cp.plan.documents import gather_mask_inputs
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, build_plan, gathered_plan, pair_segments
 from cp_train.parallel.cp.plan.segments import Window, pack_keys, runs, visible_intervals, window_pairs
-from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments, ulysses_documents_plan
+from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments
 from cp_train.parallel.cp.plan.window_plan import halo_is_cheaper
 from cp_train.parallel.mesh.model_parallel import CPGroups
 
 
 @dataclass(frozen=True)
 class CPPlan(MovedOnce):
-    """One batch's plan for ``algorithm`` (see the module docstring)."""
+    """One batch's plan for ``algorithm`` (a ``CPAlgorithm``; see the module docstring)."""
 
-    algorithm: str
+    algorithm: CPAlgorithm
     ring: RankPlan | None
     order: torch.Tensor | None
     packed: bool
@@ -88,7 +83,7 @@ class CPPlan(MovedOnce):
 
 
 @dataclass(frozen=True)
-class _Tokens:
+class Tokens:
     """Every rank's tokens ``[world, rows]`` as sortable keys (folded over the batch when ``packed``)."""
 
     keys: torch.Tensor
@@ -98,7 +93,7 @@ class _Tokens:
     batch: int
 
 
-def _tokens(docs: torch.Tensor, positions: torch.Tensor) -> _Tokens:
+def tokens_of(docs: torch.Tensor, positions: torch.Tensor) -> Tokens:
     """Keys of ``docs``/``positions`` ``[world, B, n]``: documents numbered densely per sample; the batch kept
     as one sample when every sample has the same documents and positions, else folded into one row."""
     world, batch, n = docs.shape
@@ -113,16 +108,16 @@ def _tokens(docs: torch.Tensor, positions: torch.Tensor) -> _Tokens:
         offsets = (torch.arange(batch) * (int(ranked.max()) + 1)).view(1, batch, 1)
         ranked, positions = (ranked + offsets).reshape(world, -1), positions.reshape(world, -1)
     keys, span = pack_keys(ranked, positions)
-    return _Tokens(keys, ranked, span, not uniform, batch)
+    return Tokens(keys, ranked, span, not uniform, batch)
 
 
-def _check_sorted(keys: torch.Tensor) -> None:
+def check_sorted(keys: torch.Tensor) -> None:
     if (keys[:, 1:] <= keys[:, :-1]).any():
         raise ValueError("document_ids must be non-decreasing along each sample, and positions increasing within a "
                          "document, in every CP rank's token order; check the document ids and the CP layout")
 
 
-def _gathered(x: torch.Tensor, tokens: _Tokens, ranks: range) -> torch.Tensor:
+def gathered_rows(x: torch.Tensor, tokens: Tokens, ranks: range) -> torch.Tensor:
     """``x`` ``[world, rows]`` of ``ranks`` in the order an all-gather / all-to-all delivers them: per sample,
     rank after rank (``[1, len(ranks) * rows]``, sample-major when packed)."""
     part = x[ranks.start:ranks.stop]
@@ -131,8 +126,8 @@ def _gathered(x: torch.Tensor, tokens: _Tokens, ranks: range) -> torch.Tensor:
     return part.view(len(ranks), tokens.batch, -1).transpose(0, 1).reshape(1, -1)
 
 
-def _work(tokens: _Tokens, everyone: torch.Tensor, causal: bool,
-          window: Window | None = None) -> tuple[tuple[int, ...], int]:
+def work(tokens: Tokens, everyone: torch.Tensor, causal: bool,
+         window: Window | None = None) -> tuple[tuple[int, ...], int]:
     """Each rank's query-key pairs against the sorted keys of ``everyone``, and the most dense kernel calls
     any rank makes for them."""
     areas, calls = [], 0
@@ -144,43 +139,40 @@ def _work(tokens: _Tokens, everyone: torch.Tensor, causal: bool,
     return tuple(areas), calls
 
 
-def _plan(algorithm: str, tokens: _Tokens, rank: int, ulysses: int, causal: bool,
+def ring_rank_plan(tokens: Tokens, rank: int, causal: bool, window: Window | None = None) -> tuple[RankPlan, bool]:
+    """``(rank's ring plan, halo)``: the ring over every rank of ``tokens``; with a ``window`` where a halo
+    exchange moves fewer rows (``window_plan.halo_is_cheaper``), the all-gather plan of the rows each rank uses
+    (``halo`` True)."""
+    check_sorted(tokens.keys)
+    keys, docs, span, packed = tokens.keys, tokens.docs, tokens.span, tokens.packed
+    segments = pair_segments(keys, docs, span, causal, window)
+    ring = build_plan(keys, docs, span, rank, causal, packed, window, segments)
+    halo = window is not None and keys.shape[0] > 2 and halo_is_cheaper(segments)
+    if halo:
+        ring = gathered_plan(keys, docs, span, rank, causal, packed, ring.areas, ring.max_calls, window, segments)
+    return ring, halo
+
+
+def rank_order(tokens: Tokens, ranks: range) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(order, inverse)`` of the rows of ``ranks`` gathered rank after rank into sequence order, and back
+    (None, None: already in order)."""
+    order = torch.argsort(gathered_rows(tokens.keys, tokens, ranks), dim=1)
+    if torch.equal(order, torch.arange(order.shape[1]).expand_as(order)):
+        return None, None
+    return order, _inverse(order)
+
+
+def local_plan(algorithm: CPAlgorithm, tokens: Tokens, causal: bool, window: Window | None = None) -> CPPlan:
+    """One rank's plan, whatever ``algorithm``: the local kernel's calls (the ring plan of one rank)."""
+    ring, _ = ring_rank_plan(tokens, 0, causal, window)
+    return CPPlan(algorithm, ring, None, tokens.packed, ring.areas, ring.max_calls, window=window)
+
+
+def _plan(algorithm: CPAlgorithm, tokens: Tokens, rank: int, ulysses: int, causal: bool,
           window: Window | None = None) -> CPPlan:
-    world = tokens.keys.shape[0]
-    every = range(world)
-    if algorithm == "ring":
-        _check_sorted(tokens.keys)
-        keys, docs, span, packed = tokens.keys, tokens.docs, tokens.span, tokens.packed
-        segments = pair_segments(keys, docs, span, causal, window)
-        ring = build_plan(keys, docs, span, rank, causal, packed, window, segments)
-        halo = window is not None and world > 2 and halo_is_cheaper(segments)
-        if halo:
-            ring = gathered_plan(keys, docs, span, rank, causal, packed, ring.areas, ring.max_calls, window,
-                                 segments)
-        return CPPlan(algorithm, ring, None, packed, ring.areas, ring.max_calls, window=window, halo=halo)
-    if algorithm == "allgather":  # every rank's block as it arrives, in rank order: nothing to reorder
-        _check_sorted(tokens.keys)
-        areas, max_calls = _work(tokens, torch.sort(tokens.keys.flatten()).values, causal, window)
-        ring = gathered_plan(tokens.keys, tokens.docs, tokens.span, rank, causal, tokens.packed, areas, max_calls,
-                             window)
-        return CPPlan(algorithm, ring, None, tokens.packed, areas, max_calls, window=window)
-    group = range(rank - rank % ulysses, rank - rank % ulysses + ulysses) if algorithm == "hybrid" else every
-    order = torch.argsort(_gathered(tokens.keys, tokens, group), dim=1)
-    identity = torch.equal(order, torch.arange(order.shape[1]).expand_as(order))
-    inverse = None if identity else _inverse(order)
-    if algorithm == "ulysses":  # home documents stay; the cross rows: 1/world of the heads, block by block
-        _check_sorted(tokens.keys)
-        documents, areas, calls = ulysses_documents_plan(tokens.keys, tokens.docs, tokens.span, rank, causal,
-                                                         tokens.packed, window)
-        return CPPlan(algorithm, None, None if identity else order, tokens.packed, areas, calls, documents,
-                      inverse=inverse, window=window)
-    else:  # hybrid: the ring across the Ulysses groups on their tokens in sequence order
-        groups = [range(g * ulysses, (g + 1) * ulysses) for g in range(world // ulysses)]
-        keys = torch.stack([torch.sort(_gathered(tokens.keys, tokens, g).flatten()).values for g in groups])
-        ring = build_plan(keys, keys // tokens.span, tokens.span, rank // ulysses, causal, tokens.packed, window)
-        areas = tuple(area // ulysses for area in ring.areas for _ in range(ulysses))  # 1/ulysses of the heads
-    return CPPlan(algorithm, ring, None if identity else order, tokens.packed, areas, ring.max_calls,
-                  inverse=inverse, window=window)
+    if tokens.keys.shape[0] == 1:
+        return local_plan(algorithm, tokens, causal, window)
+    return algorithm.plan(tokens, rank, ulysses, causal, window)
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
@@ -192,31 +184,26 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _static_plan(algorithm: str, layout: str, causal: bool, world: int, ulysses: int, rank: int, n: int,
+def _static_plan(algorithm: str | CPAlgorithm, layout: str, causal: bool, world: int, ulysses: int, rank: int, n: int,
                  window: Window | None = None) -> CPPlan:
+    algorithm = get_cp_algorithm(algorithm)
     positions = torch.stack([sequence_positions(n * world, r, world, layout) for r in range(world)])[:, None]
-    plan = _plan(algorithm, _tokens(torch.zeros_like(positions), positions), rank, ulysses, causal, window)
-    if algorithm == "ulysses" and window is None:  # one document: the plain causal kernel on the sequence
-        plan = CPPlan(algorithm, None, plan.order, plan.packed, plan.areas, 1, inverse=plan.inverse)
-    elif algorithm == "ulysses":  # one document with a window: one rank's plan of the sequence in order
-        sequence = torch.arange(n * world)[None]
-        whole = _plan("ring", _tokens(torch.zeros_like(sequence)[None], sequence[None]), 0, 1, causal, window)
-        plan = CPPlan(algorithm, whole.ring, plan.order, plan.packed, plan.areas, whole.max_calls,
-                      inverse=plan.inverse, window=window)
-    return plan
+    plan = _plan(algorithm, tokens_of(torch.zeros_like(positions), positions), rank, ulysses, causal, window)
+    return plan if world == 1 else algorithm.one_document(plan, world, n, causal, window)
 
 
-def layout_plan(algorithm: str, layout: str, world: int, rank: int, local_len: int, ulysses: int = 1,
+def layout_plan(algorithm: str | CPAlgorithm, layout: str, world: int, rank: int, local_len: int, ulysses: int = 1,
                 causal: bool = True, window: Window | None = None) -> CPPlan:
     """The plan ``plan_batch`` returns for one document per sample in a static ``layout`` (cached; no process
     group needed): what rank ``rank`` of ``world`` runs, for the planner (``cp_train.perf``)."""
     return _static_plan(algorithm, layout, causal, world, ulysses, rank, local_len, window)
 
 
-def plan_batch(algorithm: str, groups: CPGroups, layout: str, causal: bool, local_len: int,
+def plan_batch(algorithm: str | CPAlgorithm, groups: CPGroups, layout: str, causal: bool, local_len: int,
                   document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                   window: Window | None = None) -> CPPlan | None:
-    """This rank's plan for ``algorithm`` (None: cp = 1, one document and no window, the plain local kernel).
+    """This rank's plan for ``algorithm`` (a ``CPAlgorithm`` or its name; None: cp = 1, one document and no
+    window, the plain local kernel).
 
     ``document_ids`` [B, n] restrict attention to each token's document (``position_ids`` [B, n] or [n]
     order tokens within one; default: the layout's); they are gathered over ``groups.cp`` once. ``window``
@@ -229,22 +216,21 @@ def plan_batch(algorithm: str, groups: CPGroups, layout: str, causal: bool, loca
     if document_ids is None:
         if world == 1 and window is None:
             return None
-        algorithm = algorithm if world > 1 else "ring"
         return _static_plan(algorithm, layout, causal, world, groups.ulysses_size, rank, local_len, window)
     docs, positions = gather_mask_inputs(document_ids, position_ids, groups.cp, layout)
     return plan_from_gathered(algorithm, world, rank, groups.ulysses_size, causal, docs, positions, window)
 
 
-def plan_from_gathered(algorithm: str, world: int, rank: int, ulysses: int, causal: bool, docs: torch.Tensor,
-                       positions: torch.Tensor, window: Window | None = None) -> CPPlan:
+def plan_from_gathered(algorithm: str | CPAlgorithm, world: int, rank: int, ulysses: int, causal: bool,
+                       docs: torch.Tensor, positions: torch.Tensor, window: Window | None = None) -> CPPlan:
     """``plan_batch`` from every CP rank's ``docs`` and ``positions`` ``[world, B, n]`` (int64, CPU, rank
     order): what the all-gather would return. No communication."""
-    tokens = _tokens(docs, positions)
-    plan = _plan(algorithm if world > 1 else "ring", tokens, rank, ulysses, causal, window)
+    tokens = tokens_of(docs, positions)
+    plan = _plan(get_cp_algorithm(algorithm), tokens, rank, ulysses, causal, window)
     return dataclasses.replace(plan, pairs=_pairs(tokens, causal, window))
 
 
-def _pairs(tokens: _Tokens, causal: bool, window: Window | None = None) -> int:
+def _pairs(tokens: Tokens, causal: bool, window: Window | None = None) -> int:
     """Visible query-key pairs of every sample: per document of ``c`` tokens ``c (c + 1) / 2``, or ``c * c``
     (``window_pairs`` with a window)."""
     counts = torch.bincount(tokens.docs.flatten())
@@ -260,12 +246,15 @@ class SamplePlanner:
     """Builds CP rank ``rank``'s plan where the whole sample is at hand (the data loader's collate, in a worker
     process ahead of the step): no all-gather, no device-to-host copy, no planning inside the step."""
 
-    algorithm: str
+    algorithm: CPAlgorithm
     world: int
     rank: int
     ulysses: int = 1
     causal: bool = True
     window: Window | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithm", get_cp_algorithm(self.algorithm))  # a name given: resolved once
 
     def __call__(self, docs: torch.Tensor, positions: torch.Tensor) -> CPPlan:
         return plan_from_gathered(self.algorithm, self.world, self.rank, self.ulysses, self.causal, docs, positions,

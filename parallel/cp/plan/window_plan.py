@@ -76,37 +76,20 @@ def halo_is_cheaper(segments: list[list[list[Segment]]]) -> bool:
 
 def kv_rows_received(plan, local_len: int) -> int:  # noqa: ANN001 - a CPPlan (batch_plan imports this module)
     """K/V rows this CP rank receives in one attention forward of ``plan`` (of one sample, or of the folded
-    batch when the plan is packed; ``local_len`` rows per rank and sample). Ring and halo exchange: the rows
-    of other ranks' blocks it receives; all-gather: the rows gathered; Ulysses: the all-to-all's rows of its
-    ``1/u`` of the kv heads (the travelling rows with documents), plus the hybrid's ring. 0 without CP."""
-    if plan is None:
+    batch when the plan is packed; ``local_len`` rows per rank and sample): its algorithm's count
+    (``CPAlgorithm.kv_rows_received``); 0 without CP."""
+    if plan is None or len(plan.areas) == 1:
         return 0
-    ring, rows = plan.ring, 0
-    if plan.algorithm in ("ulysses", "hybrid"):
-        u = len(plan.areas) if plan.algorithm == "ulysses" else len(plan.areas) // max(1, ring.world)
-        if plan.documents is not None:
-            counts = plan.documents.counts
-            rows = sum(counts) - min(counts)  # the busiest rank: every other rank's cross rows
-        else:
-            rows = (u - 1) * local_len
-        if plan.algorithm == "ulysses" or ring is None:
-            return rows
-    if ring is None or ring.world == 1:
-        return rows
-    if plan.algorithm == "allgather" or plan.halo:
-        return rows + sum(step.held_rows for step in ring.steps[1:])
-    return rows + sum(step.kv_rows[1] for step in ring.steps[:-1])
+    return plan.algorithm.kv_rows_received(plan, local_len)
 
 
 def kv_bytes_received(plan, batch: int, local_len: int, kv_heads: int, head_dim: int,  # noqa: ANN001
                       dtype: torch.dtype) -> int:
     """Bytes of K and V this CP rank receives per layer forward under ``plan`` (a ``CPPlan``; the trainer's
     metrics of a window layer): ``kv_rows_received`` for ``batch`` samples (once for a packed plan) of
-    ``kv_heads`` heads of ``head_dim`` in ``dtype`` (Ulysses and hybrid: the rank's ``1/u`` of the heads). The
+    ``kv_heads`` heads of ``head_dim`` in ``dtype`` (Ulysses and hybrid: the rank's share of the heads). The
     backward receives K/V again and sends dK/dV (fp32) back."""
     rows = kv_rows_received(plan, local_len) * (1 if plan is None or plan.packed else batch)
-    u = 1
-    if plan is not None and plan.algorithm in ("ulysses", "hybrid"):
-        u = len(plan.areas) // (1 if plan.ring is None or plan.algorithm == "ulysses" else plan.ring.world)
-    heads = max(1, kv_heads // u)
+    share = 1 if plan is None else plan.algorithm.kv_head_share(plan)
+    heads = max(1, kv_heads // share)
     return 2 * rows * heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -26,7 +26,6 @@ from cp_train.parallel.cp.sinks import apply_sinks, sink_grad
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.cp.ulysses.documents import Pending, UlyssesDocumentsAttention
 from cp_train.parallel.kernels.contract import BackwardRows, accumulator_dtype
-from cp_train.parallel.mesh.model_parallel import CPGroups
 
 
 def _post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> Pending:
@@ -173,14 +172,14 @@ class _UlyssesAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, dsinks
 
 
-def ulysses_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGroups, spec: AttentionSpec,
-                 plan: CPPlan, sinks: torch.Tensor | None = None) -> tuple[type[torch.autograd.Function], tuple]:
-    """The autograd Function of Ulysses (the hybrid form when ``spec.algorithm`` is hybrid) and its ``apply``
-    arguments. With fewer kv heads than the group's ranks, the k and v passed on are ``repeat_interleave``d
-    along dim 2 (differentiably here; a caller running the Function's backward itself sums their gradients
-    back). ``spec.head_chunks`` bounds the head chunks whose all-to-alls overlap the attention. ``sinks`` ``[H]``
-    are applied to each rank's heads before the output travels back."""
-    group = groups.ulysses if spec.algorithm == "hybrid" else groups.cp
+def ulysses_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                 ring_group: dist.ProcessGroup | None, spec: AttentionSpec, plan: CPPlan,
+                 sinks: torch.Tensor | None = None) -> tuple[type[torch.autograd.Function], tuple]:
+    """The autograd Function of Ulysses over ``group`` (with the hybrid's ring over ``ring_group`` across the
+    groups; None: none) and its ``apply`` arguments. With fewer kv heads than the group's ranks, the k and v
+    passed on are ``repeat_interleave``d along dim 2 (differentiably here; a caller running the Function's
+    backward itself sums their gradients back). ``spec.head_chunks`` bounds the head chunks whose all-to-alls
+    overlap the attention. ``sinks`` ``[H]`` are applied to each rank's heads before the output travels back."""
     plan = plan.on_device(q.device)  # itself when moved ahead (``CPPlan.to``): no host copy in the call
     u = dist.get_world_size(group)
     if k.shape[2] < u:  # every rank needs a kv head: repeat each just enough
@@ -188,6 +187,5 @@ def ulysses_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGr
     chunks = chunk_count(q.shape[2], k.shape[2], u, max(1, spec.head_chunks))
     if plan.documents is not None:
         return UlyssesDocumentsAttention, (q, k, v, group, spec, plan, chunks, sinks)
-    ring_group = groups.ring if spec.algorithm == "hybrid" else None
     return _UlyssesAttention, (q, k, v, group, ring_group, spec, plan, chunks, sinks)
 
