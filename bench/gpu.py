@@ -13,7 +13,7 @@ fp32 accumulators, the merged-lse backward). ``ratio`` is TFLOP/s over the basel
 
 Training (``--models``): one optimizer step of a shipped config at cp=1 on this GPU, ``--train-seq``
 tokens in two documents (a CP plan built on the CPU), micro batch 1, bf16 autocast, fused AdamW, eager and compiled
-(``--modes``; ``train.compile``): tokens/s, model TFLOP/s (``model/flops.py``), MFU against the GPU's dense bf16
+(``--modes``; ``train.compile``): tokens/s, model TFLOP/s (``model/family.py``), MFU against the GPU's dense bf16
 peak (``cp_train/metrics/throughput.py``), peak memory, and ``host syncs``: "none" when one more step runs under
 ``torch.cuda.set_sync_debug_mode("error")``, else the first error.
 """

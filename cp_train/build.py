@@ -22,6 +22,7 @@ from cp_train.data.indexed import IndexedDataset
 from cp_train.data.loader import StepLoader, build_data_loader
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.errors import InputError, agree
+from cp_train.model.family import get_model_family
 from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.llama import load_llama_weights
 from cp_train.model.meta import allocate, materialize, meta_model
@@ -185,7 +186,7 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
         if on_meta:
             model = meta_model(config.model, model_parallel)
         else:
-            model = GPTModel(config.model, model_parallel, device=device)
+            model = get_model_family(config.model.family).build(config.model, model_parallel, device=device)
     except ImportError as error:  # an optional package the config asks for (model.norm apex) is missing
         raise ConfigError(str(error)) from None
     if config.train.compile:

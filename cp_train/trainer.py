@@ -24,6 +24,7 @@ import torch
 
 from cp_train import run_log, run_parts
 from cp_train.checkpoint.dcp import read_meta, save_checkpoint
+from cp_train.config.validate import with_accumulation
 from cp_train.data.loader import CP_PLAN
 from cp_train.eval.periodic import PeriodicEval
 from cp_train.loss import device_sums, global_loss_tokens, host_sum, masked_loss_sum, reduce_loss, reduce_sums
@@ -62,6 +63,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ build
     def __init__(self, config: Config, state: ParallelState) -> None:
+        config = with_accumulation(config, state.world_size)  # the global batch of gradient_accumulation_steps
         self.config, self.state = config, state
         self.env = run_parts.prepare_environment(config, state)  # checks, device, seed, data sources, resume source
         self.training = run_parts.build_training_state(self.env)  # model, module, optimizer, schedule, sharded

@@ -14,8 +14,11 @@ _EXPORTS = {  # public name -> the module that defines it
     "save_hf": "cp_train.model.hf.llama",
     "load_llama": "cp_train.model.hf.llama",
     "save_llama": "cp_train.model.hf.llama",
-    "model_flops_per_token": "cp_train.model.flops",
-    "matmul_params": "cp_train.model.flops",
+    "model_flops_per_token": "cp_train.model.family",
+    "matmul_params": "cp_train.model.family",
+    "ModelFamily": "cp_train.model.family",
+    "register_model_family": "cp_train.model.family",
+    "get_model_family": "cp_train.model.family",
 }
 __all__ = sorted(_EXPORTS)
 

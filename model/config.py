@@ -70,6 +70,7 @@ class ModelConfig:
     sliding_window: int | None = None
     attention_sinks: bool = False
     hf_architecture: str | None = None
+    family: str = "llama"  # what the trainer builds (model/family.py: llama is GPTModel; others registered)
 
     def __post_init__(self) -> None:
         self.resolve()

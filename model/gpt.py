@@ -141,7 +141,7 @@ class GPTModel(nn.Module):
 
     def mean_layer_pairs(self, plans: dict[int | None, CPPlan | None]) -> float | None:
         """The visible query-key pairs of ``plans`` (``layer_plans``) averaged over the layers, each layer counting
-        its window's plan (what the MFU counts: ``model.flops``); None when a plan does not count its pairs (a
+        its window's plan (what the MFU counts: ``model.family``); None when a plan does not count its pairs (a
         static plan, or none). After each ``forward`` the model keeps its batch's value in ``layer_pairs``."""
         counted = [plans.get(window) for window in self.config.windows]
         if any(p is None or not p.pairs for p in counted):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from cp_train.model.config import ModelConfig
+from cp_train.model.family import get_model_family
 from cp_train.model.gpt import GPTModel
 from cp_train.model.shards import local_region, local_tensor, mark_tensor_parallel, tensor_parallel_dims
 from cp_train.parallel.mesh.model_parallel import ModelParallel
@@ -24,9 +25,10 @@ from cp_train.parallel.mesh.model_parallel import ModelParallel
 
 def meta_model(config: ModelConfig, parallel: ModelParallel | None = None,
                dtype: torch.dtype | None = None) -> GPTModel:
-    """The ``GPTModel`` on the meta device: this rank's TP shapes and attributes, no storage, no init."""
+    """The model of ``config``'s family (``GPTModel``) on the meta device: this rank's TP shapes and attributes, no
+    storage, no init."""
     with torch.device("meta"):
-        return GPTModel(config, parallel, dtype=dtype)
+        return get_model_family(config.family).build(config, parallel, dtype=dtype)
 
 
 def allocate(model: torch.nn.Module, device: torch.device | str) -> None:

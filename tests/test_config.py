@@ -273,3 +273,33 @@ def test_the_installed_package_runs_the_same_command(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-m", "cp_train", "--config", str(tmp_path / "missing.yaml")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("cp_train: error: --config "), done.stderr
+
+
+def test_no_check_changes_the_config_it_checks() -> None:
+    """``validate``, the dry run's ``memory_plan`` and the planner's ``predict`` leave their config as it was;
+    the global batch of ``train.gradient_accumulation_steps`` is made by ``with_accumulation`` (a new config), and an
+    explicit global batch that disagrees with it is an error naming both."""
+    import copy
+
+    from cp_train.config.sources import load_config
+    from cp_train.config.validate import with_accumulation
+    from cp_train.memory.dry_run import memory_plan
+    from cp_train.perf.inputs.hardware import load_hardware
+    from cp_train.perf.predict import predict
+    from cp_train.perf.rates import DeviceRates
+
+    config = load_config(overrides=["parallel.cp=2", "model.num_layers=2", "train.gradient_accumulation_steps=3",
+                                    "train.micro_batch_size=1"])
+    before = copy.deepcopy(config.to_dict())
+    resolved = with_accumulation(config, 4)  # dp 2 at cp 2
+    assert resolved.train.global_batch_size == 1 * 2 * 3 and config.to_dict() == before
+    assert validate(resolved, 4) == 2 and memory_plan(resolved, 4)[0].dp == 2
+    hardware = load_hardware("h100-sxm")
+    resolved_before = copy.deepcopy(resolved.to_dict())
+    predict(resolved, 4, DeviceRates(hardware), 989.0, 80.0, 3.0)
+    assert resolved.to_dict() == resolved_before and resolved.model.vocab_size is None
+    both = load_config(overrides=["train.gradient_accumulation_steps=3", "train.global_batch_size=16"])
+    assert with_accumulation(both, 1) is both  # the explicit global batch is kept ...
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps 3 makes the global batch micro_batch_size\\*dp"
+                                          "\\*steps = 1\\*1\\*3, not train.global_batch_size 16: set one of the two"):
+        validate(both, 1)  # ... and said to disagree

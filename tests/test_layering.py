@@ -3,7 +3,9 @@
 - ``cp_train.parallel`` imports nothing from the model, the data or the trainer;
 - ``cp_train.model`` imports only ``cp_train.parallel``;
 - ``cp_train.data`` imports only the layouts of ``cp_train.parallel.cp``;
-- the trainer (``cp_train/*.py``, config, checkpoint, metrics, memory) never imports ``cp_train.cli``;
+- inside ``cp_train``, three layers: the low pieces (``errors``, ``results``, ``optim``, ``loss``, ``preemption`` and
+  the config, checkpoint, metrics and memory packages) below the training loop (``trainer``, ``build``,
+  ``run_parts``, ``run_log``) below the commands (``cp_train.cli``): nothing imports a layer above its own;
 - the planner (``cp_train.perf``) and the long-context eval (``cp_train.eval``) sit above the trainer's pieces:
   only the trainer loop, the commands and themselves import them, and neither imports the other;
 - no folder-level cycle: the packages (and the root's modules) import each other in one direction;
@@ -27,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"cp_train": "cp_train", "parallel": "cp_train.parallel", "model": "cp_train.model", "data": "cp_train.data"}
 LAYOUT_MODULES = {"cp_train.parallel.cp.layout", "cp_train.parallel.cp.balanced_layout"}
 FACES = {"cp_train", "cp_train.parallel", "cp_train.model", "cp_train.data"}
-TRAINER_LOOP = ("cp_train.trainer", "cp_train.build", "cp_train.run_parts")
+TRAINER_LOOP = ("cp_train.trainer", "cp_train.build", "cp_train.run_parts", "cp_train.run_log")
 TRAINER_PACKAGES = ("cp_train.config", "cp_train.checkpoint", "cp_train.metrics", "cp_train.memory")
+LOW_MODULES = ("cp_train.errors", "cp_train.results", "cp_train.optim", "cp_train.loss", "cp_train.preemption")
 UPPER = {"cp_train.perf": "cp_train.eval", "cp_train.eval": "cp_train.perf"}  # above the pieces, beside each other
 
 
@@ -112,10 +115,12 @@ def test_nothing_below_the_commands_imports_them() -> None:
     assert [f"{name} imports {t}" for name in below for t in GRAPH[name] if _under(t, "cp_train.cli")] == []
 
 
-def test_trainer_packages_sit_below_the_trainer_loop() -> None:
-    """config, checkpoint, metrics and memory serve the trainer and never import it."""
-    for package in TRAINER_PACKAGES:
-        assert _violations(package, lambda t: t not in TRAINER_LOOP) == []
+@pytest.mark.parametrize("low", TRAINER_PACKAGES + LOW_MODULES)
+def test_the_low_pieces_sit_below_the_loop_and_the_commands(low: str) -> None:
+    """The low pieces serve the training loop and never import it, the commands, the planner or the eval."""
+    def above(target: str) -> bool:
+        return target in TRAINER_LOOP or any(_under(target, p) for p in ("cp_train.cli", *UPPER))
+    assert _violations(low, lambda t: not above(t)) == []
 
 
 @pytest.mark.parametrize("package", sorted(UPPER))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cp_train.errors import InputError
-from cp_train.model.flops import model_flops_per_token
+from cp_train.model.family import model_flops_per_token
 from cp_train.model.hf.config import hf_config
 from cp_train.perf.inputs.hardware import HardwareError, from_dict, interpolate, known_hardware, load_hardware
 from cp_train.perf.inputs.presets import (

@@ -109,10 +109,10 @@ def test_the_compiled_model_differentiates_windows_and_sinks() -> None:
 
 
 def test_the_mfu_counts_each_window_layers_pairs() -> None:
-    """``model.flops`` counts a window layer's keys exactly (``window_pairs``), and the pairs the trainer counts
+    """``model.family`` counts a window layer's keys exactly (``window_pairs``), and the pairs the trainer counts
     per batch are the layers' plans' pairs averaged (the window's own for a window layer)."""
     from cp_train.model.config import ModelConfig
-    from cp_train.model.flops import keys_per_query, model_flops_per_token
+    from cp_train.model.family import keys_per_query, model_flops_per_token
     from cp_train.model.gpt import GPTModel
     from cp_train.parallel.cp.plan.segments import Window, window_pairs
 

@@ -23,7 +23,7 @@ import torch
 from cp_train.cli.launch import stop_with_launcher
 from cp_train.config.flags import parse_args
 from cp_train.config.schema import Config, ConfigError
-from cp_train.config.validate import check_input_files, check_schedule, validate
+from cp_train.config.validate import check_input_files, check_schedule, validate, with_accumulation
 from cp_train.errors import run_entry_point, this_rank
 from cp_train.parallel.mesh.collectives import explain_collective_failure, trace_collectives
 from cp_train.parallel.mesh.state import parallel_context
@@ -45,7 +45,9 @@ def dry_run(config: Config, args: Namespace) -> int:
     if device_gib is None:
         device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     reserve_gib = args.reserve_gib + args.reserve_fraction * device_gib
-    planned = report(config, dry_run_world(config), device_gib, args.config or "the command line", reserve_gib)
+    world = dry_run_world(config)
+    config = with_accumulation(config, world)
+    planned = report(config, world, device_gib, args.config or "the command line", reserve_gib)
     if this_rank() == 0:
         lines = planned.text.splitlines()
         predicted = dry_run_line(config, dry_run_world(config))  # the time beside the memory, before the verdict
@@ -83,6 +85,7 @@ def train(argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_world(config, world)
     check_schedule(config)
+    config = with_accumulation(config, world)
     dp = validate(config, world)
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one (on a free port: several may run)
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

@@ -107,7 +107,7 @@ class TrainConfig:
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (memory/cpu_memory.py)
     compile: bool = False  # torch.compile each block and the head with its loss (fullgraph; GPT.compile_parts)
     # Python modules imported before the config is checked: they register CP algorithms
-    # (cp_train.parallel.register_cp_algorithm), e.g. [my_package.my_algorithm]
+    # (cp_train.parallel.register_cp_algorithm) or model families (cp_train.model.register_model_family)
     imports: list[str] = field(default_factory=list)
 
 

@@ -11,6 +11,7 @@ import torch
 from cp_train.config.schema import Config, ConfigError, field_type
 from cp_train.errors import InputError
 from cp_train.model.config import NORMS
+from cp_train.model.family import get_model_family
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.cp.layout import LAYOUTS, check_layout
 from cp_train.parallel.mesh.rank_groups import check_ulysses
@@ -106,8 +107,21 @@ def _check_impls(config: Config) -> None:
                           "set optimizer.impl=torch (torch's fused AdamW) or parallel.fsdp=false")
 
 
+def with_accumulation(config: Config, world_size: int) -> Config:
+    """``config`` with the global batch that ``train.gradient_accumulation_steps`` makes on ``world_size`` ranks
+    (Megatron's way of saying it), a new config; ``config`` itself when the steps are unset. An explicit global batch
+    is kept (``validate`` says when the two disagree)."""
+    train, steps = config.train, config.train.gradient_accumulation_steps
+    if steps is None or steps < 1 or "train.global_batch_size" in config.explicit_keys:
+        return config
+    batch = train.micro_batch_size * resolve_dp(config, world_size) * steps
+    resolved = dataclasses.replace(config, train=dataclasses.replace(train, global_batch_size=batch))
+    resolved.explicit_keys, resolved.deprecations = config.explicit_keys, config.deprecations
+    return resolved
+
+
 def validate(config: Config, world_size: int) -> int:
-    """Raise ConfigError unless ``config`` runs on ``world_size`` ranks; return the DP size."""
+    """Raise ConfigError unless ``config`` runs on ``world_size`` ranks; return the DP size. Changes nothing."""
     dp = resolve_dp(config, world_size)
     tp, cp = config.parallel.tp, config.parallel.cp
     train, data, model = config.train, config.data, config.model
@@ -140,9 +154,13 @@ def validate(config: Config, world_size: int) -> int:
         raise ConfigError(f"schedule.decay_fraction must be in (0, 1], got {config.schedule.decay_fraction}")
     _check_impls(config)
     _choice("logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
-    if train.gradient_accumulation_steps is not None:  # Megatron-style: the global batch follows from it
+    if train.gradient_accumulation_steps is not None:
         _positive(config, ("train.gradient_accumulation_steps",), 1)
-        train.global_batch_size = train.micro_batch_size * dp * train.gradient_accumulation_steps
+        if train.global_batch_size != train.micro_batch_size * dp * train.gradient_accumulation_steps:
+            raise ConfigError(f"train.gradient_accumulation_steps {train.gradient_accumulation_steps} makes the global "
+                              f"batch micro_batch_size*dp*steps = {train.micro_batch_size}*{dp}*"
+                              f"{train.gradient_accumulation_steps}, not train.global_batch_size "
+                              f"{train.global_batch_size}: set one of the two")
     per_micro_step = train.micro_batch_size * dp
     if train.global_batch_size % per_micro_step:
         raise ConfigError(f"train.global_batch_size {train.global_batch_size} is not divisible by "
@@ -185,6 +203,10 @@ def validate(config: Config, world_size: int) -> int:
         raise ConfigError("data.prefix without data.tokenizer needs data.eod_id (the end-of-document id)")
     if data.prefix is not None and data.tokenizer is None and model.vocab_size is None:
         raise ConfigError("data.prefix without data.tokenizer needs model.vocab_size")
+    try:
+        get_model_family(model.family)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     try:  # an unset vocab_size comes from the tokenizer and is checked again then
         dataclasses.replace(model, vocab_size=model.vocab_size or tp).validate(tp, cp, data.seq_len,
                                                                                config.parallel.cp_layout)

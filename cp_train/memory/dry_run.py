@@ -191,11 +191,20 @@ def dry_run_vocab(config: Config) -> int:
                       f"--set model.vocab_size=128256 for Llama 3")
 
 
+def with_vocab(config: Config) -> Config:
+    """``config`` with ``model.vocab_size`` the one training would take (``dry_run_vocab``), a new config when it
+    was unset."""
+    if config.model.vocab_size is not None:
+        return config
+    return replace(config, model=replace(config.model, vocab_size=dry_run_vocab(config)))
+
+
 def memory_plan(config: Config, world: int, only: list[int] | None = None
-         ) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, Any]]:
+                ) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, Any]]:
     """Every rank's memory (or the ranks ``only``) for ``config`` on ``world`` ranks: the layout, per rank
-    figures, the activation estimate's terms and the assumptions (device, dtypes, tokens)."""
-    config.model.vocab_size = dry_run_vocab(config)
+    figures, the activation estimate's terms and the assumptions (device, dtypes, tokens). ``config`` is not
+    changed."""
+    config = with_vocab(config)
     dp = validate(config, world)
     parallel = config.parallel
     dims = ParallelDims(tp=parallel.tp, cp=parallel.cp, dp=dp)

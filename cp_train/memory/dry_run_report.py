@@ -10,11 +10,11 @@ from cp_train.memory.dry_run import (
     GIB,
     PHASES,
     RankMemory,
-    dry_run_vocab,
     memory_plan,
     resolve_fsdp_reduce,
     sig3,
     with_reduce,
+    with_vocab,
 )
 
 
@@ -28,7 +28,7 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     """The dry run's text (the layout and assumptions, ``fsdp_reduce`` with FSDP, the activation terms, one line
     per rank, the reserve, the verdict and, when the largest rank does not fit, what to change) and whether it
     fits: the largest rank within ``device_gib`` less ``reserve_gib`` (CUDA context, NCCL, fragmentation)."""
-    config.model.vocab_size = dry_run_vocab(config)
+    config = with_vocab(config)
     reduce, why = resolve_fsdp_reduce(config, world, device_gib, reserve_gib)
     auto = config.parallel.fsdp_reduce == "auto"
     config = with_reduce(config, reduce)

@@ -3,7 +3,7 @@
 - tokens/s: tokens of the global batches (``global_batch_size * seq_len`` per step, masked ones
   included) over the interval's wall time; per device: divided by the world size.
 - TFLOP/s per device: ``model_flops_per_token(model, seq_len)`` (model FLOPs, no recomputation; with
-  per-document masks the attention counts the pairs the mask leaves, ``model.flops.attention_flops``) times
+  per-document masks the attention counts the pairs the mask leaves, ``model.family.attention_flops``) times
   the global tokens/s, divided by the world size.
 - ``mfu_dense`` / ``tflops_per_device_dense``: the same with attention counted in full (every key visible to
   every query, torchtitan's convention), where ``mfu`` counts what the causal (and document) mask leaves
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from cp_train.model.config import ModelConfig
-from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
+from cp_train.model.family import attention_flops, matmul_params, model_flops_per_token
 from cp_train.results import StepResult
 
 # Per device name: the dense bf16 tensor-core peak TFLOP/s (no sparsity, the vendors' data sheets) and the planner's

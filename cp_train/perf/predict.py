@@ -3,12 +3,12 @@ dry run's memory per rank (``cp_train.memory.dry_run``, the same plan ``train.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cp_train.config.schema import Config
-from cp_train.memory.dry_run import GIB, memory_plan
-from cp_train.model.flops import attention_flops, matmul_params, model_flops_per_token
+from cp_train.memory.dry_run import GIB, memory_plan, with_vocab
+from cp_train.model.family import attention_flops, matmul_params, model_flops_per_token
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.perf.host import host_seconds
 from cp_train.perf.inputs.documents import document_pieces
@@ -165,7 +165,7 @@ def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, 
     ``documents``: the lengths of the documents packed into each sample (``documents.py``; None: one document
     per sample, or ``data.document_mask`` off)."""
     dims, ranks, _, assumed = memory_plan(config, world, only=[0])  # rank 0 holds FSDP's largest shards
-    config.parallel.dp = dims.dp
+    config = replace(with_vocab(config), parallel=replace(config.parallel, dp=dims.dp))  # ``config`` is not changed
     compute = 2 if assumed["compute"] == "bf16" else 4
     work = build_workload(config, world, compute, documents if config.data.document_mask else None)
     worst = max(ranks, key=lambda r: r.total_bytes)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from cp_train.config.schema import Config
 from cp_train.model.config import ModelConfig
+from cp_train.model.family import get_model_family
 from cp_train.parallel.cp.algorithms.costs import (
     PLAN_ROWS,
     AttentionStep,
@@ -171,13 +172,9 @@ def build_workload(config: Config, world: int, compute: int, documents: tuple[in
     dp = world // (tp * cp)
     n, batch = config.data.seq_len // cp, config.train.micro_batch_size
     rows = n * batch
-    hidden, d, layers = model.hidden_size, model.head_dim, model.num_layers
-    qkv = (model.num_heads + 2 * model.num_kv_heads) * d // tp
-    gemms = [Gemm("qkv", rows, qkv, hidden, layers), Gemm("attention out", rows, hidden, model.num_heads * d // tp,
-                                                          layers),
-             Gemm("mlp gate+up", rows, 2 * model.ffn_hidden_size // tp, hidden, layers),
-             Gemm("mlp down", rows, hidden, model.ffn_hidden_size // tp, layers)]
-    head = Gemm("lm head", rows, model.vocab_size // tp, hidden, 1)
+    family = get_model_family(model.family)  # the block's linears as the family describes them
+    gemms = [Gemm(x.name, rows, *reversed(x.shard(tp)), model.num_layers) for x in family.block_linears(model)]
+    head = Gemm("lm head", rows, *reversed(family.head(model).shard(tp)), 1)
     attention, heads, cp_collectives = _attention_steps(model, config, n, compute, documents)
     residual = compute if parallel.fsdp or compute == 4 else 4
     loss_passes = 4 if model.loss_chunk_tokens else 3  # fp32 logits chunk: write, max, exp-sum, target

@@ -21,6 +21,10 @@ value of the same ``handle`` tensor, never a recompile.
 
 out ``[B, n, H, D]`` in q's dtype and lse ``[B, H, n]`` (fp32; fp64 for fp64 inputs; not differentiable) are
 contiguous, as the fake implementation says.
+
+``torch.utils.flop_counter`` (and the profilers built on it) counts both operators by the model FLOPs convention
+(``model/family.py``): ``4 * pairs * heads * head_dim`` forward over the visible query-key pairs of this rank's
+queries (the plan's; every pair of one causal document without a plan), twice that backward.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from cp_train.parallel.cp.attention import attention_call
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
@@ -43,9 +48,11 @@ _KEYS = itertools.count(1)
 
 
 class _SavedCall:
-    """What an autograd Function's ``forward`` records on its ``ctx``, kept for its ``backward`` (run by hand)."""
+    """What an autograd Function's ``forward`` records on its ``ctx``, kept for its ``backward`` (run by hand),
+    and the forward's FLOPs (``flops``)."""
 
     saved_tensors: tuple[torch.Tensor, ...] = ()
+    flops: int = 0
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
         self.saved_tensors = tensors
@@ -117,7 +124,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.
     out, lse = function.forward(call, *args)
     out, lse = out.contiguous(), lse.to(accumulator_dtype(q.dtype)).contiguous()
     _refer_to_visible(call, (q, k, v, out, lse))
-    call.function = function
+    call.function, call.flops = function, forward_flops(q.shape, groups.rank, spec, plan)
     return out, lse, _register(_SAVED, call)
 
 
@@ -151,6 +158,31 @@ def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                                                                         torch.Tensor]:
     dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def forward_flops(shape: torch.Size, rank: int, spec: AttentionSpec, plan: CPPlan | None) -> int:
+    """The forward's FLOPs of this rank's queries ``[B, n, H, D]``: ``4 * pairs * H * D`` over the plan's
+    visible pairs (per head, per sample unless the plan is packed; Ulysses' count its share of the heads)."""
+    batch, n, heads, dim = shape
+    if plan is None:
+        pairs = batch * (n * (n + 1) // 2 if spec.causal else n * n)
+    else:
+        pairs = plan.areas[rank] * (1 if plan.packed else batch)
+    return 4 * pairs * heads * dim
+
+
+@register_flop_formula(torch.ops.cp_train.attention, get_raw=True)
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, sinks: Any = None,
+                     *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    groups, spec, plan = handle_contents(handle)
+    return forward_flops(q.shape, groups.rank, spec, plan)
+
+
+@register_flop_formula(torch.ops.cp_train.attention_backward, get_raw=True)
+def _attention_backward_flops(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, ticket: torch.Tensor, *args: Any,
+                              out_val: Any = None, **kwargs: Any) -> int:
+    return 2 * _lookup(_SAVED, ticket).flops
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

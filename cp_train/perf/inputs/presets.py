@@ -3,7 +3,7 @@
 Each preset is the ``ModelConfig`` of the model's Hugging Face ``config.json`` (vocab, hidden, intermediate,
 layers, heads, kv heads, RoPE theta and scaling, max positions, RMSNorm eps, tied embeddings); the planner
 needs only the shapes. ``gpt-1b`` / ``gpt-8b`` are the model sections of this repo's launch configs.
-``parameter_count`` counts the weights as the model builds them (no biases).
+``parameter_count`` counts the weights as the model's family builds them (``model/family.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from cp_train.config.schema import ConfigError
 from cp_train.config.sources import load_config
 from cp_train.errors import InputError
 from cp_train.model.config import ModelConfig
+from cp_train.model.family import get_model_family
 from cp_train.model.hf.config import HFConfigError, model_fields, read_hf_config
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -114,17 +115,15 @@ def load_model(spec: str | Path, vocab_size: int | None = None) -> ModelConfig:
 
 
 def layer_parameters(model: ModelConfig) -> int:
-    """Weights of one block: fused QKV, output projection, SwiGLU and the two norms (no biases)."""
-    d, hidden = model.head_dim, model.hidden_size
-    return hidden * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * hidden \
-        + 3 * hidden * model.ffn_hidden_size + 2 * hidden
+    """Weights of one block (its family's, ``model/family.py``)."""
+    return get_model_family(model.family).layer_parameters(model)
 
 
 def root_parameters(model: ModelConfig) -> int:
     """The embedding, the final norm and the LM head (none when tied)."""
-    return model.vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2) + model.hidden_size
+    return get_model_family(model.family).root_weights(model)
 
 
 def parameter_count(config: ModelConfig) -> int:
-    """Weights of the model ``config`` builds: every block and the root (no biases)."""
-    return config.num_layers * layer_parameters(config) + root_parameters(config)
+    """Weights of the model ``config`` builds: every block and the root."""
+    return get_model_family(config.family).parameter_count(config)
