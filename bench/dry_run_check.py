@@ -63,7 +63,7 @@ ATTENTION_BOUND = {**BLOCK_BOUND, "model.ffn_hidden_size": 64, "model.num_heads"
 ALGORITHM_CASES = ("cp2-ring", "cp2-allgather", "cp2-ulysses", "cp4-ring", "cp4-allgather", "cp4-ulysses", "cp4-hybrid")
 CASES.update({f"{name}-block": {**BLOCK_BOUND, **CASES[name]} for name in ALGORITHM_CASES})
 CASES.update({f"{name}-attn": {**ATTENTION_BOUND, **CASES[name]} for name in ALGORITHM_CASES})
-COMMON = {"train.steps": 3, "train.eval_interval": 0, "logging.console": False, "logging.wandb": False,
+COMMON = {"train.steps": 3, "train.valid_interval": 0, "logging.console": False, "logging.wandb": False,
           "logging.interval": 1}
 
 

@@ -32,7 +32,7 @@ from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
 
 IMPLEMENTATIONS = ("foreach", "fused")
 CONFIG = Path(__file__).resolve().parents[1] / "launch" / "configs" / "cpu-tiny.yaml"
-COMMON = {"data.document_mask": False, "train.eval_interval": 0, "train.steps": 1000, "logging.console": False,
+COMMON = {"data.document_mask": False, "train.valid_interval": 0, "train.steps": 1000, "logging.console": False,
           "logging.wandb": False, "logging.interval": 1000}
 CASES: dict[str, dict[str, Any]] = {"cp1": {"parallel.cp": 1}, "cp2-ring": {}, "cp2-ring-fsdp": {"parallel.fsdp": True}}
 

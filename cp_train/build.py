@@ -118,7 +118,7 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
 
 def build_datasets(config: Config, sources: DataSources, state: ParallelState
                    ) -> tuple[GPTDataset, GPTDataset | None]:
-    """Train (``steps * global_batch_size`` samples) and validation (``eval_iters`` global batches) datasets
+    """Train (``steps * global_batch_size`` samples) and validation (``valid_iters`` global batches) datasets
     over a document split of the data; sample indices are cached (built once per node)."""
     with input_errors(f"data.prefix {sources.prefix}"):
         indexed = IndexedDataset(sources.prefix)
@@ -126,10 +126,10 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
     data, train = config.data, config.train
     if data.valid_fraction > 0:
         train_docs, valid_docs = train_valid_split(indexed.num_documents, data.valid_fraction)
-        if not valid_docs.size and train.eval_interval > 0:
+        if not valid_docs.size and train.valid_interval > 0:
             raise ConfigError(f"data.valid_fraction {data.valid_fraction} leaves no validation document of the "
                               f"{indexed.num_documents} in {sources.prefix}: raise it to at least "
-                              f"{1 / indexed.num_documents:.3g}, or set train.eval_interval=0")
+                              f"{1 / indexed.num_documents:.3g}, or set train.valid_interval=0")
     else:
         train_docs, valid_docs = np.arange(indexed.num_documents), np.arange(0)
     common = {"seed": data.seed, "eod_id": sources.eod_id, "pad_id": sources.pad_id,
@@ -141,8 +141,8 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
             training = GPTDataset(indexed, data.seq_len, train.steps * train.global_batch_size,
                                   documents=train_docs, name="train", **common)
             valid = None
-            if valid_docs.size and train.eval_interval > 0:
-                valid = GPTDataset(indexed, data.seq_len, train.eval_iters * train.global_batch_size,
+            if valid_docs.size and train.valid_interval > 0:
+                valid = GPTDataset(indexed, data.seq_len, train.valid_iters * train.global_batch_size,
                                    documents=valid_docs, name="valid", **common)
         return training, valid
 

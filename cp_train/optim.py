@@ -20,10 +20,10 @@ from cp_train.model.shards import data_shards, local_tensor, tensor_parallel_dim
 def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW over ``model``; no weight decay for 1-D parameters (norms, biases).
 
-    ``config.impl`` ``auto`` or ``torch``: torch's AdamW with the kernels ``adamw_implementation`` resolves.
-    ``apex``: ``apex.optimizers.FusedAdam(adam_w_mode=True)`` with the same groups and hyperparameters
-    (``InputError`` naming ``optimizer.impl`` when apex cannot be loaded); on the meta device (the dry run)
-    torch's AdamW stands in for it, as both keep the same two moments per parameter.
+    ``config.implementation`` ``auto``, ``fused`` or ``foreach``: torch's AdamW with the kernels
+    ``adamw_implementation`` resolves. ``apex``: ``apex.optimizers.FusedAdam(adam_w_mode=True)`` with the same
+    groups and hyperparameters (``InputError`` naming ``optimizer.implementation`` when apex cannot be loaded); on the
+    meta device (the dry run) torch's AdamW stands in for it, as both keep the same two moments per parameter.
     """
     decay, no_decay = [], []
     for param in model.parameters():
@@ -32,7 +32,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.dev
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     hyper = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps}
-    if config.impl == "apex" and device.type != "meta":
+    if config.implementation == "apex" and device.type != "meta":
         return _apex_fused_adam(groups, hyper)
     flags = {"fused": True} if adamw_implementation(config, device.type) == "fused" else {"foreach": True}
     return torch.optim.AdamW(groups, **hyper, **flags)
@@ -42,7 +42,7 @@ def adamw_implementation(config: OptimizerConfig, device_type: str) -> str:
     """torch's AdamW kernels for ``config.implementation`` on ``device_type``: ``auto`` is ``fused`` on CUDA and
     CPU (on CPU 6x faster than ``foreach`` at cpu-tiny's 3.1M parameters, one thread: 2.1 against 13.0 ms, and
     without foreach's temporary per parameter), ``foreach`` elsewhere."""
-    if config.implementation != "auto":
+    if config.implementation in ("fused", "foreach"):
         return config.implementation
     return "fused" if device_type in ("cuda", "cpu") else "foreach"
 
@@ -54,8 +54,8 @@ def _apex_fused_adam(groups: list[dict[str, Any]], hyper: dict[str, Any]) -> tor
         return fused_adam(groups, **hyper, adam_w_mode=True, weight_decay=0.0)
     except (ImportError, AttributeError, RuntimeError) as error:
         reason = one_line(str(error)) or type(error).__name__
-        raise InputError(f"optimizer.impl is apex but apex's FusedAdam cannot be loaded ({reason}); install NVIDIA "
-                         f"apex with its CUDA extensions or set optimizer.impl to auto or torch") from None
+        raise InputError(f"optimizer.implementation is apex but apex's FusedAdam cannot be loaded ({reason}); install "
+                         f"NVIDIA apex with its CUDA extensions or set optimizer.implementation to auto") from None
 
 
 class LRSchedule:

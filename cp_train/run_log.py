@@ -21,7 +21,7 @@ from cp_train.preemption import Preemption
 from cp_train.results import StepResult
 
 if TYPE_CHECKING:
-    from cp_train.metrics.sinks import MetricsSinks
+    from cp_train.metrics.writers import MetricWriters
 
 Trainer = Any  # the running ``cp_train.trainer.Trainer`` (not imported: it imports this module)
 
@@ -65,11 +65,11 @@ def _kv_bytes(trainer: Trainer) -> dict[str, int]:
                               model.num_kv_heads // mp.tp_size, model.head_dim, dtype)
 
 
-def log_eval(trainer: Trainer, sinks: MetricsSinks) -> None:
+def log_eval(trainer: Trainer, writers: MetricWriters) -> None:
     """Evaluate (collective) and log the record."""
     loss = trainer.evaluate()
     trainer.result.eval_losses[trainer.step] = loss
-    sinks.log({"kind": "eval", "step": trainer.step, "loss": loss,
+    writers.log({"kind": "eval", "step": trainer.step, "loss": loss,
                "perplexity": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss})
 
 

@@ -5,7 +5,7 @@
 - ``TrainingState``: the model, the module that runs it, the optimizer, the LR schedule and the sharded
   (checkpointed) state of both; it resumes from a checkpoint;
 - ``RunData``: the train and validation datasets, the sample planner and this rank's train loader;
-- ``open_sinks``: the run's metrics sinks (and its ``config.yaml``).
+- ``open_writers``: the run's metrics writers (and its ``config.yaml``).
 
 The order is part of the result: the RNG is seeded before the data and the model are built, and the
 model, the optimizer, a resumed checkpoint, the datasets and the loader follow in that order (each may
@@ -33,7 +33,7 @@ from cp_train.data.loader import StepLoader
 from cp_train.errors import agree, ensure_writable_dir
 from cp_train.memory.cpu_memory import keep_freed_memory
 from cp_train.memory.state_bytes import setup_record
-from cp_train.metrics.sinks import MetricsSinks, SinkSettings
+from cp_train.metrics.writers import MetricWriters, SinkSettings
 from cp_train.model.gpt import GPTModel
 from cp_train.optim import LRSchedule, build_optimizer
 from cp_train.parallel.cp.plan.batch_plan import SamplePlanner
@@ -172,8 +172,8 @@ def build_run_data(env: RunEnvironment, model: GPTModel, consumed_samples: int) 
     return RunData(train_data, valid_data, planner, loader)
 
 
-def open_sinks(env: RunEnvironment, first_step: int, wandb: dict[str, str] | None = None) -> MetricsSinks:
-    """The metrics sinks of a run starting (or resumed) at ``first_step`` (rank 0 writes; it also writes the
+def open_writers(env: RunEnvironment, first_step: int, wandb: dict[str, str] | None = None) -> MetricWriters:
+    """The metrics writers of a run starting (or resumed) at ``first_step`` (rank 0 writes; it also writes the
     run's ``config.yaml``); ``wandb``: the id and group of the wandb run to continue (a checkpoint's). Collective:
     an error opening them (wandb's, say) stops every rank alike and rank 0 alone reports it."""
     config, state = env.config, env.state
@@ -184,15 +184,15 @@ def open_sinks(env: RunEnvironment, first_step: int, wandb: dict[str, str] | Non
         layout={**state.dims, "world_size": state.world_size, "seq_len": config.data.seq_len},
         use_wandb=logging.wandb, wandb_project=logging.wandb_project, wandb_mode=logging.wandb_mode,
         wandb_id=(wandb or {}).get("id"), wandb_group=(wandb or {}).get("group"))
-    sinks = agree(lambda: MetricsSinks(settings, enabled=state.rank == 0))
+    writers = agree(lambda: MetricWriters(settings, enabled=state.rank == 0))
     if state.rank == 0:
         (env.run_dir / "config.yaml").write_text(dump_yaml(config))
-    return sinks
+    return writers
 
 
 def due_events(config: Config, step: int, last: int) -> tuple[bool, bool, bool]:
     """Whether step ``step`` (1-based) of a run ending at ``last`` logs, evaluates, saves a checkpoint."""
-    every = config.logging.interval, config.train.eval_interval, config.checkpoint.interval
+    every = config.logging.interval, config.train.valid_interval, config.checkpoint.interval
     return (step % every[0] == 0 or step == last, bool(every[1]) and (step % every[1] == 0 or step == last),
             bool(every[2]) and step % every[2] == 0)
 

@@ -39,7 +39,7 @@ from cp_train.results import NonFiniteLossError, StepResult, TrainResult
 
 if TYPE_CHECKING:
     from cp_train.config.schema import Config
-    from cp_train.metrics.sinks import MetricsSinks
+    from cp_train.metrics.writers import MetricWriters
     from cp_train.parallel.cp.plan.batch_plan import CPPlan
     from cp_train.parallel.mesh.state import ParallelState
 
@@ -232,18 +232,18 @@ class Trainer:
         SIGTERM or SIGUSR1 saves and stops at the next log step (``preemption``)."""
         config, state = self.config, self.state
         last = min(config.train.steps, until_step or config.train.steps)
-        sinks = run_parts.open_sinks(self.env, self.step, (self.resumed_meta or {}).get("wandb"))
-        self._wandb = sinks.wandb_state()
+        writers = run_parts.open_writers(self.env, self.step, (self.resumed_meta or {}).get("wandb"))
+        self._wandb = writers.wandb_state()
         for event in run_log.layout_event(self.resumed_meta, self):
-            sinks.log(event)
+            writers.log(event)
         sizes = self.training.sizes(state)
         peak, peak_source = peak_tflops(self.device, config.logging.peak_tflops, config.logging.cpu_peak_tflops)
-        sinks.message(run_parts.start_line(self.env, state, sizes, f"{peak} TFLOP/s per device ({peak_source})"))
+        writers.message(run_parts.start_line(self.env, state, sizes, f"{peak} TFLOP/s per device ({peak_source})"))
         check = PlannerCheck(config, state.world_size, self.device, peak, peak_source, self.data.train_data)
         self.prediction = check.prediction
         for line in check.notes:
             self._note(line)
-        self._flush(sinks)
+        self._flush(writers)
         meter = IntervalMeter.for_model(config.model, config.data.seq_len, config.train.global_batch_size,
                                         state.world_size, peak)
         reset_peak_memory(self.device)
@@ -259,42 +259,42 @@ class Trainer:
                     log, evaluate, save = run_parts.due_events(config, self.step + 1, last)
                     read = self._step(micro_batches, read=log or evaluate or save)  # checked before the update
                     if self.step == first + 1:  # gradients and optimizer state exist now: measure them
-                        sinks.log(run_log.setup_record(self, sizes, first))
+                        writers.log(run_log.setup_record(self, sizes, first))
                     times[self.step] = (time.perf_counter() - started, loaded - started)
                     meter.add_steps(read, times)
                     stop = None
                     if log:
                         record, stop = run_log.interval_record(self, meter, read[-1][1], preemption)
-                        sinks.log(record)
+                        writers.log(record)
                         for line in check.observe(record):
                             self._note(line)
-                        self._flush(sinks)
+                        self._flush(writers)
                     paused = time.perf_counter()
                     if evaluate and not stop:
-                        run_log.log_eval(self, sinks)
+                        run_log.log_eval(self, writers)
                     if self.long_eval.due(self.step, last) and not stop:
-                        self.long_eval.run(self, sinks)  # eval.every: cp_train/eval/periodic.py
+                        self.long_eval.run(self, writers)  # eval.every: cp_train/eval/periodic.py
                     if save or stop:
                         self.save()
-                        self._flush(sinks)
+                        self._flush(writers)
                     if stop:
                         self._note(preemption.stopped(stop, self.step))
                         break
                     meter.exclude(time.perf_counter() - paused)
             if self.step == first:
-                sinks.log(run_log.setup_record(self, sizes, first))
+                writers.log(run_log.setup_record(self, sizes, first))
             self.save()
             for line in check.summary():
                 self._note(line)
-            self._flush(sinks)
+            self._flush(writers)
         finally:
-            sinks.close()
+            writers.close()
         self.result.final_step = self.step
         return self.result
 
-    def _flush(self, sinks: MetricsSinks) -> None:
+    def _flush(self, writers: MetricWriters) -> None:
         for text in self._pending_messages:
-            sinks.message(text)
+            writers.message(text)
         self._pending_messages.clear()
 
 

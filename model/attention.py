@@ -58,7 +58,7 @@ class Attention(nn.Module):
         super().__init__()
         parallel = parallel or ModelParallel.build()
         self.cp_groups = parallel.cp
-        self.backend = config.attention_backend
+        self.backend = config.attention_kernel
         self.head_dim = config.head_dim
         self.window = config.layer_window(layer)
         self.group_size = config.num_heads // config.num_kv_heads  # query heads per kv head
@@ -125,4 +125,4 @@ def attention_spec(config: ModelConfig, parallel: ModelParallel, device: torch.d
     kv_heads = config.num_kv_heads // parallel.tp_size
     return build_spec(device, dtype, batch, config.num_heads // parallel.tp_size, kv_heads, config.head_dim,
                       algorithm=parallel.algorithm, layout=parallel.attention_layout, causal=True,
-                      backend=config.attention_backend, plan=plan)
+                      backend=config.attention_kernel, plan=plan)

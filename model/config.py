@@ -35,7 +35,7 @@ class ModelConfig:
     (``cp_train.parallel.tp.fused_loss``); 0: the full logits. ``activation_checkpointing``: ``full``
     recomputes each block in the backward, ``selective`` all of it but the CP attention, ``none`` nothing
     (the CP layout and algorithm are parallelism settings: ``ModelParallel``).
-    ``attention_backend``: kernel for the attention (None: the best available, see
+    ``attention_kernel``: kernel for the attention (None: the best available, see
     ``cp_train.parallel.kernels.select``; also used without a CP group).
     ``seed`` alone fixes the initial weights, whatever the layout. ``rope_scaling``: RoPE scaling
     with Hugging Face's fields and semantics (``linear``, ``llama3``, ``yarn``; see ``rope.py``),
@@ -59,7 +59,7 @@ class ModelConfig:
     mlp_chunks: int = 1
     loss_chunk_tokens: int = 1024  # the head and its loss this many tokens at a time (0: full logits)
     activation_checkpointing: str = "none"  # none | selective | full (true: full, false: none)
-    attention_backend: str | None = None
+    attention_kernel: str | None = None
     init_std: float = 0.02
     seed: int = 1234
     head_dim: int | None = None  # None: hidden_size // num_heads
@@ -174,8 +174,8 @@ class ModelConfig:
         check_layout_name(layout)
         if self.norm not in NORMS:
             raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
-        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of "
+        if self.attention_kernel is not None and self.attention_kernel not in BACKENDS:
+            raise ValueError(f"unknown attention_kernel {self.attention_kernel!r}; choose one of "
                              f"{', '.join(BACKENDS)} or None")
         if seq_len is not None:
             self.check_sequence(seq_len, cp, layout)

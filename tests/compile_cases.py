@@ -14,7 +14,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from cp_train.metrics.sinks import METRICS_FILE
+from cp_train.metrics.writers import METRICS_FILE
 from cp_train.parallel.mesh.state import ParallelState
 from cp_train.trainer import Trainer
 from tests.trainer_cases import tiny_config
@@ -32,7 +32,7 @@ def train_eager_and_compiled(state: ParallelState, prefix: str, run_dir: str, ov
     for mode in ("eager", "compiled"):
         torch._dynamo.reset()
         counters.clear()
-        settings = {**overrides, "train.compile": mode == "compiled", "train.eval_interval": 0}
+        settings = {**overrides, "train.compile": mode == "compiled", "train.valid_interval": 0}
         trainer = Trainer(tiny_config(prefix, f"{run_dir}/{mode}", state.dims, **settings), state)
         graphs: list[int] = []
         trainer.grad_callback = lambda step, graphs=graphs: graphs.append(_graphs())

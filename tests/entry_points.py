@@ -38,7 +38,7 @@ def environment() -> dict[str, str]:
 
 def write_config(path: Path, corpus: str, run_dir: Path, cp: int = 1, **overrides: Any) -> Path:
     """The tiny run (tp 1, ``cp``, dp from the world) as a YAML file; ``overrides`` are dotted keys."""
-    values = {"train.eval_interval": 0, "logging.console": True, "logging.interval": 1, "parallel.dp": None,
+    values = {"train.valid_interval": 0, "logging.console": True, "logging.interval": 1, "parallel.dp": None,
               **overrides}
     path.write_text(dump_yaml(trainer_cases.tiny_config(corpus, str(run_dir), ParallelDims(cp=cp), **values)))
     return path

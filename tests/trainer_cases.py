@@ -24,7 +24,7 @@ from cp_train import trainer as trainer_module
 from cp_train.config.schema import Config
 from cp_train.config.sources import build_config
 from cp_train.data.indexed import IndexedDatasetWriter
-from cp_train.metrics.sinks import METRICS_FILE
+from cp_train.metrics.writers import METRICS_FILE
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 from cp_train.results import NonFiniteLossError
 from cp_train.trainer import Trainer
@@ -57,7 +57,7 @@ def tiny_config(prefix: str, run_dir: str, dims: ParallelDims, **overrides: Any)
         "data.seq_len": SEQ_LEN, "data.valid_fraction": 0.1, "data.cache_dir": f"{run_dir}/index-cache",
         "train.steps": STEPS, "train.micro_batch_size": 2, "train.global_batch_size": GLOBAL_BATCH,
         "train.dtype": "fp32", "train.grad_bucket_mb": 0.01, "optimizer.lr": 3e-3, "optimizer.min_lr": 3e-4,
-        "schedule.warmup_steps": 3, "train.eval_interval": 10, "logging.dir": run_dir, "logging.interval": 1,
+        "schedule.warmup_steps": 3, "train.valid_interval": 10, "logging.dir": run_dir, "logging.interval": 1,
         "logging.wandb": False, "logging.console": False})
     values.update(overrides)
     return build_config([("test", values)])

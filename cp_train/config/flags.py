@@ -29,7 +29,7 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--lr": ("optimizer.lr", float, "peak learning rate", ()),
     "--min-lr": ("optimizer.min_lr", float, "final learning rate of the decay", ()),
     "--train-steps": ("train.steps", int, "optimizer steps", ("--train-iters",)),
-    "--eval-interval": ("train.eval_interval", int, "steps between evaluations (0: off)", ()),
+    "--eval-interval": ("train.valid_interval", int, "steps between validation losses (0: off)", ()),
     "--seed": ("train.seed", int, "runtime RNG seed", ()),
     "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix (default: the embedded corpus)", ()),
     "--tokenizer-model": ("data.tokenizer", str, "SentencePiece .model, or a HF tokenizer.json or its directory", ()),
@@ -55,7 +55,7 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--lr-decay-style": ("schedule.decay", str.lower, "cosine, linear, wsd or constant", ()),
     "--weight-decay": ("optimizer.weight_decay", float, "AdamW weight decay", ()),
     "--clip-grad": ("optimizer.clip_grad", float, "global gradient-norm clip (0: off)", ()),
-    "--eval-iters": ("train.eval_iters", int, "validation batches per evaluation", ()),
+    "--eval-iters": ("train.valid_iters", int, "validation batches per validation", ()),
     "--gradient-accumulation-steps": ("train.gradient_accumulation_steps", int, "micro-batches per step and DP "
                                       "rank (sets the global batch)", ()),
 }
@@ -63,7 +63,7 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
 SWITCHES: dict[str, tuple[str, object, str]] = {
     "--bf16": ("train.dtype", "bf16", "bf16 autocast"),
     "--recompute-activations": ("model.activation_checkpointing", "selective", "selective recomputation"),
-    "--use-flash-attn": ("model.attention_backend", "flash_attn", "flash-attn kernels (CUDA)"),
+    "--use-flash-attn": ("model.attention_kernel", "flash_attn", "flash-attn kernels (CUDA)"),
     "--sequence-parallel": ("parallel.sequence_parallel", True, "shard the residual stream over TP"),
     "--restart-schedule": ("schedule.restart", True, "on a resume that changed train.steps, restart the LR "
                            "schedule instead of continuing it"),

@@ -79,8 +79,8 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0  # global gradient norm; 0 turns clipping off
-    implementation: str = "auto"  # torch's AdamW kernels: auto (fused on CUDA and CPU) | fused | foreach
-    impl: str = "auto"  # auto (= torch) | torch (AdamW, as `implementation` says) | apex (apex's FusedAdam, AdamW mode)
+    # the AdamW: auto (torch's fused on CUDA and CPU) | fused | foreach (torch's kernels) | apex (apex's FusedAdam)
+    implementation: str = "auto"
 
 
 @dataclass
@@ -98,9 +98,10 @@ class TrainConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 8
     gradient_accumulation_steps: int | None = None  # set: global_batch_size = micro_batch_size * dp * this
-    eval_interval: int = 0  # steps between evaluations; 0: off
-    eval_iters: int = 1  # global batches of the validation split per evaluation
-    seed: int = 1234  # runtime RNG (torch, numpy, random), offset per rank
+    valid_interval: int = 0  # steps between validation losses (on data.valid_fraction); 0: off
+    valid_iters: int = 1  # global batches of the validation split per validation
+    seed: int = 1234  # the run's seed: runtime RNG (torch, numpy, random; offset per rank), and the data's, the
+    # model's initialisation's and the eval's unless data.seed, model.seed or eval.seed is set
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size (DDP, without parallel.fsdp)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)

@@ -13,7 +13,11 @@ import yaml
 from cp_train.config.hf_init import apply_hf_model
 from cp_train.config.schema import Config, ConfigError, coerce, field_type
 
-DEPRECATED_KEYS = {"model.attention_layout": "parallel.cp_layout"}  # old key -> new key (still read)
+# old key -> new key (still read, with a one-line note), for one release after the rename
+DEPRECATED_KEYS = {"model.attention_layout": "parallel.cp_layout", "train.eval_interval": "train.valid_interval",
+                   "train.eval_iters": "train.valid_iters", "model.attention_backend": "model.attention_kernel",
+                   "optimizer.impl": "optimizer.implementation"}
+SEEDS = ("data.seed", "model.seed", "eval.seed")  # follow train.seed unless set
 
 
 def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
@@ -25,6 +29,8 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
         for key, value in values.items():
             if key in DEPRECATED_KEYS:
                 notes.append(f"{source}: {key} is deprecated, use {DEPRECATED_KEYS[key]} (read as that)")
+                if key == "optimizer.impl" and str(value) in ("auto", "torch"):  # torch's AdamW: the default
+                    continue
                 key = DEPRECATED_KEYS[key]
             try:
                 kind = field_type(key)
@@ -35,6 +41,10 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
     config.model.resolve()
     import_modules(config.train.imports)
     config.explicit_keys = frozenset(DEPRECATED_KEYS.get(key, key) for _, values in layers for key in values)
+    for key in SEEDS:  # one seed for the run unless a part's is set
+        if key not in config.explicit_keys:
+            section, name = key.split(".")
+            setattr(getattr(config, section), name, config.train.seed)
     config.deprecations = tuple(notes)
     if config.checkpoint.init_from_hf:
         apply_hf_model(config)  # the model's shape comes from the HF config.json

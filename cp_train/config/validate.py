@@ -21,8 +21,7 @@ from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 DTYPES = ("auto", "bf16", "fp32")
 FSDP_REDUCE = ("auto", "per_step", "per_microbatch")
 DECAYS = ("cosine", "linear", "wsd", "constant")
-OPTIMIZERS = ("auto", "fused", "foreach")  # optimizer.implementation: torch's AdamW kernels
-OPTIMIZER_IMPLS = ("auto", "torch", "apex")  # optimizer.impl
+OPTIMIZERS = ("auto", "fused", "foreach", "apex")  # optimizer.implementation: torch's AdamW kernels, or apex's
 WANDB_MODES = (None, "online", "offline", "disabled")
 CUDA_ATTENTION = ("fa3", "flash_attn", "torch_efficient")  # attention backends that run on CUDA only
 FP32_MAX = 3.4028234663852886e38
@@ -82,29 +81,24 @@ def _check_cp_algorithm(config: Config) -> None:
 def _check_device_settings(config: Config) -> None:
     """The backends that need CUDA, on a machine or a run without it (the run is on CUDA when the process
     group is nccl: ``build.select_device``)."""
-    backend, attention = config.parallel.backend, config.model.attention_backend
+    backend, attention = config.parallel.backend, config.model.attention_kernel
     cuda = torch.cuda.is_available()
     if backend == "nccl" and not cuda:
         raise ConfigError("parallel.backend nccl needs CUDA GPUs and this machine has none: use gloo, or leave it "
                           "unset")
     if attention in CUDA_ATTENTION and not (cuda and backend in (None, "nccl")):
-        raise ConfigError(f"model.attention_backend {attention} needs CUDA and this run is on the CPU "
+        raise ConfigError(f"model.attention_kernel {attention} needs CUDA and this run is on the CPU "
                           f"(parallel.backend {backend or 'gloo'}): use torch or math, or leave it unset")
 
 
 def _check_impls(config: Config) -> None:
-    """optimizer.implementation, optimizer.impl and model.norm name known choices that go together."""
+    """optimizer.implementation and model.norm name known choices that go together."""
     optimizer = config.optimizer
     _choice("optimizer.implementation", optimizer.implementation, OPTIMIZERS)
-    _choice("optimizer.impl", optimizer.impl, OPTIMIZER_IMPLS)
     _choice("model.norm", config.model.norm, NORMS)
-    if optimizer.impl == "apex" and optimizer.implementation != "auto":
-        raise ConfigError(f"optimizer.implementation {optimizer.implementation} chooses torch's AdamW kernels and "
-                          f"optimizer.impl apex asks for apex's FusedAdam: set optimizer.implementation=auto or "
-                          f"optimizer.impl=torch")
-    if optimizer.impl == "apex" and config.parallel.fsdp:
-        raise ConfigError("optimizer.impl apex: apex's FusedAdam cannot update FSDP2's sharded (DTensor) parameters; "
-                          "set optimizer.impl=torch (torch's fused AdamW) or parallel.fsdp=false")
+    if optimizer.implementation == "apex" and config.parallel.fsdp:
+        raise ConfigError("optimizer.implementation apex: apex's FusedAdam cannot update FSDP2's sharded (DTensor) "
+                          "parameters; set optimizer.implementation=auto (torch's fused AdamW) or parallel.fsdp=false")
 
 
 def with_accumulation(config: Config, world_size: int) -> Config:
@@ -125,9 +119,9 @@ def validate(config: Config, world_size: int) -> int:
     dp = resolve_dp(config, world_size)
     tp, cp = config.parallel.tp, config.parallel.cp
     train, data, model = config.train, config.data, config.model
-    _positive(config, ("train.steps", "train.micro_batch_size", "train.global_batch_size", "train.eval_iters",
+    _positive(config, ("train.steps", "train.micro_batch_size", "train.global_batch_size", "train.valid_iters",
                        "logging.interval", "data.seq_len"), 1)
-    _positive(config, ("train.eval_interval", "checkpoint.interval", "checkpoint.keep", "schedule.warmup_steps",
+    _positive(config, ("train.valid_interval", "checkpoint.interval", "checkpoint.keep", "schedule.warmup_steps",
                        "data.num_workers", "optimizer.weight_decay", "optimizer.clip_grad",
                        "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops"), 0)
     if not config.parallel.timeout_minutes > 0:
@@ -194,9 +188,9 @@ def validate(config: Config, world_size: int) -> int:
                           f"--max-position-embeddings {data.seq_len}; docs/huggingface.md)")
     if not 0 <= data.valid_fraction < 1:
         raise ConfigError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
-    if train.eval_interval > 0 and data.valid_fraction == 0:
-        raise ConfigError(f"train.eval_interval {train.eval_interval} needs a validation split: set "
-                          f"data.valid_fraction > 0 or train.eval_interval=0")
+    if train.valid_interval > 0 and data.valid_fraction == 0:
+        raise ConfigError(f"train.valid_interval {train.valid_interval} needs a validation split: set "
+                          f"data.valid_fraction > 0 or train.valid_interval=0")
     if config.checkpoint.interval > 0 and not config.checkpoint.save:
         raise ConfigError(f"checkpoint.interval {config.checkpoint.interval} needs checkpoint.save (a directory)")
     if data.prefix is not None and data.tokenizer is None and data.eod_id is None:

@@ -76,7 +76,7 @@ def publish(records: list[Record], out_dir: Path, config: Config, use_wandb: boo
     if use_wandb:
         import wandb
 
-        from cp_train.metrics.sinks import wandb_mode
+        from cp_train.metrics.writers import wandb_mode
 
         run = wandb.init(project=config.logging.wandb_project, dir=str(out_dir), job_type="eval",
                          mode=wandb_mode(config.logging.wandb_mode))
@@ -94,7 +94,7 @@ def evaluate(argv: list[str]) -> int:
     parallel = config.parallel
     check_lengths(settings.lengths, config.model, parallel.cp, parallel.cp_layout)
     config.data.seq_len = max(settings.lengths)
-    config.train.eval_interval = 0
+    config.train.valid_interval = 0
     dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
     if "RANK" not in os.environ:  # plain python: a world of one
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

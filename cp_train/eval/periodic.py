@@ -53,8 +53,8 @@ class PeriodicEval:
         """Whether step ``step`` (1-based) of a run ending at ``last`` runs the evaluation."""
         return bool(self.every) and (step % self.every == 0 or step == last)
 
-    def run(self, trainer: Any, sinks: Any) -> list[Record]:
-        """Evaluate ``trainer.model`` (a ``Trainer``) and log the records to ``sinks`` (``MetricsSinks``)."""
+    def run(self, trainer: Any, writers: Any) -> list[Record]:
+        """Evaluate ``trainer.model`` (a ``Trainer``) and log the records to ``writers`` (``MetricWriters``)."""
         assert self.settings is not None
         started = time.perf_counter()
         env = trainer.env
@@ -68,11 +68,12 @@ class PeriodicEval:
         finally:
             trainer.model.train()
         step = trainer.step
-        if sinks.enabled and sinks.jsonl is not None:
+        if writers.enabled and writers.jsonl is not None:
             for record in records:
-                sinks.jsonl.write(json.dumps({"kind": "long_eval", "step": step, **record, "time": time.time()}) + "\n")
-            sinks.jsonl.flush()
-        if sinks.enabled and sinks.wandb_run is not None:
-            wandb_log(sinks.wandb_run, records, [], step=step)
-        sinks.message(summary(step, records, time.perf_counter() - started))
+                line = json.dumps({"kind": "long_eval", "step": step, **record, "time": time.time()})
+                writers.jsonl.write(line + "\n")
+            writers.jsonl.flush()
+        if writers.enabled and writers.wandb_run is not None:
+            wandb_log(writers.wandb_run, records, [], step=step)
+        writers.message(summary(step, records, time.perf_counter() - started))
         return records

@@ -219,7 +219,7 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None
                        parallel.sequence_parallel_on, cuda=cuda)
     activations = activation_estimate(config.model, shapes)
     optimizer = config.optimizer
-    foreach = optimizer.impl != "apex" and adamw_implementation(optimizer, "cuda" if cuda else "cpu") == "foreach"
+    foreach = adamw_implementation(optimizer, "cuda" if cuda else "cpu") == "foreach"  # apex: neither torch kernel
     full = _meta_parameters(config.model)
     ranks = []
     for rank in range(dims.world) if only is None else only:

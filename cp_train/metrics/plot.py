@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cp_train.errors import InputError
-from cp_train.metrics.sinks import METRICS_FILE
+from cp_train.metrics.writers import METRICS_FILE
 
 
 def read_records(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ def _train(tmp_path: Path, name: str, *flags: str) -> dict[int, float]:
                "--set", "parallel.backend=nccl",  # cpu-tiny sets gloo: CPU ranks
                "--train-steps", str(STEPS), "--lr-warmup-iters", "2", "--set", "train.deterministic=true", "--set",
                "logging.wandb=false",
-               "--set", "logging.interval=1", "--set", "train.eval_interval=0", "--set", f"logging.dir={run_dir}",
+               "--set", "logging.interval=1", "--set", "train.valid_interval=0", "--set", f"logging.dir={run_dir}",
                *flags]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

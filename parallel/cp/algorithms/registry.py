@@ -142,9 +142,10 @@ def get_cp_algorithm(name: str | CPAlgorithm) -> CPAlgorithm:
     name = _ALIASES.get(name, name)
     _load_built_in(name)
     if name not in _REGISTRY:
+        megatron = ", ".join(alias for aliases in BUILT_IN.values() for alias in aliases)
         raise ValueError(f"unknown CP algorithm {name!r}; choose one of {', '.join(cp_algorithm_names())} "
-                         f"(or Megatron's {', '.join(_ALIASES)}), or register yours with register_cp_algorithm in a "
-                         f"module listed in train.imports")
+                         f"(or Megatron's {megatron}), or register yours with register_cp_algorithm in a module "
+                         f"listed in train.imports")
     return _REGISTRY[name]
 
 

@@ -1,0 +1,110 @@
+"""The command line a Megatron user types: aliases mapped to config keys, ``--help`` listing every key by section,
+the nearest key for an unknown flag, and errors in the right order with the obvious hint (one line each)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from cp_train.cli import plot as plot_cli
+from cp_train.config.flags import FLAGS, SWITCHES, build_parser, config_keys, parse_config
+from cp_train.config.schema import ConfigError
+from cp_train.config.validate import validate
+from cp_train.errors import InputError
+from cp_train.run_parts import cp_tokens_warning
+from tests import trainer_cases
+from tests.entry_points import assert_one_line, run_many, write_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_TINY = str(ROOT / "launch" / "configs" / "cpu-tiny.yaml")
+VALUES = {int: "3", float: "0.5", str: "cosine", str.lower: "linear"}
+STRINGS = {"--cp-layout": "stripe", "--cp-algorithm": "ulysses", "--recompute-granularity": "full",
+           "--wandb-mode": "offline", "--data-path": "x", "--tokenizer-model": "t.model", "--save": "c",
+           "--load": "c", "--run-dir": "r", "--wandb-project": "p"}
+
+
+@pytest.mark.parametrize("flag", [name for flag, spec in FLAGS.items() for name in (flag, *spec[3])
+                                  if spec[0] != "checkpoint.init_from_hf"])
+def test_every_flag_and_alias_maps_to_its_set_form(flag) -> None:
+    key, kind = next((spec[0], spec[1]) for name, spec in FLAGS.items() if flag in (name, *spec[3]))
+    value = STRINGS.get(flag, VALUES[kind])
+    assert parse_config([flag, value]).to_dict() == parse_config(["--set", f"{key}={value}"]).to_dict()
+
+
+def test_switches_map_to_their_set_form_and_help_lists_every_key() -> None:
+    for flag, (key, value, _) in SWITCHES.items():
+        assert parse_config([flag]).to_dict() == parse_config(["--set", f"{key}={value}"]).to_dict(), flag
+    text = build_parser().format_help()
+    keys = [key for section in config_keys().values() for key, _, _ in section]
+    assert len(keys) > 80 and [key for key in keys if key not in text] == []
+    for section in config_keys():
+        assert f"\n{section}:\n" in text, section
+    assert "--set model.KEY=VALUE" in text and "[model.num_layers: int = 12]" in text
+    assert "model.rope_theta: float = 10000.0" in text
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["--n-layers", "2"], "did you mean --num-layers 2 (--set model.num_layers=2)?"),
+    (["--rope-thetta", "5e5"], "did you mean --set model.rope_theta=5e5?"),
+    (["--tensor-parallel", "2"], "did you mean --tensor-model-parallel-size 2 (--set parallel.tp=2)?"),
+])
+def test_an_unknown_flag_suggests_the_nearest_key(argv, hint) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"unrecognized arguments: {' '.join(argv)}: {hint}")):
+        parse_config(argv)
+
+
+def test_a_length_above_the_positions_names_both_fixes_and_cp_tokens_warn() -> None:
+    config = parse_config(["--config", CPU_TINY, "--seq-len", "1024"])
+    with pytest.raises(ConfigError, match=r"data\.seq_len 1024 exceeds model\.max_position_embeddings 512: for a "
+                                          r"model trained from scratch raise it \(--max-position-embeddings 1024\); "
+                                          r"for a pretrained model extend its context with RoPE scaling \(--set "
+                                          r"model\.rope_scaling='\{rope_type: yarn, factor: 2\.0\}'"):
+        validate(config, 2)
+    eight = parse_config(["--config", CPU_TINY, "--cp-size", "8"])
+    assert cp_tokens_warning(eight) == ("warning: each CP rank holds 32 tokens (data.seq_len 256 / cp 8), fewer "
+                                        "than CP pays for (about 512): use a smaller --cp-size (1 at this length) "
+                                        "or a longer --seq-len (at least 4096)",)
+    assert cp_tokens_warning(parse_config(["--config", CPU_TINY, "--seq-len", "2048", "--cp-size", "2"])) == ()
+
+
+def test_plot_without_matplotlib_names_the_pip_install(monkeypatch, tmp_path, capsys) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert plot_cli.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ("python -m cp_train.cli.plot: error: plots need matplotlib, which is not "
+                                       "installed: pip install matplotlib\n")
+    with pytest.raises(InputError):
+        plot_cli.run([str(tmp_path)])
+
+
+def test_errors_come_in_the_right_order_with_the_obvious_hint(tmp_path) -> None:
+    corpus = trainer_cases.write_corpus(tmp_path / "docs")
+    cp2 = str(write_config(tmp_path / "cp2.yaml", corpus, tmp_path / "run", cp=2))
+    cp1 = str(write_config(tmp_path / "cp1.yaml", corpus, tmp_path / "run1"))
+    missing = str(tmp_path / "missing")
+    cases = {  # a file missing is named before the settings derived from it and before the world's size
+        "missing data": (["--config", CPU_TINY, "--data-path", missing], 1,
+                         rf"data\.prefix {missing}: {missing}\.idx is missing; an indexed dataset needs both "
+                         rf"missing\.idx and missing\.bin \(make them with cp-train-preprocess\)$"),
+        "missing tokenizer": (["--config", CPU_TINY, "--tokenizer-model", "nope.model"], 1,
+                              r"data\.tokenizer nope\.model does not exist: .*train a SentencePiece model on text "
+                              r"files with python -m cp_train\.cli\.train_tokenizer --input FILE\.\.\."),
+        "torchrun forgotten": (["--config", CPU_TINY], 1,
+                               r"this is one process \(world size 1\) and parallel\.tp\*cp\*dp = 2 needs 2: launch "
+                               r"with torchrun --nproc-per-node 2 train\.py"),
+        "no config": (["--train-steps", "5"], 1, r"launch with torchrun --nproc-per-node 2 train\.py"),
+        "warmup": (["--config", cp1, "--train-steps", "2", "--lr-warmup-iters", "5"], 1,
+                   r"schedule\.warmup_steps 5 >= train\.steps 2: the run would never leave warmup"),
+        "wandb online": (["--config", cp2, "--set", "logging.wandb=true", "--wandb-mode", "online"], 2,
+                         r"wandb could not start its online run \(.*\): set WANDB_API_KEY or run `wandb login`"),
+    }
+    outcomes = {name: run_many({name: args}, world=world, launcher="launch")[name]
+                for name, (args, world, _) in cases.items() if world == 2}
+    outcomes |= run_many({name: args for name, (args, world, _) in cases.items() if world == 1})
+    for name, (_, _, pattern) in cases.items():
+        assert_one_line(outcomes[name], 2, pattern)  # one line: rank 0's alone, also for wandb
+        assert "step 1/" not in outcomes[name].output, name
+    assert "[cp-train] no --config: using " in outcomes["no config"].output
