@@ -30,12 +30,13 @@ def interval_record(trainer: Trainer, meter: IntervalMeter, out: StepResult, pre
                     ) -> tuple[dict[str, Any], str | None]:
     """The record of the interval ending at ``trainer.step`` (``out``: its last step's scalars), and the signal
     that stops the run if any rank got one. Step time and peak memory are also maxed over every rank (one
-    collective, which carries the signal too), memory also as a percentage of the device's."""
+    collective over the host group, which carries the signal too), memory also as a percentage of the device's."""
     config, device = trainer.config, trainer.device
     memory = peak_memory_gib(device)
     record = meter.record(trainer.step, out.lr, out.grad_norm, trainer.loader.consumed_samples, config.data.seq_len,
                           memory, peak_memory_reserved_gib(device))
-    step_time, memory, signal_code = max_over_ranks([record["step_time_s"], memory, preemption.code()], device)
+    step_time, memory, signal_code = max_over_ranks([record["step_time_s"], memory, preemption.code()],
+                                                    trainer.state.host_group)
     total = device_memory_gib(device)
     record.update({"step_time_max_s": step_time, "peak_memory_max_gib": memory,
                    "peak_memory_pct": 100.0 * memory / total if total else None})

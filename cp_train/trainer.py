@@ -24,6 +24,7 @@ import torch
 
 from cp_train import run_log, run_parts
 from cp_train.checkpoint.dcp import read_meta, save_checkpoint
+from cp_train.collector import ScheduledCollection
 from cp_train.config.validate import with_accumulation
 from cp_train.data.loader import CP_PLAN
 from cp_train.eval.periodic import PeriodicEval
@@ -229,7 +230,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------ loop
     def train(self, until_step: int | None = None) -> TrainResult:
         """Train to ``train.steps`` (or stop after ``until_step``), logging, evaluating and saving on the way; a
-        SIGTERM or SIGUSR1 saves and stops at the next log step (``preemption``)."""
+        SIGTERM or SIGUSR1 saves and stops at the next log step (``preemption``). Python's collector runs on the
+        run's schedule (``train.gc_interval``, ``collector.py``)."""
         config, state = self.config, self.state
         last = min(config.train.steps, until_step or config.train.steps)
         writers = run_parts.open_writers(self.env, self.step, (self.resumed_meta or {}).get("wandb"))
@@ -251,13 +253,14 @@ class Trainer:
         first = self.step
         times: dict[int, tuple[float, float]] = {}  # step -> (step time, data time), until the meter has it
         try:
-            with Preemption() as preemption:
+            with Preemption() as preemption, ScheduledCollection(config.train.gc_interval) as collection:
                 while self.step < last:
                     started = time.perf_counter()
                     micro_batches = next(batches)
                     loaded = time.perf_counter()
                     log, evaluate, save = run_parts.due_events(config, self.step + 1, last)
                     read = self._step(micro_batches, read=log or evaluate or save)  # checked before the update
+                    collection.after_step(self.step, self.step == first + 1)
                     if self.step == first + 1:  # gradients and optimizer state exist now: measure them
                         writers.log(run_log.setup_record(self, sizes, first))
                     times[self.step] = (time.perf_counter() - started, loaded - started)

@@ -165,6 +165,7 @@ class NativeWindowMath:
 
     name = "math with windows"
     native_window = True
+    native_varlen = False
     calls: list = []
 
     def _scores(self, q, k, causal, scale, window):

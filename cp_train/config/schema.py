@@ -107,6 +107,8 @@ class TrainConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable CUDA runs (slower)
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (memory/cpu_memory.py)
     compile: bool = False  # torch.compile each block and the head with its loss (fullgraph; GPT.compile_parts)
+    gc_interval: int = 50  # Python's collector off in the run, a young-generation collection every this many
+    # steps on every rank at once (cp_train/collector.py); 0: Python's own automatic collection
     # Python modules imported before the config is checked: they register CP algorithms
     # (cp_train.parallel.register_cp_algorithm) or model families (cp_train.model.register_model_family)
     imports: list[str] = field(default_factory=list)

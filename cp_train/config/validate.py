@@ -123,7 +123,7 @@ def validate(config: Config, world_size: int) -> int:
                        "logging.interval", "data.seq_len"), 1)
     _positive(config, ("train.valid_interval", "checkpoint.interval", "checkpoint.keep", "schedule.warmup_steps",
                        "data.num_workers", "optimizer.weight_decay", "optimizer.clip_grad",
-                       "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops"), 0)
+                       "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops", "train.gc_interval"), 0)
     if not config.parallel.timeout_minutes > 0:
         raise ConfigError(f"parallel.timeout_minutes must be > 0 (fractions work: 0.5 = 30 s), got "
                           f"{config.parallel.timeout_minutes}")

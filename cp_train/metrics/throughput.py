@@ -117,12 +117,14 @@ def device_memory_gib(device: torch.device) -> float | None:
     return _proc_gib("/proc/meminfo", "MemTotal")
 
 
-def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """``values`` maxed element-wise over every rank of the default group (collective; itself in a world of one)."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+def max_over_ranks(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """``values`` (host numbers) maxed element-wise over every rank of ``group``, a gloo group
+    (``ParallelState.host_group``): a CPU collective that neither waits for the GPU nor queues on its stream
+    (collective; the values themselves in a world of one)."""
+    if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()
 
 

@@ -10,9 +10,11 @@ selective 102, each ``mlp_chunks`` slice 73. Outside the blocks 43 per micro-bat
 aten events of a compiled against an eager ``GPTModel`` forward + backward at cp 1, 917 / 2,686, 2026-11-28).
 
 **cuDNN graphs**: cuDNN's attention builds an execution graph per new shape, forward and backward apart,
-``graph_build_ms`` each. With packed documents a ring step of fewer than ``MANY_CALLS`` dense calls runs each at
-its documents' lengths, new in almost every micro-batch: counted as the distinct such shapes per rank and
-micro-batch over the planned samples (none for other kernels or without documents).
+``graph_build_ms`` each. The ring routes the steps packed documents shape to varlen calls
+(``route_by_documents``), so its dense calls take the layout's few block shapes, built in the first steps and
+never again: counted here are the dense shapes per rank and micro-batch over the planned samples outside those
+(none today; before the routing, a step of one or two documents ran a dense call per document, a new shape in
+almost every micro-batch: 0.4 s per step at 16k in the 1B runs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from functools import lru_cache
 
 from cp_train.config.schema import Config
 from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
-from cp_train.parallel.cp.plan.varlen_plan import MANY_CALLS
+from cp_train.parallel.cp.plan.rank_plan import layout_shapes
 from cp_train.perf.inputs.documents import consecutive_samples, rank_plans
 from cp_train.perf.workload import Workload
 
@@ -52,24 +54,22 @@ def step_ops(config: Config, accumulation: int) -> float:
 @lru_cache(maxsize=256)
 def new_shapes_per_micro_batch(algorithm: CPAlgorithm, layout: str, cp: int, ulysses: int, seq_len: int,
                                documents: tuple[int, ...]) -> float:
-    """Distinct document-dependent dense call shapes per rank and micro-batch over ``GRAPH_SAMPLES`` samples cut
-    from ``documents`` (the busiest rank): calls of ring steps of fewer than ``MANY_CALLS`` calls not of the
-    one-document plan's shapes (Ulysses' document blocks are not counted)."""
+    """Distinct dense call shapes per rank and micro-batch over ``GRAPH_SAMPLES`` samples cut from ``documents``
+    (the busiest rank) outside the layout's block shapes and the one-document plan's: the shapes the documents
+    give the dense calls of the steps not routed to varlen calls."""
     samples = consecutive_samples(documents, seq_len, GRAPH_SAMPLES)
-    if cp == 1:
-        shapes = {(n, n) for pieces in samples if len(pieces) < MANY_CALLS for n in pieces if n != seq_len}
-        return len(shapes) / len(samples)
     static = _dense_shapes(rank_plans(algorithm, layout, cp, ulysses, (seq_len,), seq_len))
+    bounded = {(rows, keys) for rows, keys in layout_shapes(seq_len // cp)}
     per_rank = [set() for _ in range(cp)]
     for pieces in samples:
         for rank, shapes in enumerate(_dense_shapes(rank_plans(algorithm, layout, cp, ulysses, pieces, seq_len))):
-            per_rank[rank] |= shapes - static[rank]
+            per_rank[rank] |= {s for s in shapes - static[rank] if s[:2] not in bounded}
     return max(len(shapes) for shapes in per_rank) / len(samples)
 
 
 def _dense_shapes(plans: list) -> list[set[tuple[int, int, bool]]]:
     return [{(c.segment.rows, c.segment.keys, c.segment.causal) for step in plan.ring.steps
-             if len(step.calls) < MANY_CALLS for c in step.calls} if plan.ring else set() for plan in plans]
+             if not step.by_documents for c in step.calls} if plan.ring else set() for plan in plans]
 
 
 def host_seconds(work: Workload, host_op_us: float, graph_build_ms: float, kernel: str,

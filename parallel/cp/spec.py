@@ -21,8 +21,8 @@ from cp_train.parallel.kernels.select import BACKENDS, AttentionKernel, select_k
 class AttentionSpec:
     """One call site's settings, decided once: ``algorithm``, CP ``layout``, ``causal``, softmax ``scale``,
     the ``kernel``, the kv-head ``head_chunks`` (the ring's backward and the all-gather), the ring backward's
-    ``overlap`` policy, whether steps of many segments run as ``varlen`` calls (``ring/forward.py``)
-    and the ring forward's ``forward_head_chunks``.
+    ``overlap`` policy, whether the steps the documents shape run as ``varlen`` calls (the kernel has its own:
+    ``ring/forward.py``; else their dense calls on views) and the ring forward's ``forward_head_chunks``.
 
     The ring's forward runs in one head chunk unless asked otherwise: chunks bound the K/V it receives,
     but a training step's backward holds dq, dk and dv whole, which is at least that, and an eval forward
@@ -105,10 +105,9 @@ def build_spec(device: torch.device, dtype: torch.dtype, batch: int, heads: int,
     forward_head_chunks = head_chunks or 1  # asked for: both ways; by default the forward runs in one
     if head_chunks is None:
         head_chunks = default_head_chunks(device, kv_heads, plan, batch * heads // kv_heads)
+    kernel = transfer_kernel(select_kernel(device, dtype, head_dim, backend, deterministic), plan)
     return AttentionSpec(
         algorithm=get_cp_algorithm(algorithm), layout=layout, causal=causal,
-        scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim),
-        kernel=transfer_kernel(select_kernel(device, dtype, head_dim, backend, deterministic), plan),
-        head_chunks=head_chunks,
-        overlap=default_overlap(device, plan) if overlap is None else overlap, varlen=device.type == "cuda",
-        forward_head_chunks=forward_head_chunks)
+        scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim), kernel=kernel,
+        head_chunks=head_chunks, overlap=default_overlap(device, plan) if overlap is None else overlap,
+        varlen=kernel.native_varlen, forward_head_chunks=forward_head_chunks)

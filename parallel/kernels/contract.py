@@ -4,6 +4,8 @@
 - ``kernel.backward(rows, k, v, causal, scale) -> (dq, dk, dv)``, ``rows`` a ``BackwardRows``
 - ``kernel.varlen_forward(q, k, v, segments, causal, scale) -> (out, lse)``, ``segments`` a ``VarlenSegments``
 - ``kernel.varlen_backward(rows, k, v, segments, causal, scale) -> (dq, dk, dv)``
+- ``kernel.native_varlen``: whether the varlen calls are the kernel's own (a GPU kernel) or dense calls per
+  segment (``varlen.VarlenBySegments``: the ring then runs those steps' dense calls on views, gathering nothing)
 
 Dense calls: q, out, dout ``[B, Sq, H, D]``; k, v ``[B, Sk, Hk, D]`` (flash-attn's layout; row-sliced views
 are fine); lse ``[B, H, Sq]``. Varlen calls: q, out, dout ``[Tq, H, D]``; k, v ``[Tk, Hk, D]``; lse ``[H, Tq]``;
@@ -65,6 +67,7 @@ class AttentionKernel(Protocol):
     """One backend's attention (see the module docstring for shapes and masks)."""
 
     name: str
+    native_varlen: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse: ...
 

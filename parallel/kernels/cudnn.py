@@ -5,22 +5,28 @@
 - backward: ``aten::_scaled_dot_product_cudnn_attention_backward(grad_out, query, key, value, out, logsumexp,
   philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)``.
 
-Both take ``[B, H, S, D]``: the contract's ``[B, S, H, D]`` tensors go in as ``.transpose(1, 2)`` views. K/V
-heads are expanded for GQA (the dense op wants equal heads) and the gradients summed back. fp16/bf16,
+Both take ``[B, H, S, D]``: the contract's ``[B, S, H, D]`` tensors go in as ``.transpose(1, 2)`` views. With
+GQA the K/V heads go in as they are where this cuDNN build takes them (``native_gqa``, decided by
+``trial.native_gqa_agrees`` on the device; the op's meta kernels take fewer K/V heads and return dK/dV in them),
+else they are expanded by copy and the gradients summed back. fp16/bf16,
 head_dim a multiple of 8 up to 128, sm80 or newer; whether a given cuDNN build runs a shape is only
 known by calling it, so ``select_kernel`` admits this backend after a trial call. The backward's
 dropout RNG tensors are never read at ``dropout_p = 0``; its ``attn_bias``/``cum_seq_q``/``cum_seq_k``
 get None (an undefined tensor: no bias, dense inputs), as PyTorch's own autograd passes them. The dense
 causal mask is used on square blocks only (``check_square_causal``).
 
-Varlen calls (packed documents) go to ``varlen_kernel``, PyTorch's CUDA flash kernel on a GPU
-(``select_kernel``): one varlen call per ring step. Measured on an H100 with the 1B config at 16k tokens,
+Varlen calls (packed documents) go to ``varlen_kernel`` on a GPU (``select_kernel``: FA3 where installed on
+Hopper, else flash-attn 2, else PyTorch's CUDA flash kernel): one varlen call per mask kind and ring step. Measured on an H100 with the 1B config at 16k tokens,
 running them segment by segment through cuDNN (``VarlenBySegments``, the fallback when ``varlen_kernel`` is
 None) cost one dense call per document and a host sync per call: 12.5% MFU. The native ragged cuDNN path
 (``aten::_cudnn_attention_forward`` with ``cum_seq_q``/``cum_seq_k``) is not used: its causal alignment for
 segments with more keys than queries differs between cuDNN frontend versions, and its backward is missing
-from some torch releases. cuDNN refuses a 1 x 1 block (``s_q = s_kv = 1``, seen on an H200 with cuDNN 9.19 for a
-one-token piece of a document): those calls are computed exactly here (``one_key_forward``).
+from some torch releases. Nor would it bound the graphs: PyTorch keys its cuDNN graph cache on the ragged
+call's segment count, longest segment and packed length too (``MHAParams`` in ``ATen/native/cudnn/MHA.cpp``),
+so every micro-batch of new documents would build new graphs, which is what routing the documents' steps to
+varlen calls avoids; torch 2.13's own ``varlen_attn`` keeps its cuDNN branch off. cuDNN refuses a 1 x 1
+block (``s_q = s_kv = 1``, seen on an H200 with cuDNN 9.19 for a one-token piece of a document): those calls
+are computed exactly here (``one_key_forward``).
 """
 
 from __future__ import annotations
@@ -81,6 +87,15 @@ class CudnnAttention(VarlenBySegments):
 
     name: str = "cudnn"
     varlen_kernel: AttentionKernel | None = None
+    native_gqa: bool = False  # K/V with fewer heads go in as they are (no expanding copy)
+
+    @property
+    def native_varlen(self) -> bool:
+        return self.varlen_kernel is not None
+
+    def _kv(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """K or V ``[B, S, Hk, D]`` as the op takes it (``[B, Hk or H, S, D]``)."""
+        return (x if self.native_gqa else expand_kv(x, heads)).transpose(1, 2)
 
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
                        causal: bool, scale: float) -> OutLse:
@@ -99,8 +114,8 @@ class CudnnAttention(VarlenBySegments):
         heads = q.shape[2]
         if q.shape[1] == k.shape[1] == 1:  # cuDNN refuses s_q = s_kv = 1 (a one-token document's block)
             return one_key_forward(q, k, v, scale)
-        out, lse = FORWARD(q.transpose(1, 2), expand_kv(k, heads).transpose(1, 2),
-                           expand_kv(v, heads).transpose(1, 2), None, True, 0.0, causal, False, scale=scale)[:2]
+        out, lse = FORWARD(q.transpose(1, 2), self._kv(k, heads), self._kv(v, heads), None, True, 0.0, causal, False,
+                           scale=scale)[:2]
         return out.transpose(1, 2), lse[..., 0]
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -112,8 +127,8 @@ class CudnnAttention(VarlenBySegments):
             return one_key_backward(rows, k, v, scale)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read
         dq, dk, dv = BACKWARD(
-            dout.transpose(1, 2), q.transpose(1, 2), expand_kv(k, heads).transpose(1, 2),
-            expand_kv(v, heads).transpose(1, 2), out.transpose(1, 2), lse.contiguous().unsqueeze(-1), seed, seed,
-            None, None, None, q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+            dout.transpose(1, 2), q.transpose(1, 2), self._kv(k, heads), self._kv(v, heads), out.transpose(1, 2),
+            lse.contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
+            scale=scale)
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)

@@ -131,6 +131,7 @@ class FlashAttn2:
                    1 if form == "2.7" else 5, form == "2.5", deterministic)
 
     native_window = True  # dense calls take flash-attn's window_size (``window=``)
+    native_varlen = True  # flash_attn_varlen_func's kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 window: tuple[int, int] | None = None) -> OutLse:
@@ -214,6 +215,7 @@ class FlashAttn3:
                        bwd_fixed={**self.bwd_fixed, "sm_margin": margin})
 
     native_window = True  # dense calls take FA3's window (``window=``)
+    native_varlen = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 window: tuple[int, int] | None = None) -> OutLse:

@@ -31,6 +31,7 @@ rules cuDNN out (its backward is not deterministic); the CPU and math kernels ar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -42,7 +43,7 @@ from cp_train.parallel.kernels import cudnn
 from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
 from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv, reduce_kv_grad
-from cp_train.parallel.kernels.trial import trial_call
+from cp_train.parallel.kernels.trial import native_gqa_agrees, trial_call
 from cp_train.parallel.kernels.varlen import VarlenBySegments
 
 BACKENDS: tuple[str, ...] = ("fa3", "cudnn", "flash_attn", "torch", "torch_efficient", "math")
@@ -51,6 +52,7 @@ TrialKey = tuple[torch.device, torch.dtype, int, str]  # (device, dtype, head_di
 _TRIALS: dict[TrialKey, str | None] = {}  # each trial call's outcome: None (passed) or the error, one line
 _CHOSEN: dict[str, None] = {}  # the names of the kernels select_kernel returned, in order (a set)
 _trial = trial_call  # the admission trial (tests replace it)
+_gqa_probe = native_gqa_agrees  # whether cuDNN takes GQA as it is (tests replace it)
 
 
 class MathKernel(VarlenBySegments):
@@ -195,7 +197,18 @@ def _build_cudnn(device: torch.device, head_dim: int, deterministic: bool) -> At
     if deterministic:
         raise KernelUnavailable("backend 'cudnn' has no deterministic backward; use backend 'fa3', 'flash_attn' "
                                 "or 'torch', or turn deterministic off")
-    return cudnn.CudnnAttention(varlen_kernel=TorchCudaFlash())  # one varlen call, not one per document
+    return cudnn.CudnnAttention(varlen_kernel=_varlen_for_cudnn(device, head_dim, deterministic))
+
+
+def _varlen_for_cudnn(device: torch.device, head_dim: int, deterministic: bool) -> AttentionKernel:
+    """The varlen kernel behind cuDNN (packed documents' steps): FA3 (sm90) where installed, else flash-attn 2,
+    else PyTorch's flash (the cuDNN trial call runs its varlen calls too)."""
+    for backend in ("fa3", "flash_attn"):
+        try:
+            return _build(backend, device, torch.bfloat16, head_dim, deterministic)
+        except KernelUnavailable:
+            continue
+    return TorchCudaFlash(deterministic)
 
 
 def _cudnn_unavailable() -> str | None:
@@ -233,6 +246,18 @@ def _admit(backend: str, kernel: AttentionKernel, device: torch.device, dtype: t
                                 f"{head_dim} ({_TRIALS[key]}); choose another backend or leave it unset")
 
 
+def _admitted(backend: str, kernel: AttentionKernel, device: torch.device, dtype: torch.dtype,
+              head_dim: int) -> AttentionKernel:
+    """``kernel`` once it passes its trial (``_admit``); on CUDA, cuDNN with GQA handed to the op as it is
+    where the probe finds this build takes it (no K/V copy per call)."""
+    _admit(backend, kernel, device, dtype, head_dim)
+    if backend == "cudnn" and device.type == "cuda":
+        native = dataclasses.replace(kernel, native_gqa=True)
+        if _gqa_probe(kernel, native, device, dtype, head_dim):
+            return native
+    return kernel
+
+
 def chosen_backends() -> tuple[str, ...]:
     """The names of the kernels ``select_kernel`` has chosen in this process, in the order first chosen
     (e.g. ``("cudnn", "torch efficient")``): for the run's setup record."""
@@ -250,15 +275,14 @@ def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, backe
     """
     device = torch.device(device)
     if backend is not None:
-        kernel = _build(backend, device, dtype, head_dim, deterministic)
-        _admit(backend, kernel, device, dtype, head_dim)
+        kernel = _admitted(backend, _build(backend, device, dtype, head_dim, deterministic), device, dtype, head_dim)
         _CHOSEN[kernel.name] = None
         return kernel
     reasons = []
     for candidate in _automatic_order(device, dtype):
         try:
-            kernel = _build(candidate, device, dtype, head_dim, deterministic)
-            _admit(candidate, kernel, device, dtype, head_dim)
+            kernel = _admitted(candidate, _build(candidate, device, dtype, head_dim, deterministic), device, dtype,
+                               head_dim)
         except KernelUnavailable as error:
             reasons.append(str(error))
             if "failed to import" in str(error) or "failed its trial call" in str(error):

@@ -106,6 +106,7 @@ class TorchCudaFlash:
     name: str = "torch cuda flash"
 
     native_window = True  # dense calls take window_size_left/right (``window=``, flash-attn's form)
+    native_varlen = True  # varlen calls of its own (``contract.py``)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 window: tuple[int, int] | None = None) -> OutLse:
@@ -161,6 +162,7 @@ class TorchEfficient:
 
     deterministic: bool = False
     name: str = "torch efficient"
+    native_varlen = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
         check_square_causal(self.name, q, k, causal)

@@ -43,3 +43,28 @@ def _calls(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, he
                                        head_dim ** -0.5)
     if not all(bool(torch.isfinite(t).all()) for t in (out, lse, *grads, var_out, var_lse, *var_grads)):
         raise RuntimeError("the trial call returned non-finite values")
+
+
+def native_gqa_agrees(kernel: AttentionKernel, native: AttentionKernel, device: torch.device, dtype: torch.dtype,
+                      head_dim: int) -> bool:
+    """Whether ``native`` (``kernel`` handing fewer K/V heads to its op as they are) gives ``kernel``'s results on
+    ``device``: a tiny causal GQA forward and backward, within the dtype's rounding. False when it raises."""
+    with _real_tensors():
+        gen = torch.Generator(device=device).manual_seed(1)
+        q, dout = (torch.randn(1, 32, 4, head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
+        k, v = (torch.randn(1, 32, 2, head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
+        scale = head_dim ** -0.5
+        try:
+            got = _forward_backward(native, q, k, v, dout, scale)
+        except Exception:  # noqa: BLE001 - a build that refuses GQA refuses it in its own way
+            return False
+        want = _forward_backward(kernel, q, k, v, dout, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    return all(a.shape == b.shape and float((a.float() - b.float()).norm()) <= tolerance * float(b.float().norm())
+               for a, b in zip(got, want, strict=True))
+
+
+def _forward_backward(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      dout: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    out, lse = kernel.forward(q, k, v, True, scale)
+    return (out, lse, *kernel.backward(BackwardRows(dout, q, out, lse), k, v, True, scale))

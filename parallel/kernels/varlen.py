@@ -109,6 +109,8 @@ class VarlenBySegments:
     """The varlen calls of a kernel without a varlen entry of its own (the CPU flash kernel, the float64
     reference): each segment as one dense ``forward``/``backward`` call of the kernel."""
 
+    native_varlen = False  # the ring runs such a kernel's varlen steps as dense calls on views (no gathers)
+
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
                        causal: bool, scale: float) -> OutLse:
         return forward_by_segments(self, q, k, v, segments, causal, scale)

@@ -57,6 +57,7 @@ class ParallelState:
     tp_cp_mesh: DeviceMesh
     shard_mesh: DeviceMesh
     owns_default_group: bool
+    host_group: dist.ProcessGroup | None = None  # every rank over gloo: host scalars, never the GPU's stream
     cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
     cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
 
@@ -144,9 +145,17 @@ def build_state(dims: ParallelDims, backend: str, timeout: timedelta, created: b
         tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % dims.cp],
         cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % dims.cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
         tp_cp_mesh=tp_cp_mesh, shard_mesh=shard_mesh, owns_default_group=created,
-        **_hybrid_axes(dims, ulysses, backend, timeout))
+        host_group=_host_group(backend, timeout), **_hybrid_axes(dims, ulysses, backend, timeout))
     connect_groups(state)
     return state
+
+
+def _host_group(backend: str, timeout: timedelta) -> dist.ProcessGroup:
+    """Every rank over gloo, for scalars the host holds (step times, memory, signals): the default group where
+    it is gloo already, else a gloo group beside NCCL, so reducing them never waits on (or for) the GPU."""
+    if backend == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(timeout=timeout, backend="gloo")
 
 
 def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:

@@ -80,3 +80,35 @@ def test_documents_ring_on_cuda_with_varlen_steps(world: int, layout: str, dtype
     bound = 2e-5 if dtype == torch.float32 else 5e-2
     for name, ref in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert rel_err(got[name], ref) < bound, f"{name}: {rel_err(got[name], ref):.2e}"
+
+
+def test_packed_documents_give_cudnn_only_the_layouts_shapes() -> None:
+    """cp 4 zigzag, bf16, lognormal documents: the dense shapes the selected kernel is given (one cuDNN graph
+    each, forward and backward apart) are the layout's block shapes, at most 8 over every micro-batch; the steps
+    the documents shape are varlen calls."""
+    from cp_train.parallel.cp.plan.rank_plan import layout_shapes
+    from tests.parallel.test_kernel_shapes import lognormal_documents
+
+    world, seqlen = 4, 2048
+    kernel = kernels.select_kernel(torch.device("cuda"), torch.bfloat16, 64)
+    shapes: set = set()
+
+    class Recording:  # the selected kernel, recording its dense shapes
+        name, native_varlen = kernel.name, kernel.native_varlen
+
+        def forward(self, q, k, v, causal, scale):  # noqa: ANN001
+            shapes.add(("forward", q.shape[1], k.shape[1], causal))
+            return kernel.forward(q, k, v, causal, scale)
+
+        def backward(self, rows, k, v, causal, scale):  # noqa: ANN001
+            shapes.add(("backward", rows.q.shape[1], k.shape[1], causal))
+            return kernel.backward(rows, k, v, causal, scale)
+
+        def __getattr__(self, name):  # noqa: ANN001, ANN204
+            return getattr(kernel, name)
+
+    spec = AttentionSpec("ring", "zigzag", True, 0.125, Recording(), 2, True, varlen=True)
+    q, k, v, dout = (x[:1] for x in _full(seqlen, torch.bfloat16))
+    for docs in lognormal_documents(seqlen, 12, seed=5):
+        run_threaded_ring(q, k, v, dout, world, spec, docs[None])
+    assert len({s[1:] for s in shapes}) <= 8 and {s[1:3] for s in shapes} <= layout_shapes(seqlen // world)

@@ -40,6 +40,7 @@ def no_packages(monkeypatch):
     monkeypatch.setattr(kernels, "_cudnn_unavailable", lambda: "torch 2.x was built without cuDNN")
     monkeypatch.setattr(kernels, "cuda_capability", lambda device: (8, 0))
     monkeypatch.setattr(kernels, "_trial", lambda kernel, device, dtype, head_dim: None)
+    monkeypatch.setattr(kernels, "_gqa_probe", lambda kernel, native, device, dtype, head_dim: False)
     yield
     _clear(imports=False)  # the import functions are still the stand-ins here
 
@@ -263,3 +264,32 @@ def test_the_real_trial_call_runs_the_kernel(monkeypatch) -> None:
 
     with pytest.raises(RuntimeError, match="non-finite"):
         trial_call(NonFinite(), cpu, torch.float32, 16)
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_cudnn_takes_gqa_as_it_is_where_the_probe_agrees(monkeypatch, agrees: bool) -> None:
+    """cuDNN is handed fewer K/V heads without the expanding copy only where this build gives the expanded
+    call's results (the probe compares them on the device)."""
+    _with_packages(monkeypatch, False, False, True, (9, 0))
+    probed = []
+
+    def probe(kernel, native, device, dtype, head_dim):  # noqa: ANN001
+        probed.append((kernel.native_gqa, native.native_gqa, head_dim))
+        return agrees
+
+    monkeypatch.setattr(kernels, "_gqa_probe", probe)
+    kernel = select_kernel(CUDA, torch.bfloat16, 64)
+    assert kernel.name == "cudnn" and kernel.native_gqa is agrees and probed == [(False, True, 64)]
+    assert kernel.native_varlen  # packed documents go to its varlen kernel
+
+
+@pytest.mark.parametrize("capability,fa3,flash_attn,varlen", [
+    ((9, 0), True, True, "fa3"), ((9, 0), False, True, "flash_attn"), ((8, 0), True, True, "flash_attn"),
+    ((9, 0), False, False, "torch cuda flash")])
+def test_cudnn_runs_packed_documents_on_the_fastest_varlen_kernel(monkeypatch, capability, fa3, flash_attn,
+                                                                   varlen) -> None:
+    """cuDNN named (FA3 would be chosen first otherwise): its varlen calls go to FA3 on Hopper where installed,
+    else to flash-attn 2, else to PyTorch's flash."""
+    _with_packages(monkeypatch, fa3, flash_attn, True, capability)
+    kernel = select_kernel(CUDA, torch.bfloat16, 64, "cudnn")
+    assert kernel.name == "cudnn" and kernel.varlen_kernel.name.startswith(varlen)

@@ -16,6 +16,7 @@ from cp_train.parallel.kernels.contract import BackwardRows, VarlenSegments
 from cp_train.parallel.kernels.flash_attn import FlashAttn2
 from cp_train.parallel.kernels.select import MathKernel
 from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient
+from cp_train.parallel.kernels.trial import native_gqa_agrees
 from tests import flash_attn_standins as standins
 from tests.numerics import rel_err
 
@@ -49,10 +50,13 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+GQA = {"native": False}  # whether the stand-ins take fewer K/V heads (a cuDNN build with GQA) or refuse them
+
+
 def standin_forward(*args, **kwargs) -> tuple:
     a = bind(REAL_FORWARD, args, kwargs)
     q, k, v = (a[name] for name in ("query", "key", "value"))
-    assert q.shape[1] == k.shape[1] == v.shape[1], "the dense op is given equal heads"
+    assert GQA["native"] or q.shape[1] == k.shape[1] == v.shape[1], "the dense op is given equal heads"
     assert a["attn_bias"] is None and a["compute_log_sumexp"] and a["dropout_p"] == 0.0
     assert not a["return_debug_mask"] and a["scale"] is not None
     out, lse = MATH.forward(_bshd(q), _bshd(k), _bshd(v), a["is_causal"], a["scale"])
@@ -64,6 +68,7 @@ def standin_forward(*args, **kwargs) -> tuple:
 def standin_backward(*args, **kwargs) -> tuple:
     a = bind(REAL_BACKWARD, args, kwargs)
     q, k, v = (_bshd(a[name]) for name in ("query", "key", "value"))
+    assert GQA["native"] or q.shape[2] == k.shape[2] == v.shape[2], "the dense op is given equal heads"
     assert a["logsumexp"].shape == (*a["query"].shape[:3], 1), "lse goes back as [B, H, Sq, 1]"
     assert a["attn_bias"] is None and a["cum_seq_q"] is None and a["cum_seq_k"] is None
     assert (a["max_q"], a["max_k"]) == (q.shape[1], k.shape[1]) and a["dropout_p"] == 0.0
@@ -76,6 +81,32 @@ def standin_backward(*args, **kwargs) -> tuple:
 def standin_ops(monkeypatch):
     monkeypatch.setattr(cudnn, "FORWARD", standin_forward)
     monkeypatch.setattr(cudnn, "BACKWARD", standin_backward)
+    monkeypatch.setitem(GQA, "native", False)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+def test_native_gqa_hands_the_kv_heads_over_as_they_are(standin_ops, dtype: torch.dtype, tol: float) -> None:
+    """With ``native_gqa`` the op gets the K/V heads without the expanding copy (the stand-ins refuse unequal
+    heads unless the build takes them) and the results are the expanded call's; the probe tells the two
+    builds apart."""
+    GQA["native"] = True
+    gen = torch.Generator().manual_seed(9)
+    expanded, native = cudnn.CudnnAttention(), cudnn.CudnnAttention(native_gqa=True)
+    for sq, sk, causal in ((24, 24, True), (12, 24, False)):
+        q, k, v, dout = _blocks(gen, sq, sk, dtype)
+        out, lse = native.forward(q, k, v, causal, 0.25)
+        ref_out, ref_lse = expanded.forward(q, k, v, causal, 0.25)
+        assert rel_err(out, ref_out) < tol and rel_err(lse, ref_lse) < tol
+        grads = native.backward(BackwardRows(dout, q, out, lse), k, v, causal, 0.25)
+        refs = expanded.backward(BackwardRows(dout, q, ref_out, ref_lse), k, v, causal, 0.25)
+        for got, ref in zip(grads, refs, strict=True):
+            assert got.shape == ref.shape and rel_err(got, ref) < 10 * tol
+    device = torch.device("cpu")
+    assert native_gqa_agrees(expanded, native, device, dtype, 16)
+    GQA["native"] = False  # a build that refuses fewer K/V heads
+    assert not native_gqa_agrees(expanded, native, device, dtype, 16)
+    with pytest.raises(AssertionError, match="equal heads"):
+        native.forward(q, k, v, False, 0.25)
 
 
 def _blocks(gen, sq, sk, dtype, heads=4, kv_heads=2):

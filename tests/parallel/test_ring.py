@@ -12,7 +12,7 @@ from cp_train.parallel.cp.attention import context_parallel_attention
 from cp_train.parallel.cp.dropins import zigzag_ring_flash_attn_func
 from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.rank_plan import plan_for_documents, plan_for_layout
-from cp_train.parallel.cp.plan.varlen_plan import batched, step_varlen
+from cp_train.parallel.cp.plan.varlen_plan import VarlenCall, batched, step_varlen
 from cp_train.parallel.cp.ring.backward import _accumulate
 from cp_train.parallel.cp.ring.blocks import BlockGrads
 from cp_train.parallel.cp.spec import AttentionSpec
@@ -180,6 +180,10 @@ def _index_tensors(plan) -> list[torch.Tensor]:  # noqa: ANN001 - a RankPlan
     return [x for x in found if isinstance(x, torch.Tensor)]
 
 
+def _indices(index) -> torch.Tensor:  # noqa: ANN001 - a Selector
+    return torch.arange(index.start, index.stop) if isinstance(index, slice) else index
+
+
 def _documents_plan(world: int = 4, n: int = 16, rank: int = 1, batch: int = 1):
     positions = torch.stack([sequence_positions(n * world, r, world, "zigzag") for r in range(world)])[:, None]
     positions = positions.expand(world, batch, n).contiguous()
@@ -192,12 +196,12 @@ def test_plan_moves_every_index_tensor_in_one_place() -> None:
     that was not moved is moved once by ``on_device`` (the fallback)."""
     plan = _documents_plan()
     before = _index_tensors(plan)
-    assert before and any(step.many_calls for step in plan.steps)
+    assert before and any(step.by_documents for step in plan.steps)
     assert plan.to("cpu") is plan and plan.on_device(torch.device("cpu")) is plan
     moved = plan.to("meta", non_blocking=True)
     assert moved.device == torch.device("meta") and moved.to("meta") is moved
     assert moved.on_device(torch.device("meta")) is moved
-    assert all(step.varlen for step in moved.steps if step.many_calls)
+    assert all(step.varlen for step in moved.steps if step.by_documents)
     assert all(x.device.type == "meta" for x in _index_tensors(moved))
     assert [step.calls for step in moved.steps] == [step.calls for step in plan.steps]
     fallback = plan.on_device(torch.device("meta"))
@@ -210,11 +214,13 @@ def test_varlen_indices_of_a_batch_are_derived_on_the_device() -> None:
     build over the whole batch gives (sample after sample)."""
     plan = _documents_plan(batch=3)
     assert not plan.packed
-    for step in (s for s in plan.steps if s.many_calls):
+    for step in (s for s in plan.steps if s.by_documents):
         got = batched(step_varlen(step.segments, step.grad_kv), 3, plan.rows, step.held_rows, step.acc_rows)
         for call in got:
             parts = [(seg, grad) for seg, grad in zip(step.segments, step.grad_kv, strict=True)
                      if seg.causal == call.causal]
+            call = VarlenCall(call.causal, *(_indices(x) for x in (call.q_index, call.kv_index, call.grad_index)),
+                              call.segments)
             want_q = torch.cat([torch.arange(*seg.q) + b * plan.rows for b in range(3) for seg, _ in parts])
             want_kv = torch.cat([torch.arange(*seg.kv) + b * step.held_rows for b in range(3) for seg, _ in parts])
             want_grad = torch.cat([torch.arange(*grad) + b * step.acc_rows for b in range(3) for _, grad in parts])

@@ -36,7 +36,7 @@ from cp_train.parallel.cp.plan.segments import (
     union,
     visible_intervals,
 )
-from cp_train.parallel.cp.plan.varlen_plan import MANY_CALLS, VarlenCall, step_varlen
+from cp_train.parallel.cp.plan.varlen_plan import VarlenCall, step_varlen
 
 
 class KernelCall(NamedTuple):
@@ -68,18 +68,13 @@ class StepPlan:
     grad_grow: Selector
     grad_rows: tuple[int, int]
     varlen: tuple[VarlenCall, ...] | None = field(default=None, compare=False)  # one sample's (None: not built)
-
-    @property
-    def many_calls(self) -> bool:
-        """Whether the step is many dense calls (packed documents): varlen calls where the spec asks for them
-        (not with a sliding window, whose inverted triangles run as dense calls on reversed rows)."""
-        return len(self.calls) >= MANY_CALLS and not any(segment.slide for segment in self.segments)
+    by_documents: bool = False  # the calls take their shapes from the documents (``route_by_documents``)
 
     def apply(self, fn: Apply, varlen: bool) -> StepPlan:
         """This step with ``fn`` applied to its index tensors; ``varlen``: its varlen calls built first (when
-        ``many_calls``)."""
+        ``by_documents``)."""
         calls = self.varlen
-        if calls is None and varlen and self.many_calls:
+        if calls is None and varlen and self.by_documents:
             calls = step_varlen(self.segments, self.grad_kv)
         return dataclasses.replace(self, kv_send=apply_rows(self.kv_send, fn), grad_grow=apply_rows(self.grad_grow, fn),
                                    varlen=None if calls is None else tuple(call.apply(fn) for call in calls))
@@ -97,6 +92,35 @@ class StepPlan:
                 offset = grad[0] - segment.kv[0]
                 calls.append(KernelCall(call, (call.kv[0] + offset, call.kv[1] + offset)))
         return calls
+
+
+def layout_shapes(rows: int) -> set[tuple[int, int]]:
+    """The (query rows, keys) of the one call each ring step of one document makes in a static layout of
+    ``rows`` local rows, whatever the world: a whole block, a zigzag half against a whole block (either way),
+    stripe's diagonal one row short."""
+    shapes = {(rows, rows), (rows - 1, rows - 1)}
+    return shapes | {(rows // 2, rows), (rows, rows // 2)} if rows % 2 == 0 else shapes
+
+
+def route_by_documents(steps: list[StepPlan], rows: int, documents: bool, window: Window | None = None
+                       ) -> tuple[StepPlan, ...]:
+    """``steps`` with ``by_documents`` set where the documents shape the calls: with more than one document
+    (``documents``), a step is anything but one dense call of a layout shape (``layout_shapes``). Such a step
+    runs as one varlen call per mask kind on a kernel that has them (``ring/forward.py``), so the dense shapes a
+    run issues stay a handful whatever its documents (a cuDNN graph is built per dense shape). With a sliding
+    ``window``, steps with inverted triangles stay dense calls (they run on reversed rows); without one, a
+    sliding run is a stretch of one-key rows (one-token documents), which a varlen call takes row by row."""
+    if not documents:
+        return tuple(steps)
+    shapes = layout_shapes(rows)
+
+    def routed(step: StepPlan) -> bool:
+        calls = step.calls
+        if not calls or (window is not None and any(segment.slide for segment in step.segments)):
+            return False
+        return len(calls) > 1 or (calls[0].segment.rows, calls[0].segment.keys) not in shapes
+
+    return tuple(dataclasses.replace(step, by_documents=routed(step)) for step in steps)
 
 
 @dataclass(frozen=True)
@@ -202,8 +226,8 @@ def build_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, cau
     home_rows = covered(rank, world - 1) if world > 1 else []
     areas = tuple(sum(seg.area for source in range(world) for seg in segments[q][source]) for q in range(world))
     max_calls = max(sum(len(seg.dense_calls()) for seg in pair) for row in segments for pair in row)
-    return RankPlan(world, rank, rows, packed, tuple(steps), selector(home_rows, every) if home_rows else None,
-                    areas, max_calls)
+    return RankPlan(world, rank, rows, packed, route_by_documents(steps, rows, bool(docs.any()), window),
+                    selector(home_rows, every) if home_rows else None, areas, max_calls)
 
 
 def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, causal: bool, packed: bool,
@@ -235,7 +259,8 @@ def gathered_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, 
                               kv_rows=(size(sent), size(held)) if step else (0, 0), grad_grow=None,
                               grad_rows=(0, 0)))
     index = None if whole else _send_index(steps, rank, world)
-    return RankPlan(world, rank, rows, packed, tuple(steps), None, areas, max_calls, whole, index)
+    return RankPlan(world, rank, rows, packed, route_by_documents(steps, rows, bool(docs.any()), window), None, areas,
+                    max_calls, whole, index)
 
 
 def _send_index(steps: list[StepPlan], rank: int, world: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cp_train.parallel.cp.plan.device import Apply, Selector, apply_rows
-from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
+from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan, route_by_documents
 from cp_train.parallel.cp.plan.segments import Window, runs, visible_intervals, window_pairs
 
 TOLERANCE = (102, 100)  # the busiest rank's work may exceed the mean by 2%
@@ -134,7 +134,8 @@ def _block_plan(keys: list[torch.Tensor], docs: list[torch.Tensor], span: int, i
         steps.append(StepPlan(source, segments, tuple(s.kv for s in segments), held, held, None, (0, 0), None,
                               (0, 0)))
     calls = max(len(step.calls) for step in steps)
-    return RankPlan(world, index, keys[index].numel(), packed, tuple(steps), None, (), calls, True)
+    rows = keys[index].numel()
+    return RankPlan(world, index, rows, packed, route_by_documents(steps, rows, True, window), None, (), calls, True)
 
 
 def _home_plan(keys: torch.Tensor, docs: torch.Tensor, home: torch.Tensor, span: int, causal: bool,
@@ -147,7 +148,7 @@ def _home_plan(keys: torch.Tensor, docs: torch.Tensor, home: torch.Tensor, span:
     segments = tuple(runs(start, stop))
     rows = keys.numel()
     step = StepPlan(0, segments, tuple(s.kv for s in segments), rows, rows, None, (0, 0), None, (0, 0))
-    return RankPlan(1, 0, rows, packed, (step,), None, (), len(step.calls))
+    return RankPlan(1, 0, rows, packed, route_by_documents([step], rows, True, window), None, (), len(step.calls))
 
 
 def ulysses_documents_plan(keys: torch.Tensor, docs: torch.Tensor, span: int, rank: int, causal: bool,

@@ -38,6 +38,7 @@ from cp_train.parallel.cp.ring.forward import (
     uses_varlen,
 )
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
+from cp_train.parallel.cp.ring.varlen_steps import whole_call as varlen_whole
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels.contract import BackwardRows, QKVGrads, accumulator_dtype
 
@@ -121,6 +122,16 @@ def local_step(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], spec: 
     if one_call(spec, step, q.shape[1]) and _covers(step.calls[0].grad_kv, k.shape[1]):
         dq, dk, dv = call_backward(spec, step.calls[0].segment, rows, held)
         return dq.to(acc), dk.to(acc), dv.to(acc)
+    call = varlen_whole(plan, 0, q.shape[0], q.shape[1], q.device) if uses_varlen(spec, step) else None
+    if call is not None:
+        dq, grads = ring_varlen.whole_backward(spec.kernel, call, rows, held, spec.scale)
+        if _covers(grads.target, k.shape[1]):
+            return dq.to(acc), grads.dk.to(acc), grads.dv.to(acc)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros_like(dk)
+        add_grad(dk, grads.dk, grads.target)
+        add_grad(dv, grads.dv, grads.target)
+        return dq.to(acc), dk, dv
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)

@@ -21,6 +21,7 @@ from cp_train.parallel.cp.plan.segments import Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
 from cp_train.parallel.cp.ring.comm import RingComm, Transfer
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
+from cp_train.parallel.cp.ring.varlen_steps import whole_call as varlen_whole
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels.contract import accumulator_dtype
 from cp_train.parallel.kernels.varlen import merge_block
@@ -106,11 +107,23 @@ def one_call(spec: AttentionSpec, step: StepPlan, rows: int) -> bool:
     return not uses_varlen(spec, step) and len(step.calls) == 1 and step.calls[0].segment.q == (0, rows)
 
 
+def whole_step(spec: AttentionSpec, plan: RankPlan, index: int, q: torch.Tensor) -> bool:
+    """Whether step ``index`` is one kernel call (dense or varlen) over every query row of ``q`` ``[B, n, ...]``
+    in order: its outputs then become the running ones."""
+    if uses_varlen(spec, plan.steps[index]):
+        return varlen_whole(plan, index, q.shape[0], q.shape[1], q.device) is not None
+    return one_call(spec, plan.steps[index], q.shape[1])
+
+
 def _local_forward(plan: RankPlan, q: torch.Tensor, held: list[torch.Tensor], spec: AttentionSpec
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local step as one call over every row and head: its outputs become the running out [B, n, H, D]
-    and lse [B, n, H] (the accumulator dtype; no copy when the inputs are in it)."""
-    out, lse = call_forward(spec, plan.steps[0].calls[0].segment, q, held)
+    """The local step as one call over every row and head (``whole_step``): its outputs become the running out
+    [B, n, H, D] and lse [B, n, H] (the accumulator dtype; no copy when the inputs are in it)."""
+    if uses_varlen(spec, plan.steps[0]):
+        call = varlen_whole(plan, 0, q.shape[0], q.shape[1], q.device)
+        out, lse = ring_varlen.whole_forward(spec.kernel, call, q, held, spec.scale)
+    else:
+        out, lse = call_forward(spec, plan.steps[0].calls[0].segment, q, held)
     acc = accumulator_dtype(q.dtype)
     return out.to(acc), lse.to(acc)
 
@@ -125,7 +138,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
     group_size = heads // k.shape[2]
     acc = accumulator_dtype(q.dtype)
     chunks = head_chunk_bounds(k.shape[2], spec.forward_head_chunks)
-    whole = len(chunks) == 1 and one_call(spec, plan.steps[0], n)  # the local step's outputs start out, lse
+    whole = len(chunks) == 1 and whole_step(spec, plan, 0, q)  # the local step's outputs start out, lse
     out = None if whole else torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
     lse = None if whole else torch.empty(batch, n, heads, dtype=acc, device=q.device)
     for k0, k1 in chunks:
@@ -145,6 +158,6 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
 
 
 def uses_varlen(spec: AttentionSpec, step: StepPlan) -> bool:
-    """Varlen calls for steps of many segments (packed documents); dense views where a step is one or two
-    calls (the one-document layouts), which gathers nothing."""
-    return spec.varlen and step.many_calls
+    """Varlen calls for the steps the documents shape (``StepPlan.by_documents``) on a kernel that has them
+    (``spec.varlen``); dense calls for the rest (a layout's block shapes, a handful per run)."""
+    return spec.varlen and step.by_documents
