@@ -1,0 +1,137 @@
+"""Activation offload on one GPU (``model.activation_offload``): the longest sequence the 1B config trains without
+it, then with it at that length (the overlap) and at twice that length.
+
+    python -m bench.offload                            # gpt-1b, selective checkpointing, from 32k tokens up
+    python -m bench.offload --seq 131072               # skip the search: this length and twice it
+    python -m bench.offload --device cpu --tiny        # the same code on CPU at toy sizes (a smoke test)
+
+One optimizer step of ``launch/configs/gpt-1b-128k-cp8.yaml``'s model (vocabulary 32768, as ``bench/gpu.py``) at
+cp 1, micro batch 1, two packed documents, bf16 autocast, fused AdamW, eager, with ``--checkpointing`` (default
+selective). Without ``--seq``: the sequence doubles from ``--start`` until a step without offload runs out of
+device memory; the last that ran is ``S``. Then, each after a warm-up step, the median of ``--repeats`` steps:
+without offload at ``S``, with ``--offload`` (default checkpointed) at ``S`` and at ``2 S``. Per case: peak device
+memory (``torch.cuda.max_memory_allocated``), step time, tokens/s, the host bytes and the copies fetched late
+(not prefetched) of the offload's last forward, and ``vs none``: the step time over the step without offload at the
+same length (the issue asks for <= 1.15: the copies hidden behind the blocks' compute). ``2 S`` without offload
+is tried too and reported as ``OOM`` when it does not fit. JSON lines, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from bench.common import emit
+from bench.gpu import time_call
+from cp_train.config.sources import load_config
+from cp_train.model import GPTModel
+from cp_train.parallel import offload
+
+CONFIG = "launch/configs/gpt-1b-128k-cp8.yaml"
+
+
+def _model(args: argparse.Namespace, seq: int, mode: str, device: torch.device) -> GPTModel:
+    config = load_config(CONFIG).model
+    config.vocab_size = 32768
+    if args.tiny:
+        config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads = 3, 64, 4, 2
+        config.ffn_hidden_size, config.vocab_size = 128, 512
+    config.activation_checkpointing, config.activation_offload = args.checkpointing, mode
+    config.max_position_embeddings = max(config.max_position_embeddings, seq)
+    return GPTModel(config, device=device)
+
+
+def _step_case(args: argparse.Namespace, seq: int, mode: str, device: torch.device, repeats: int) -> dict:
+    model = _model(args, seq, mode, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (1, seq + 1), generator=gen, device=device)
+    documents = torch.zeros(1, seq, dtype=torch.long)
+    documents[:, seq // 3:] = 1  # two documents: the varlen path
+    plan = model.build_cp_plan(seq, documents)  # on the CPU, as the loader's workers build it
+    plan = plan.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else plan
+    seen: list[offload.OffloadStats] = []
+
+    def step() -> None:
+        with offload.observe() as stats, torch.autocast(device.type, dtype=torch.bfloat16,
+                                                         enabled=device.type == "cuda"):
+            losses = model(tokens[:, :-1], labels=tokens[:, 1:], plan=plan)
+        seen[:] = stats  # this forward's offload, counted on through its backward
+        losses.mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = time_call(step, device, args.warmup, repeats)
+    stats = seen[-1] if seen else offload.OffloadStats()
+    return {"ms": 1000 * seconds, "tokens_per_s": seq / seconds, "oom": False,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan,
+            "host_gib": stats.host_bytes / 2**30, "fetched_late": stats.fetched_late, "peak_layers": stats.peak_layers}
+
+
+def measure(args: argparse.Namespace, seq: int, mode: str, device: torch.device, repeats: int | None = None
+            ) -> dict:
+    """One case: the median step of ``repeats`` (default ``--repeats``) after ``--warmup``; ``oom`` when the
+    device ran out of memory."""
+    record = {"seq": seq, "offload": mode, "checkpointing": args.checkpointing}
+    try:
+        record.update(_step_case(args, seq, mode, device, repeats or args.repeats))
+    except torch.OutOfMemoryError:
+        record.update(oom=True)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return record
+
+
+def longest_without_offload(args: argparse.Namespace, device: torch.device) -> int:
+    """The longest ``--start * 2**k`` a step without offload runs at (one step each, no repeats)."""
+    seq, fits = args.start, 0
+    while seq <= args.max_seq and not measure(args, seq, "none", device, repeats=1)["oom"]:
+        fits, seq = seq, 2 * seq
+    if not fits:
+        raise SystemExit(f"no step without offload fits from --start {args.start}: lower it")
+    return fits
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--checkpointing", default="selective", choices=["none", "selective", "full"])
+    parser.add_argument("--offload", default="checkpointed", choices=["checkpointed", "all"])
+    parser.add_argument("--seq", type=int, help="the length S (default: the longest that fits without offload)")
+    parser.add_argument("--start", type=int, default=32768, help="the search's first length")
+    parser.add_argument("--max-seq", type=int, default=2**21, help="the search's last length")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run on a GPU, or pass --device cpu --tiny for a smoke run")
+    if args.offload == "checkpointed" and args.checkpointing == "none":
+        parser.error("--offload checkpointed needs --checkpointing selective or full (or --offload all)")
+    if args.tiny:
+        args.seq, args.warmup, args.repeats = args.seq or 64, 1, 1
+    seq = args.seq or longest_without_offload(args, device)
+    records = [measure(args, seq, "none", device), measure(args, seq, args.offload, device),
+               measure(args, 2 * seq, "none", device), measure(args, 2 * seq, args.offload, device)]
+    baseline = {r["seq"]: r for r in records if r["offload"] == "none" and not r["oom"]}
+    for record in records:
+        same = baseline.get(record["seq"])
+        record["vs_none"] = record["ms"] / same["ms"] if same and not record["oom"] else None
+    num = lambda digits: (lambda x: "" if x is None or (isinstance(x, float) and math.isnan(x)) else  # noqa: E731
+                          f"{x:.{digits}f}")
+    text = lambda x: "" if x is None else str(x)  # noqa: E731
+    emit(records, [("seq", "seq", text), ("offload", "offload", text), ("checkpointing", "checkpointing", text),
+                   ("oom", "OOM", text), ("peak_gib", "peak GiB", num(1)), ("ms", "step ms", num(1)),
+                   ("tokens_per_s", "tokens/s", num(0)), ("vs_none", "vs none", num(3)),
+                   ("host_gib", "host GiB", num(2)), ("fetched_late", "fetched late", text)])
+    return records
+
+
+if __name__ == "__main__":
+    main()
