@@ -57,8 +57,9 @@ class MLP(nn.Module):
 
     def local_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the output for tokens ``x`` ``[B, m, hidden]`` (no communication)."""
-        act = F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight)
-        return F.linear(act, self.down.weight)
+        gate, up, down = self.gate, self.up, self.down  # each layer's local matmul (model.fp8: FP8's)
+        act = F.silu(gate.linear_fn(x, gate.weight)) * up.linear_fn(x, up.weight)
+        return down.linear_fn(act, down.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

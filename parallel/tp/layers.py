@@ -14,6 +14,9 @@ Partitioned parameters carry ``tensor_model_parallel = True`` and ``partition_di
 the sequence (dim 1 of ``[B, n, ...]``): the column-parallel input and the row-parallel output and the
 embedding's output are this rank's ``[B, n/tp, ...]``, with all-gather / reduce-scatter in place of the
 identity / all-reduce.
+
+The column- and row-parallel layers run their local matmul through ``linear_fn`` (``F.linear``, with its
+contract); ``fp8.py`` replaces it with an FP8 matmul, keeping the layer's collectives.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from cp_train.parallel.tp.sequence_parallel import (
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 """Fills a full fp32 weight in place, drawing only from the given generator."""
+LinearFn = Callable[..., torch.Tensor]
+"""A layer's local matmul ``(x, weight, bias=None) -> y``, ``F.linear``'s contract (``fp8.py``: FP8's)."""
 
 
 def init_weight_shard(full_shape: tuple[int, int], partition_dim: int, group: dist.ProcessGroup | None,
@@ -96,11 +101,12 @@ class ColumnParallelLinear(nn.Module):
         local_out = out_features // self.tp_size
         self.bias = (_partitioned(torch.zeros(local_out, dtype=self.weight.dtype, device=device), 0)
                      if bias else None)
+        self.linear_fn: LinearFn = F.linear  # the local matmul (fp8.py: FP8's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = (gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel
              else copy_to_tensor_parallel_region(x, self.group))
-        y = F.linear(x, self.weight, self.bias)
+        y = self.linear_fn(x, self.weight, self.bias)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -132,6 +138,7 @@ class RowParallelLinear(nn.Module):
                                                      init_method, init_std, dtype, device), 1)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=device))
                      if bias else None)
+        self.linear_fn: LinearFn = F.linear  # the local matmul (fp8.py: FP8's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local_in = self.in_features // self.tp_size
@@ -141,9 +148,9 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
         if self.sequence_parallel:  # each rank's bias gradient covers its shard: summed over TP
-            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group)
+            y = reduce_scatter_to_sequence_parallel_region(self.linear_fn(x, self.weight), self.group)
             return y if self.bias is None else y + copy_to_tensor_parallel_region(self.bias, self.group)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        y = reduce_from_tensor_parallel_region(self.linear_fn(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 

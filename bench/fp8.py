@@ -1,0 +1,118 @@
+"""FP8 linears against bf16 on one GPU: the trainer's run of the 1B config at 16,384 tokens per step, compiled,
+with ``model.fp8`` none (bf16), tensorwise and rowwise (``parallel/tp/fp8.py``).
+
+    python -m bench.fp8                                   # GPU: 100 steps per variant (about 2 minutes each)
+    python -m bench.fp8 --steps 40 --variants none tensorwise
+    python -m bench.fp8 --tiny                            # CPU: a tiny model, a few eager steps, emulated FP8
+
+Each variant is one ``Trainer`` run in a world of one process (nccl on CUDA, gloo on CPU) on the embedded corpus,
+the same data and seed for all: ``launch/configs/gpt-1b-128k-cp8.yaml`` at cp 1 without FSDP (``--fsdp``: with it),
+``data.seq_len`` ``--seq`` (16,384), one sample per step, bf16 autocast, ``train.compile`` (``--eager``: off),
+logging every ``--interval`` steps. Per variant: the step time (median of the logged intervals after the first,
+which holds the compilation), tokens/s, ``mfu`` (at the bf16 peak), ``mfu_fp8_peak`` (the FP8 linears at the FP8
+peak; ``cp_train/metrics/throughput.py``), the loss at the last step and its relative difference from bf16's,
+tokens/s over bf16's and the peak memory. JSON lines, then a table (``bench.common.emit``).
+
+The issue's bar on an H100/H200: FP8 within 1% of bf16's loss at step 100, tensorwise at least 1.2x bf16's tokens/s.
+torchao must be installed where it runs (``pip install -e ".[fp8]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/fp8.py` from anywhere
+
+import torch  # noqa: E402
+
+from bench.common import emit  # noqa: E402
+from cp_train.config.schema import Config  # noqa: E402
+from cp_train.config.sources import build_config, flatten, read_yaml  # noqa: E402
+from cp_train.metrics.writers import METRICS_FILE  # noqa: E402
+from cp_train.parallel.mesh.state import parallel_context, world_of_one  # noqa: E402
+from cp_train.trainer import Trainer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "launch" / "configs" / "gpt-1b-128k-cp8.yaml"
+VARIANTS = ("none", "tensorwise", "rowwise")
+TINY_MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
+              "model.ffn_hidden_size": 128, "model.max_position_embeddings": 128}
+
+
+def run_config(args: argparse.Namespace, variant: str, run_dir: Path) -> Config:
+    """The 1B config (or ``--tiny``'s) for one variant, in a world of one."""
+    values = flatten(read_yaml(CONFIG), str(CONFIG))
+    values.update({
+        "model.fp8": variant, "parallel.cp": 1, "parallel.fsdp": args.fsdp, "parallel.backend": None,
+        "data.seq_len": args.seq, "train.micro_batch_size": 1, "train.global_batch_size": 1,
+        "train.steps": args.steps, "schedule.warmup_steps": max(1, args.steps // 10), "train.valid_interval": 0,
+        "train.compile": not args.eager, "train.dtype": "auto", "checkpoint.save": None, "checkpoint.interval": 0,
+        "logging.dir": str(run_dir), "logging.interval": args.interval, "logging.wandb": False,
+        "logging.console": False})
+    if args.tiny:
+        values.update(TINY_MODEL)
+    return build_config([("bench.fp8", values)])
+
+
+def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    """Train one variant; its record (see the module docstring)."""
+    run_dir = Path(args.out) / variant
+    config = run_config(args, variant, run_dir)
+    torch._dynamo.reset()  # each variant compiles its own graphs
+    with parallel_context(backend="nccl" if torch.cuda.is_available() else "gloo") as state:
+        result = Trainer(config, state).train()
+    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    intervals = [r for r in records if r.get("kind") == "train"]
+    timed = intervals[1:] or intervals  # the first interval holds the compilation
+    setup = next(r for r in records if r.get("kind") == "setup")
+    last = max(result.losses)
+    return {"variant": variant, "steps": last, "seq_len": args.seq,
+            "compiled": not args.eager, "fp8_linears": setup.get("fp8_linears", 0),
+            "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "mfu": statistics.median(r["mfu"] for r in timed),
+            "mfu_fp8_peak": statistics.median(r.get("mfu_fp8_peak", r["mfu"]) for r in timed),
+            "loss": result.losses[last], "peak_memory_gib": max(r["peak_memory_gib"] for r in intervals)}
+
+
+def compare(records: list[dict[str, Any]]) -> None:
+    """Each record's loss and tokens/s against the bf16 run's (when there is one)."""
+    base = next((r for r in records if r["variant"] == "none"), None)
+    for record in records:
+        record["loss_vs_bf16"] = record["loss"] / base["loss"] - 1 if base else None
+        record["speedup_vs_bf16"] = record["tokens_per_s"] / base["tokens_per_s"] if base else None
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seq", type=int, default=16384, help="tokens per step (one sample)")
+    parser.add_argument("--interval", type=int, default=10, help="steps per logged interval")
+    parser.add_argument("--eager", action="store_true", help="no train.compile")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 over the one rank (FP8 all-gathers, tensorwise)")
+    parser.add_argument("--out", default="runs/bench-fp8", help="the runs' directories")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model, 3 eager steps of 128 tokens (CPU smoke)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.steps, args.seq, args.interval, args.eager = 3, 128, 1, True
+    with world_of_one():
+        records = [run_variant(args, variant) for variant in args.variants]
+    compare(records)
+    percent = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
+    emit(records, [("variant", "model.fp8", str), ("step_time_s", "step s", lambda v: f"{v:.3g}"),
+                   ("tokens_per_s", "tokens/s", lambda v: f"{v:,.0f}"), ("mfu", "MFU (bf16 peak)", percent),
+                   ("mfu_fp8_peak", "MFU (fp8 peak)", percent), ("loss", f"loss@{args.steps}", lambda v: f"{v:.4f}"),
+                   ("loss_vs_bf16", "vs bf16", lambda v: "-" if v is None else f"{v:+.2%}"),
+                   ("speedup_vs_bf16", "speedup", lambda v: "-" if v is None else f"{v:.2f}x"),
+                   ("peak_memory_gib", "GiB", lambda v: f"{v:.1f}")])
+    return records
+
+
+if __name__ == "__main__":
+    main()

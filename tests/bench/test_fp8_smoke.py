@@ -1,0 +1,25 @@
+"""``bench/fp8.py`` runs on CPU at a toy shape (``--tiny``: a few eager steps, torchao's emulation), so the GPU
+benchmark is not first run on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import fp8
+from cp_train.parallel.tp.fp8 import fp8_unavailable
+
+if fp8_unavailable("tensorwise", torch.device("cpu")):  # the dev extra installs torchao
+    pytest.skip(fp8_unavailable("tensorwise", torch.device("cpu")), allow_module_level=True)
+
+
+def test_fp8_benchmark_smoke_run(tmp_path, capsys) -> None:
+    records = fp8.main(["--tiny", "--out", str(tmp_path)])
+    assert [r["variant"] for r in records] == ["none", "tensorwise", "rowwise"]
+    assert [r["fp8_linears"] for r in records] == [0, 10, 10]  # 2 blocks x 5 linears
+    assert all(r["steps"] == 3 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in records)
+    assert records[0]["speedup_vs_bf16"] == 1.0 and records[0]["mfu_fp8_peak"] == records[0]["mfu"]
+    assert all(0 < r["mfu_fp8_peak"] < r["mfu"] for r in records[1:])  # the FP8 linears at twice the peak
+    assert all(abs(r["loss_vs_bf16"]) < 0.01 for r in records)
+    out = capsys.readouterr().out
+    assert "MFU (fp8 peak)" in out and "speedup" in out

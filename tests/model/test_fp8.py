@@ -1,0 +1,211 @@
+"""``model.fp8`` on one process (``parallel/tp/fp8.py``; torchao's emulation on CPU): what converts, the matmul against
+torchao's own ``Float8Linear`` and a float64 reference, the model's loss and gradients against fp32, activation
+checkpointing, compile, the one-line errors, the MFU at the FP8 peak, the planner's switch and the resume note.
+
+The rank-side runs (cp 2 curves, FSDP with tp 2 x cp 2, checkpoints) are in ``tests/train/test_fp8_train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cp_train.checkpoint.resume import check_resume
+from cp_train.cli.plan import base_config
+from cp_train.config.schema import ConfigError
+from cp_train.config.sources import build_config
+from cp_train.config.validate import validate
+from cp_train.metrics.throughput import FP8_PEAK_RATIO, IntervalMeter, fp8_flops_per_token
+from cp_train.model import GPTModel
+from cp_train.model.family import get_model_family
+from cp_train.parallel.tp.fp8 import (
+    Float8Matmul,
+    convert_to_fp8,
+    float8_config,
+    fp8_layers,
+    fp8_unavailable,
+    import_float8,
+)
+from cp_train.perf.rates import linear_precision
+from tests.model_cases import global_batch, step, tiny_config
+from tests.numerics import rel_err
+
+CPU = torch.device("cpu")
+if fp8_unavailable("tensorwise", CPU):  # the dev extra installs torchao
+    pytest.skip(fp8_unavailable("tensorwise", CPU), allow_module_level=True)
+RECIPES = ("tensorwise", "rowwise")
+BLOCK_LINEARS = ("attention.qkv", "attention.proj", "mlp.gate", "mlp.up", "mlp.down")
+
+
+def fp8_model(recipe: str, **overrides) -> GPTModel:
+    model = GPTModel(tiny_config(**overrides))
+    assert convert_to_fp8(model.layers, recipe, CPU, prefix="layers.") == fp8_layers(model)  # as cp_train.build does
+    return model
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_only_the_block_linears_convert_and_the_state_dict_is_unchanged(recipe: str) -> None:
+    plain, model = GPTModel(tiny_config()), fp8_model(recipe)
+    layers = plain.config.num_layers
+    assert fp8_layers(model) == [f"layers.{i}.{name}" for i in range(layers) for name in BLOCK_LINEARS]
+    assert all(isinstance(model.get_submodule(name).linear_fn, Float8Matmul) for name in fp8_layers(model))
+    assert model.lm_head.linear_fn is F.linear  # the head and the embedding stay in the compute dtype
+    state, reference = model.state_dict(), plain.state_dict()
+    assert state.keys() == reference.keys()
+    assert all(type(t) is torch.Tensor and torch.equal(t, reference[k]) for k, t in state.items())
+    assert convert_to_fp8(GPTModel(tiny_config()).layers, "none", CPU) == [] and fp8_layers(plain) == []
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_matmul_is_torchaos_float8_linear_bitwise_and_near_float64(recipe: str) -> None:
+    """Forward and both gradients equal those of torchao's ``Float8Linear`` with the same config, bitwise; against a
+    float64 ``F.linear`` the FP8 error is there (above 1e-3) and bounded (below 10%)."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight, grad = torch.randn(4, 16, 64, generator=gen), torch.randn(96, 64, generator=gen), torch.randn(4, 16, 96)
+    config = float8_config(recipe, emulate=True)
+    linear = nn.Linear(64, 96, bias=False)
+    linear.weight.data.copy_(weight)
+    theirs = import_float8().convert_to_float8_training(nn.Sequential(linear), config=config)[0]
+    assert type(theirs).__name__ == "Float8Linear"
+    ours_x, ours_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    ours = Float8Matmul(config)(ours_x, ours_w)
+    ours.backward(grad)
+    their_x = x.clone().requires_grad_()
+    reference = theirs(their_x)
+    reference.backward(grad)
+    assert torch.equal(ours, reference) and torch.equal(ours_x.grad, their_x.grad)
+    assert torch.equal(ours_w.grad, theirs.weight.grad)
+    exact = F.linear(x.double(), weight.double())
+    assert 1e-3 < rel_err(ours, exact) < 0.1
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_model_tracks_fp32_and_checkpointing_recomputes_exactly(recipe: str) -> None:
+    """Losses within 1% and gradients within 25% of fp32 (FP8 gradients: e5m2 or e4m3); every activation
+    checkpointing mode gives bitwise the same gradients (the dynamic scales are recomputed alike)."""
+    data = global_batch(tiny_config())
+    reference = step(GPTModel(tiny_config()), data)
+    runs = {mode: step(fp8_model(recipe, activation_checkpointing=mode), data) for mode in ("none", "full",
+                                                                                            "selective")}
+    got = runs["none"]
+    assert 0 < rel_err(got["losses"], reference["losses"]) < 1e-2
+    assert max(rel_err(got["grads"][n], g) for n, g in reference["grads"].items()) < 0.25
+    for mode in ("full", "selective"):
+        assert all(torch.equal(runs[mode]["grads"][n], g) for n, g in got["grads"].items()), mode
+
+
+def test_compiled_equals_eager() -> None:
+    """Three AdamW steps of the tiny model with FP8 linears, eager and with ``compile_parts`` (fullgraph, no graph
+    break): the losses agree within 1e-5 (the emulation's casts compile to the same numbers)."""
+    from torch._dynamo.utils import counters
+
+    batches = [global_batch(tiny_config(), seed=seed) for seed in range(3)]
+    losses = {}
+    for mode in ("eager", "compiled"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = fp8_model("tensorwise")
+        if mode == "compiled":
+            model.compile_parts()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[mode] = []
+        for data in batches:
+            loss = (model(data["tokens"], labels=data["labels"]) * data["weights"]).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[mode].append(loss.item())
+        assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+    assert max(rel_err(c, e) for c, e in zip(losses["compiled"], losses["eager"], strict=True)) < 1e-5, losses
+
+
+# ----------------------------------------------------------------------------------------------- errors
+def test_without_torchao_the_error_names_the_extra(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 raises ImportError
+    message = fp8_unavailable("tensorwise", CPU)
+    assert message is not None and "\n" not in message
+    assert message.startswith("model.fp8 tensorwise needs torchao's float8 training")
+    assert 'pip install -e ".[fp8]"' in message and "model.fp8=none" in message
+    assert fp8_unavailable("none", CPU) is None
+
+
+def test_a_gpu_before_sm89_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    message = fp8_unavailable("rowwise", cuda)
+    assert message == ("model.fp8 rowwise needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+                       "Blackwell) and NVIDIA A100-SXM4-80GB is sm_80: set model.fp8=none")
+    for capability in ((8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8_unavailable("tensorwise", cuda) is None, capability
+
+
+def test_gpu_gemms_need_dims_that_are_multiples_of_16() -> None:
+    """On CUDA (not emulated) a block linear whose weight has a dim that is no multiple of 16 is refused by name; the
+    CPU's emulation takes any shape."""
+    odd = {"hidden_size": 40, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 64}  # qkv [80, 40]
+    with pytest.raises(ValueError, match=r"^model.fp8 tensorwise: the FP8 GEMMs need weight dims that are multiples "
+                                         r"of 16 and layers.0.attention.qkv's weight is \[80, 40\] on each TP rank"):
+        convert_to_fp8(GPTModel(tiny_config(**odd)).layers, "tensorwise", torch.device("cuda"), prefix="layers.")
+    assert len(convert_to_fp8(GPTModel(tiny_config(**odd)).layers, "tensorwise", CPU)) == 10
+
+
+def test_an_unknown_recipe_is_a_config_error() -> None:
+    config = build_config([("test", {"model.fp8": "fp16", "model.vocab_size": 128, "data.eod_id": 0})])
+    with pytest.raises(ConfigError, match=r"^model.fp8 must be one of none, tensorwise, rowwise; got 'fp16'$"):
+        validate(config, 1)
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+def test_mfu_counts_the_fp8_linears_at_the_fp8_peak() -> None:
+    """``mfu`` stays at the bf16 peak; ``mfu_fp8_peak`` counts the blocks' linears (6 x their weights per token)
+    at FP8_PEAK_RATIO x that peak and everything else at it; a bf16 run has no ``mfu_fp8_peak``."""
+    config = dataclasses.replace(tiny_config(), fp8="tensorwise")
+    family = get_model_family(config.family)
+    block = config.num_layers * sum(x.in_features * x.out_features for x in family.block_linears(config))
+    assert fp8_flops_per_token(config) == 6.0 * block > 0
+    assert fp8_flops_per_token(dataclasses.replace(config, fp8="none")) == 0.0
+    meter = IntervalMeter.for_model(config, 32, 4, 2, 100.0)
+    meter.add(loss=1.0, step_time=0.1, data_time=0.0)
+    record = meter.record(1, 1e-3, 1.0, 4, 32, 0.1)
+    fp8_share = meter.fp8_flops_per_token / meter.flops_per_token
+    expected = record["mfu"] * (fp8_share / FP8_PEAK_RATIO + 1 - fp8_share)
+    assert record["mfu_fp8_peak"] == pytest.approx(expected, rel=1e-12) and record["mfu_fp8_peak"] < record["mfu"]
+    bf16 = IntervalMeter.for_model(dataclasses.replace(config, fp8="none"), 32, 4, 2, 100.0)
+    bf16.add(loss=1.0, step_time=0.1, data_time=0.0)
+    assert "mfu_fp8_peak" not in bf16.record(1, 1e-3, 1.0, 4, 32, 0.1)
+
+
+# ----------------------------------------------------------------------------------------------- planner, resume
+def _plan_args(model: str, precision: str | None) -> argparse.Namespace:
+    return argparse.Namespace(model=model, vocab_size=128256, seq_len=8192, gpus=8, global_batch_tokens=None,
+                              eager=False, precision=precision)
+
+
+def test_the_planners_precision_is_model_fp8(tmp_path) -> None:
+    """One switch: a config with model.fp8 plans FP8 linears unless --precision bf16 says otherwise, and
+    --precision fp8 plans a bf16 config (or a preset) with tensorwise."""
+    yaml = tmp_path / "fp8.yaml"
+    yaml.write_text("model:\n  vocab_size: 32000\n  num_layers: 2\n  hidden_size: 256\n  num_heads: 4\n"
+                    "  fp8: rowwise\n")
+    cases = {(str(yaml), None): "rowwise", (str(yaml), "bf16"): "none", (str(yaml), "fp8"): "rowwise",
+             ("llama3-8b", None): "none", ("llama3-8b", "fp8"): "tensorwise", ("llama3-8b", "bf16"): "none"}
+    for (model, precision), fp8 in cases.items():
+        assert base_config(_plan_args(model, precision)).model.fp8 == fp8, (model, precision)
+    assert [linear_precision(r) for r in ("none", "tensorwise", "rowwise")] == ["bf16", "fp8", "fp8"]
+
+
+def test_a_resume_that_switches_fp8_is_one_note() -> None:
+    saved = build_config([("saved", {"model.vocab_size": 128})]).to_dict()
+    config = build_config([("now", {"model.vocab_size": 128, "model.fp8": "tensorwise"})])
+    notes = check_resume(saved, config, "ckpt")
+    assert notes == ["model.fp8 none -> tensorwise: the checkpoint's weights and optimizer state load as saved (FP8 "
+                     "changes how the blocks' linears compute, not the fp32 weights they keep)"]
