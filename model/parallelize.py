@@ -39,7 +39,8 @@ def fsdp_shard_dim(param: torch.Tensor, tp_size: int) -> int:
 def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bool = True,
                     param_dtype: torch.dtype | None = None) -> None:
     """Apply FSDP2 to ``model`` in place (on the meta device or a real one): each block, then the root
-    (embedding, norm, head), over the 1-D DP x CP ``mesh``, summing gradients; TP attributes are kept.
+    (embedding, norm, head), over the 1-D DP x CP ``mesh`` (or HSDP's 2-D ``("dp_replicate", "dp_shard_cp")``:
+    sharded over the second dim, replicated over the first), summing gradients; TP attributes are kept.
 
     ``reshard_after_forward`` applies to the blocks (the root keeps its parameters until the backward);
     ``param_dtype`` (bf16 runs) is the dtype parameters are gathered and computed in."""
@@ -68,7 +69,7 @@ def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bo
         # without CUDA streams a synchronous collective blocks the process: issue the gathers and the
         # reduce-scatters asynchronously, so they run while the neighbouring blocks compute (bench/fsdp.py)
         model._set_unshard_async_op(True)
-        if all(reduces_plainly(module) for module in order):
+        if mesh.ndim == 1 and all(reduces_plainly(module) for module in order):  # HSDP all-reduces its output
             reduce_scatter = OverlappedReduceScatter(model)
             for module in order:
                 module.set_custom_reduce_scatter(reduce_scatter)

@@ -11,10 +11,16 @@ called as ``fn(*args, **kwargs)`` on every rank after ``torch.distributed`` is
 initialised (rank and size come from ``torch.distributed``). ``run`` returns
 the per-rank return values in rank order, or raises ``RankError`` carrying the
 first failing rank's traceback.
+
+``layer`` names a module that every rank loads after ``init_process_group``: its ``install()`` runs once, its
+``after_job()`` after each job (what it returns travels to the parent), and the parent's ``check(payloads)``
+gets them in rank order and returns None or one line, which fails the job (the test suite's strict
+communication layer, ``tests/strict_comm.py``).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import socket
@@ -41,11 +47,14 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, threads: int, timeout_s: float,
-               env: dict[str, str], jobs: Any, results: Any) -> None:
+               env: dict[str, str], layer: str | None, jobs: Any, results: Any) -> None:
     os.environ.update(env)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
+    hooks = importlib.import_module(layer) if layer else None
+    if hooks is not None:
+        hooks.install()
     try:
         while True:
             job = jobs.get()
@@ -53,11 +62,20 @@ def _rank_main(rank: int, world: int, port: int, threads: int, timeout_s: float,
                 break
             fn, args, kwargs = job
             try:
-                results.put((rank, True, fn(*args, **kwargs)))
+                value, ok = fn(*args, **kwargs), True
             except BaseException:  # noqa: BLE001 - the traceback travels to the parent
-                results.put((rank, False, traceback.format_exc()))
+                value, ok = traceback.format_exc(), False
+            payload = hooks.after_job() if hooks is not None else None
+            results.put((rank, ok, value, payload))
     finally:
         dist.destroy_process_group()
+
+
+def _secondary(tb: str) -> bool:
+    """Whether a rank's traceback is a consequence of another rank's failure (a timeout, a lost peer)."""
+    last = tb.strip().splitlines()[-1].lower() if tb.strip() else ""
+    return any(marker in last for marker in ("timed out", "timeout", "connection closed", "connection reset",
+                                             "another rank failed"))
 
 
 class SpawnedWorld:
@@ -69,10 +87,12 @@ class SpawnedWorld:
     """
 
     def __init__(self, world: int, threads: int | None = None, timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, layer: str | None = None) -> None:
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
         self.world = world
+        self.layer = importlib.import_module(layer) if layer else None
+        self.payloads: list[Any] = [None] * world
         self.timeout_s = timeout_s
         self.threads = threads or max(1, (os.cpu_count() or 1) // world)
         ctx = mp.get_context("spawn")
@@ -81,7 +101,7 @@ class SpawnedWorld:
         port = free_port()
         self._procs = [
             ctx.Process(target=_rank_main, daemon=True,
-                        args=(r, world, port, self.threads, timeout_s, env or {}, self._jobs[r],
+                        args=(r, world, port, self.threads, timeout_s, env or {}, layer, self._jobs[r],
                               self._results))
             for r in range(world)
         ]
@@ -96,20 +116,25 @@ class SpawnedWorld:
         for jobs in self._jobs:
             jobs.put((fn, args, kwargs))
         out: list[Any] = [None] * self.world
+        payloads: list[Any] = [None] * self.world
         failures: list[tuple[int, str]] = []
         deadline = time.monotonic() + self.timeout_s + 30
         for _ in range(self.world):
-            rank, ok, value = self._next_result(fn.__name__, deadline)
+            rank, ok, value, payloads[rank] = self._next_result(fn.__name__, deadline)
             if ok:
                 out[rank] = value
             else:
                 failures.append((rank, value))
-        if failures:
-            rank, tb = min(failures)
+        if failures:  # a rank's own error before the peers' timeouts and lost connections it caused
+            rank, tb = min(failures, key=lambda failure: (_secondary(failure[1]), failure[0]))
             raise RankError(f"{fn.__name__} failed on rank {rank}:\n{tb}")
+        self.payloads = payloads  # the layer's record of this job, per rank
+        found = self.layer.check(payloads) if self.layer is not None else None
+        if found is not None:
+            raise RankError(f"{fn.__name__}: {found}")
         return out
 
-    def _next_result(self, name: str, deadline: float) -> tuple[int, bool, Any]:
+    def _next_result(self, name: str, deadline: float) -> tuple[int, bool, Any, Any]:
         """The next rank's answer; raises at once when a rank died, or at the deadline."""
         while True:
             try:

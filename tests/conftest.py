@@ -8,12 +8,14 @@ import pytest
 
 from cp_train.parallel.spawn import SpawnedWorld
 
+STRICT = "tests.strict_comm"  # every spawned world runs under it
 _MAX_ALIVE = 4  # worlds kept alive at once (each rank is a full Python + torch process)
 
 
 @pytest.fixture(scope="session")
 def spawn_world() -> Iterator[Callable[[int], SpawnedWorld]]:
-    """``spawn_world(n)`` returns a live gloo world of n ranks, reused across tests.
+    """``spawn_world(n)`` returns a live gloo world of n ranks, reused across tests, under the strict
+    communication layer (``tests/strict_comm.py``: NCCL's pairing of messages, every job's collectives checked).
 
     A world that broke (a rank raised mid-collective) is replaced on the next request.
     """
@@ -30,7 +32,7 @@ def spawn_world() -> Iterator[Callable[[int], SpawnedWorld]]:
         while len(worlds) >= _MAX_ALIVE:
             oldest = next(iter(worlds))
             worlds.pop(oldest).close()
-        worlds[n] = SpawnedWorld(n)
+        worlds[n] = SpawnedWorld(n, layer=STRICT)
         return worlds[n]
 
     yield get

@@ -7,6 +7,7 @@ keeps the current state and its Megatron-named getters.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cp_train.parallel.cp.algorithms.registry import CPAlgorithm
-from cp_train.parallel.mesh.model_parallel import CPGroups, ModelParallel
+from cp_train.parallel.mesh.model_parallel import CPGroups, ModelParallel, register_grad_group
 from cp_train.parallel.mesh.rank_groups import DATA_AXES, DATA_AXIS, Groups, ParallelDims, compute_rank_groups
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -58,6 +59,11 @@ class ParallelState:
     shard_mesh: DeviceMesh
     owns_default_group: bool
     host_group: dist.ProcessGroup | None = None  # every rank over gloo: host scalars, never the GPU's stream
+    dp_replicate: int = 1  # HSDP's replicas (1: FSDP shards over all of DP x CP)
+    fsdp_shard: AxisGroup | None = None  # the ranks FSDP shards over: dp_cp, or a replica's DP x CP under HSDP
+    dp_replicate_axis: AxisGroup | None = None  # HSDP: this shard's replicas (gradients all-reduced across)
+    fsdp_mesh: DeviceMesh | None = None  # what FSDP2 is given: ("dp_cp",), or ("dp_replicate", "dp_shard_cp")
+    cp_grad: AxisGroup | None = None  # the ring group's twin: the dK/dV hops (``ring/comm.py``)
     cp_ulysses: AxisGroup | None = None  # hybrid CP: adjacent CP ranks (all-to-all inside)
     cp_ring: AxisGroup | None = None  # hybrid CP: the same place in each Ulysses group (the ring across)
 
@@ -79,16 +85,19 @@ def _axis(mesh: DeviceMesh) -> AxisGroup:
                      ranks=tuple(dist.get_process_group_ranks(group)))
 
 
-def _subgroup_override(backend: str, timeout: timedelta) -> tuple[str, Any] | None:
+def _subgroup_override(backend: str, timeout: timedelta, high_priority: bool = False) -> tuple[str, Any] | None:
     """(backend, a NEW options object carrying ``timeout``) for one mesh dimension's groups; None where
     the backend has no options. Call it once per dimension: c10d writes each group's ranks and name
-    into its options object, so an object shared by several groups would be overwritten."""
+    into its options object, so an object shared by several groups would be overwritten. ``high_priority``:
+    NCCL's streams of the groups at high priority (the CP ring's hops)."""
     names = {"gloo": ("ProcessGroupGloo", "_Options"), "nccl": ("ProcessGroupNCCL", "Options")}
     try:
         options = getattr(getattr(dist, names[backend][0]), names[backend][1])()
         options._timeout = timeout
     except (KeyError, AttributeError, RuntimeError):
         return None
+    if high_priority and hasattr(options, "is_high_priority_stream"):
+        options.is_high_priority_stream = True
     return backend, options
 
 
@@ -114,11 +123,11 @@ def init_default_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, timeout=timeout)
 
 
-def _subgroups(groups: Groups, backend: str, timeout: timedelta) -> AxisGroup:
+def _subgroups(groups: Groups, backend: str, timeout: timedelta, high_priority: bool = False) -> AxisGroup:
     """Create every group of ``groups`` (every rank creates all of them, in order) and return this rank's."""
     mine = None
     for ranks in groups:
-        override = _subgroup_override(backend, timeout)
+        override = _subgroup_override(backend, timeout, high_priority)
         group = dist.new_group(list(ranks), timeout=timeout, backend=backend,
                                pg_options=override[1] if override else None)
         if dist.get_rank() in ranks:
@@ -128,9 +137,10 @@ def _subgroups(groups: Groups, backend: str, timeout: timedelta) -> AxisGroup:
 
 
 def build_state(dims: ParallelDims, backend: str, timeout: timedelta, created: bool,
-                 ulysses: int = 1) -> ParallelState:
+                 ulysses: int = 1, dp_replicate: int = 1) -> ParallelState:
     device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    per_dim = {name: _subgroup_override(backend, timeout) for name in dims.mesh_names}
+    per_dim = {name: _subgroup_override(backend, timeout, high_priority=name == "cp" and ulysses == 1)
+               for name in dims.mesh_names}
     mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_names,
                             backend_override=per_dim if per_dim["dp"] else None)
     dp_cp_mesh = mesh[DATA_AXES]._flatten(DATA_AXIS, backend_override=_subgroup_override(backend, timeout))
@@ -138,22 +148,59 @@ def build_state(dims: ParallelDims, backend: str, timeout: timedelta, created: b
     shard_mesh = DeviceMesh.from_group([dp_cp_mesh.get_group(), mesh["tp"].get_group()], device_type,
                                        mesh=torch.arange(dims.world).reshape(dims.data, dims.tp),
                                        mesh_dim_names=(DATA_AXIS, "tp"))
+    hsdp = _hsdp(dims, dp_replicate, backend, timeout, device_type, mesh["tp"].get_group()) if dp_replicate > 1 else {}
     cp_axis = _axis(mesh["cp"])
     state = ParallelState(
         dims=dims, world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend,
         tp=_axis(mesh["tp"]), cp=cp_axis, dp=_axis(mesh["dp"]), dp_cp=_axis(dp_cp_mesh),
         tp_cp=_axis(tp_cp_mesh), cp_prev_rank=cp_axis.ranks[(cp_axis.rank - 1) % dims.cp],
         cp_next_rank=cp_axis.ranks[(cp_axis.rank + 1) % dims.cp], mesh=mesh, dp_cp_mesh=dp_cp_mesh,
-        tp_cp_mesh=tp_cp_mesh, shard_mesh=shard_mesh, owns_default_group=created,
-        host_group=_host_group(backend, timeout), **_hybrid_axes(dims, ulysses, backend, timeout))
+        tp_cp_mesh=tp_cp_mesh, owns_default_group=created, host_group=_host_group(backend, timeout),
+        **{"shard_mesh": shard_mesh, "fsdp_mesh": dp_cp_mesh, "fsdp_shard": _axis(dp_cp_mesh), **hsdp},
+        **_hybrid_axes(dims, ulysses, backend, timeout))
+    state = dataclasses.replace(state, cp_grad=_grad_twin(state, dims, ulysses, backend, timeout))
     connect_groups(state)
     return state
+
+
+def _grad_twin(state: ParallelState, dims: ParallelDims, ulysses: int, backend: str, timeout: timedelta
+               ) -> AxisGroup | None:
+    """A second communicator over each ring group's ranks, for the dK/dV hops (``ring/comm.py``), its NCCL streams
+    at high priority like the ring group's own; None without a ring."""
+    ring = state.cp_ring if state.cp_ring is not None else state.cp
+    if ring.size == 1:
+        return None
+    groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, ulysses)
+    twin = _subgroups(groups.cp_ring if state.cp_ring is not None else groups.cp, backend, timeout, high_priority=True)
+    register_grad_group(ring.group, twin.group)
+    return twin
+
+
+def _hsdp(dims: ParallelDims, replicas: int, backend: str, timeout: timedelta, device_type: str,
+          tp_group: dist.ProcessGroup) -> dict[str, Any]:
+    """HSDP's groups and meshes: FSDP shards over a replica's DP x CP ranks and replicates across ``replicas``;
+    the checkpoint mesh gains the replicas as a dim of its own (``("dp_replicate", "dp_shard_cp", "tp")``)."""
+    groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, dp_replicate=replicas)
+    shard = _subgroups(groups.dp_shard_cp, backend, timeout)
+    replicate = _subgroups(groups.dp_replicate, backend, timeout)
+    per_replica = dims.data // replicas
+    tp_rank = dist.get_rank() % dims.tp
+    fsdp_mesh = DeviceMesh.from_group(
+        [replicate.group, shard.group], device_type,
+        mesh=tp_rank + dims.tp * torch.arange(dims.data).reshape(replicas, per_replica),
+        mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+    shard_mesh = DeviceMesh.from_group(
+        [replicate.group, shard.group, tp_group], device_type,
+        mesh=torch.arange(dims.world).reshape(replicas, per_replica, dims.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
+    return {"dp_replicate": replicas, "fsdp_shard": shard, "dp_replicate_axis": replicate, "fsdp_mesh": fsdp_mesh,
+            "shard_mesh": shard_mesh}
 
 
 def _host_group(backend: str, timeout: timedelta) -> dist.ProcessGroup:
     """Every rank over gloo, for scalars the host holds (step times, memory, signals): the default group where
     it is gloo already, else a gloo group beside NCCL, so reducing them never waits on (or for) the GPU."""
-    if backend == "gloo":
+    if backend in ("gloo", "fake"):  # fake: PyTorch's test backend (no messages; ``tests/parallel/test_layouts_1024``)
         return dist.group.WORLD
     return dist.new_group(timeout=timeout, backend="gloo")
 
@@ -163,7 +210,7 @@ def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timede
         return {}
     groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, ulysses)
     return {"cp_ulysses": _subgroups(groups.cp_ulysses, backend, timeout),
-            "cp_ring": _subgroups(groups.cp_ring, backend, timeout)}
+            "cp_ring": _subgroups(groups.cp_ring, backend, timeout, high_priority=True)}
 
 
 def connect_groups(state: ParallelState) -> None:

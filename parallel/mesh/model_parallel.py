@@ -8,7 +8,7 @@ the sizes and ranks read once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -36,6 +36,23 @@ class CPGroups:
     @property
     def ulysses_size(self) -> int:
         return dist.get_world_size(self.ulysses) if self.ulysses is not None else 1
+
+
+_GRAD_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}  # a ring group -> the communicator of its dK/dV hops
+
+
+def register_grad_group(group: dist.ProcessGroup, twin: dist.ProcessGroup | None) -> None:
+    """The ring's dK/dV hops over ``group`` go on ``twin``, a second communicator over the same ranks
+    (``cp/ring/comm.py``; None: forget ``group``'s). The parallel state registers its ring group's twin."""
+    if twin is None:
+        _GRAD_GROUPS.pop(group, None)
+    else:
+        _GRAD_GROUPS[group] = twin
+
+
+def grad_group_of(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The communicator of the dK/dV hops of a ring over ``group``: its twin, or ``group`` itself."""
+    return _GRAD_GROUPS.get(group, group)
 
 
 def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -83,3 +100,8 @@ class ModelParallel:
     def ulysses_degree(self) -> int:
         """Ranks the attention heads are split over (``CPAlgorithm.head_degree``; 1 for ring and all-gather)."""
         return self.algorithm.head_degree(self.cp_size, self.cp.ulysses_size)
+
+    def without_cp(self) -> ModelParallel:
+        """The same TP settings with no CP: a rank computes whole sequences alone (the in-run CP check's reference,
+        ``cp_train/runtime/cp_check.py``)."""
+        return replace(self, cp=CPGroups(None), cp_size=1, cp_rank=0)

@@ -1,13 +1,16 @@
 """Rank groups of a TP x CP x DP layout, as a pure function (no processes needed).
 
 Rank order is Megatron's ``tp-cp-dp`` (TP fastest):
-``rank = tp_rank + tp * (cp_rank + cp * dp_rank)``, i.e. ``arange(world).reshape(dp, cp, tp)``.
+``rank = tp_rank + tp * (cp_rank + cp * dp_rank)``, i.e. ``arange(world).reshape(dp, cp, tp)``. Under HSDP
+(``dp_replicate`` > 1) the DP rank splits as ``dp_rank = shard_rank + (dp / dp_replicate) * replica``: FSDP shards
+over a replica's ``dp_shard_cp`` ranks (consecutive: one node when they fit) and replicates across replicas.
 ``ParallelDims`` holds the sizes keyed by axis name; a later axis (``pp``, ``ep``) is one more entry of
 ``AXIS_ORDER`` (and of ``DATA_AXES`` when it splits the batch), not a rewrite of positional triples.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -108,6 +111,8 @@ class RankGroups:
     tp_cp: Groups
     cp_ulysses: Groups = ()  # adjacent CP ranks (hybrid CP: all-to-all inside, the ring across)
     cp_ring: Groups = ()  # CP ranks with the same place in their Ulysses group
+    dp_shard_cp: Groups = ()  # HSDP: the ranks FSDP shards over (one replica's DP x CP)
+    dp_replicate: Groups = ()  # HSDP: the same shard in every replica (gradients all-reduced across)
 
 
 def check_sizes(tp: int, cp: int, dp: int) -> None:
@@ -145,17 +150,44 @@ def check_ulysses(cp: int, ulysses: int) -> None:
                          f"ring size; choose a ulysses_size among the divisors of {cp}")
 
 
-def compute_rank_groups(world_size: int, tp: int, cp: int, dp: int, ulysses: int = 1) -> RankGroups:
-    """All TP, CP, DP, DP x CP and TP x CP groups of the layout, and the CP groups' Ulysses (adjacent CP
-    ranks, ``ulysses`` of them) and ring (same place in their Ulysses group) subgroups (pure; ValueError)."""
+def check_replicate(dp: int, dp_replicate: int) -> None:
+    """ValueError naming the keys unless ``dp_replicate`` (HSDP's replicas) divides ``dp``."""
+    if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
+        raise ValueError(f"parallel.dp_replicate must be an integer >= 1, got {dp_replicate!r}")
+    if dp % dp_replicate:
+        raise ValueError(f"parallel.dp_replicate {dp_replicate} does not divide the DP size {dp}: dp = dp_replicate x "
+                         f"the DP ranks of a replica; choose a dp_replicate among the divisors of {dp}")
+
+
+@functools.lru_cache(maxsize=None, typed=True)  # typed: dp=2.0 is refused, not a hit of dp=2
+def compute_rank_groups(world_size: int, tp: int, cp: int, dp: int, ulysses: int = 1,
+                        dp_replicate: int = 1) -> RankGroups:
+    """All TP, CP, DP, DP x CP and TP x CP groups of the layout, the CP groups' Ulysses (adjacent CP ranks,
+    ``ulysses`` of them) and ring (same place in their Ulysses group) subgroups, and HSDP's shard (a replica's
+    DP x CP) and replicate groups (pure; ValueError)."""
     check_world(world_size, tp, cp, dp)
     check_ulysses(cp, ulysses)
+    check_replicate(dp, dp_replicate)
     sizes = dict(ParallelDims(tp=tp, cp=cp, dp=dp))
     split = {"tp": tp, "ulysses": ulysses, "ring": cp // ulysses, "dp": dp}  # cp rank = ring * ulysses + place
+    hsdp = {"tp": tp, "cp": cp, "shard": dp // dp_replicate, "replica": dp_replicate}
     return RankGroups(tp=_groups_along(sizes, ("tp",)), cp=_groups_along(sizes, ("cp",)),
                       dp=_groups_along(sizes, ("dp",)), dp_cp=_groups_along(sizes, ("cp", "dp")),
                       tp_cp=_groups_along(sizes, ("tp", "cp")), cp_ulysses=_groups_along(split, ("ulysses",)),
-                      cp_ring=_groups_along(split, ("ring",)))
+                      cp_ring=_groups_along(split, ("ring",)), dp_shard_cp=_groups_along(hsdp, ("cp", "shard")),
+                      dp_replicate=_groups_along(hsdp, ("replica",)))
+
+
+def node_of(rank: int, ranks_per_node: int) -> int:
+    """The node of global ``rank`` when every node runs ``ranks_per_node`` consecutive ranks (torchrun's order)."""
+    return rank // ranks_per_node
+
+
+def crossing_nodes(groups: RankGroups, ranks_per_node: int) -> tuple[str, ...]:
+    """The kinds of group (``tp``, ``cp``, ``dp_cp``, ...) of which some group spans more than one node."""
+    kinds = ("tp", "cp", "dp", "dp_cp", "tp_cp", "cp_ulysses", "cp_ring", "dp_shard_cp", "dp_replicate")
+    return tuple(kind for kind in kinds if any(len({node_of(r, ranks_per_node) for r in group}) > 1
+                                               for group in getattr(groups, kind)))
 
 
 def rank_coordinates(rank: int, tp: int, cp: int, dp: int) -> tuple[int, int, int]:

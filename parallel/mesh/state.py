@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from cp_train.parallel.mesh.groups import AxisGroup, ParallelState, build_state, forget_meshes, init_default_group
+from cp_train.parallel.mesh.model_parallel import register_grad_group
 from cp_train.parallel.mesh.rank_groups import (  # noqa: F401  (re-exported)
     AXIS_ORDER,
     DATA_AXES,
@@ -27,6 +28,7 @@ from cp_train.parallel.mesh.rank_groups import (  # noqa: F401  (re-exported)
     Groups,
     ParallelDims,
     RankGroups,
+    check_replicate,
     check_sizes,
     check_ulysses,
     check_world,
@@ -39,14 +41,16 @@ _STATE: ParallelState | None = None
 
 
 def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
-                        timeout_minutes: float = 10.0, ulysses_size: int = 1) -> ParallelState:
+                        timeout_minutes: float = 10.0, ulysses_size: int = 1, dp_replicate: int = 1) -> ParallelState:
     """Build every group once and make it the current state (returned).
 
     Uses the default process group when one exists (it is then left alone by
     ``destroy_parallel``); otherwise creates it from torchrun's environment. ``dp`` defaults
     to ``world // (tp*cp)``. ``backend`` defaults to nccl when CUDA is available, else gloo.
     ``timeout_minutes`` bounds collectives on the groups created here (fractions of a minute work).
-    ``ulysses_size`` > 1 also builds the CP subgroups of hybrid CP (``cp_ulysses``, ``cp_ring``).
+    ``ulysses_size`` > 1 also builds the CP subgroups of hybrid CP (``cp_ulysses``, ``cp_ring``);
+    ``dp_replicate`` > 1 HSDP's groups (FSDP shards over a replica's DP x CP ranks, ``fsdp_shard``, and replicates
+    across the ``dp_replicate`` replicas).
     """
     global _STATE
     check_sizes(tp, cp, 1 if dp is None else dp)
@@ -56,7 +60,7 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
     if _STATE is not None:
         ulysses = _STATE.cp_ulysses.size if _STATE.cp_ulysses else 1
         if (_STATE.dims == ParallelDims(tp=tp, cp=cp, dp=dp or _STATE.dp.size) and backend in (None, _STATE.backend)
-                and ulysses == ulysses_size):
+                and ulysses == ulysses_size and _STATE.dp_replicate == dp_replicate):
             return _STATE
         raise RuntimeError(f"parallel state already initialised with {_STATE.dims}; "
                            f"call destroy_parallel() before initialising (tp={tp}, cp={cp}, dp={dp})")
@@ -77,7 +81,8 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
         init_default_group(backend, timeout)
     try:
         dp = resolve_dp(dist.get_world_size(), tp, cp, dp)
-        _STATE = build_state(ParallelDims(tp=tp, cp=cp, dp=dp), backend, timeout, created, ulysses_size)
+        check_replicate(dp, dp_replicate)
+        _STATE = build_state(ParallelDims(tp=tp, cp=cp, dp=dp), backend, timeout, created, ulysses_size, dp_replicate)
     except BaseException:
         if created:
             dist.destroy_process_group()
@@ -98,30 +103,61 @@ def destroy_parallel() -> None:
         return
     default = dist.group.WORLD
     seen: set[int] = set()
-    for axis in (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring):
-        if axis is not None and axis.group is not default and id(axis.group) not in seen:
-            seen.add(id(axis.group))
-            dist.destroy_process_group(axis.group)
+    ring = state.cp_ring if state.cp_ring is not None else state.cp
+    register_grad_group(ring.group, None)
+    axes = (state.tp, state.cp, state.dp, state.dp_cp, state.tp_cp, state.cp_ulysses, state.cp_ring,
+            state.fsdp_shard, state.dp_replicate_axis, state.cp_grad)
+    groups = [axis.group for axis in axes if axis is not None] + [state.host_group]
+    for group in groups:
+        if group is not None and group is not default and id(group) not in seen:
+            seen.add(id(group))
+            dist.destroy_process_group(group)
 
 
 @contextmanager
 def parallel_context(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
-                     timeout_minutes: float = 10.0, ulysses_size: int = 1) -> Iterator[ParallelState]:
+                     timeout_minutes: float = 10.0, ulysses_size: int = 1, dp_replicate: int = 1
+                     ) -> Iterator[ParallelState]:
     """``initialize_parallel`` for the ``with`` block, ``destroy_parallel`` after it."""
     state = initialize_parallel(tp=tp, cp=cp, dp=dp, backend=backend, timeout_minutes=timeout_minutes,
-                                ulysses_size=ulysses_size)
+                                ulysses_size=ulysses_size, dp_replicate=dp_replicate)
     try:
         yield state
     finally:
         destroy_parallel()
 
 
+@contextmanager
+def world_of_one() -> Iterator[None]:
+    """Outside a launcher (no ``RANK``): torchrun's variables for a one-process world on a free port for the
+    ``with`` block, removed after it, so a second run in the same process plans its own world."""
+    if "RANK" in os.environ:
+        yield
+        return
+    from cp_train.parallel.spawn import free_port
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_with_parallel(sizes: ParallelDims | tuple[int, ...], fn: Callable[..., Any], *args: Any,
                       **kwargs: Any) -> Any:
     """``fn(state, *args, **kwargs)`` inside ``parallel_context`` of ``sizes``: a ``ParallelDims``, or the
-    test shorthand (tp, cp, dp) / (tp, cp, dp, ulysses_size); for ``SpawnedWorld.run``."""
-    tp, cp, dp, *ulysses = (sizes.tp, sizes.cp, sizes.dp) if isinstance(sizes, ParallelDims) else sizes
-    with parallel_context(tp, cp, dp, ulysses_size=ulysses[0] if ulysses else 1) as state:
+    test shorthand (tp, cp, dp) / (tp, cp, dp, ulysses_size) / (tp, cp, dp, ulysses_size, dp_replicate); for
+    ``SpawnedWorld.run``."""
+    tp, cp, dp, *rest = (sizes.tp, sizes.cp, sizes.dp) if isinstance(sizes, ParallelDims) else sizes
+    ulysses, replicate = (list(rest) + [1, 1])[:2]
+    with parallel_context(tp, cp, dp, ulysses_size=ulysses, dp_replicate=replicate) as state:
         return fn(state, *args, **kwargs)
 
 

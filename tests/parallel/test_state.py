@@ -142,7 +142,8 @@ def test_initialize_from_torchrun_env_owns_and_destroys_default_group(monkeypatc
     assert not dist.is_initialized(), "a size error must be raised before the default group is created"
     made = []  # every options object handed to DeviceMesh: c10d writes each group's ranks into its own
     original = process_groups._subgroup_override
-    monkeypatch.setattr(process_groups, "_subgroup_override", lambda *args: made.append(original(*args)) or made[-1])
+    monkeypatch.setattr(process_groups, "_subgroup_override",
+                        lambda *args, **kwargs: made.append(original(*args, **kwargs)) or made[-1])
     try:
         state = initialize_parallel(backend="gloo", timeout_minutes=3)
         assert len(made) == 5 and len({id(options) for _, options in made}) == 5, "options objects are shared"

@@ -30,9 +30,8 @@ FOLDERS = {"cp_train": "cp_train", "parallel": "cp_train.parallel", "model": "cp
 LAYOUT_MODULES = {"cp_train.parallel.cp.layout", "cp_train.parallel.cp.balanced_layout"}
 FACES = {"cp_train", "cp_train.parallel", "cp_train.model", "cp_train.data"}
 TRAINER_LOOP = ("cp_train.trainer", "cp_train.build", "cp_train.run_parts", "cp_train.run_log")
-TRAINER_PACKAGES = ("cp_train.config", "cp_train.checkpoint", "cp_train.metrics", "cp_train.memory")
-LOW_MODULES = ("cp_train.errors", "cp_train.results", "cp_train.optim", "cp_train.loss", "cp_train.preemption",
-               "cp_train.collector")
+TRAINER_PACKAGES = ("cp_train.config", "cp_train.checkpoint", "cp_train.metrics", "cp_train.memory", "cp_train.runtime")
+LOW_MODULES = ("cp_train.errors", "cp_train.results", "cp_train.optim", "cp_train.loss", "cp_train.preemption")
 UPPER = {"cp_train.perf": "cp_train.eval", "cp_train.eval": "cp_train.perf"}  # above the pieces, beside each other
 
 

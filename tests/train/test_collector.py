@@ -1,4 +1,4 @@
-"""Python's collector on the run's schedule (``cp_train/collector.py``)."""
+"""Python's collector on the run's schedule (``cp_train/runtime/collector.py``)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import gc
 
 import pytest
 
-from cp_train.collector import ScheduledCollection
 from cp_train.config.sources import ConfigError, load_config
 from cp_train.config.validate import validate
+from cp_train.runtime.collector import ScheduledCollection
 
 
 def test_collection_runs_on_the_schedule_and_is_restored(monkeypatch) -> None:

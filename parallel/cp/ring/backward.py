@@ -27,9 +27,8 @@ from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
 from cp_train.parallel.cp.plan.segments import Interval, Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
 from cp_train.parallel.cp.ring.blocks import BlockGrads, SavedRows
-from cp_train.parallel.cp.ring.comm import RingComm, Transfer
+from cp_train.parallel.cp.ring.comm import GRAD_TAG, RingComm, Transfer
 from cp_train.parallel.cp.ring.forward import (
-    GRAD_TAG,
     add_rows,
     head_chunk_bounds,
     one_call,

@@ -4,6 +4,12 @@ Each ``exchange`` posts one send to the next rank and one receive from the
 previous rank with ``dist.batch_isend_irecv`` and returns at once; ``wait``
 on the returned ``Transfer`` before reading the received tensor. Every rank
 must post its exchanges in the same order (the ring attention does).
+
+The K/V hops (``KV_TAG``) and the dK/dV hops (``GRAD_TAG``) go on two communicators over the same ranks where
+the parallel state made a second one (``mesh/model_parallel.register_grad_group``; its NCCL streams at high
+priority): NCCL runs a communicator's operations one after another, so on one communicator a K/V hop would
+queue behind the dK/dV hop posted before it. Pairing stays NCCL's: the k-th send on a communicator with its k-th
+receive, on each of them.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cp_train.parallel.mesh.model_parallel import grad_group_of
+
 BYTES_SENT: Counter[int | str] = Counter()  # bytes this process sent: by ring tag, or by collective name
+KV_TAG, GRAD_TAG = 0, 1  # what a hop carries: K/V blocks forward, dK/dV accumulators backward
 
 
 def count_sent(kind: str, tensor: torch.Tensor, share: float) -> None:
@@ -43,6 +52,7 @@ class RingComm:
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group if group is not None else dist.group.WORLD
+        self.grad_group = grad_group_of(self.group)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
@@ -63,6 +73,7 @@ class RingComm:
         if not send and not recv:
             return Transfer([], [])
         BYTES_SENT[tag] += sum(x.numel() * x.element_size() for x in send)
-        ops = [dist.P2POp(dist.isend, x, self.next, self.group, tag) for x in send]
-        ops += [dist.P2POp(dist.irecv, x, self.prev, self.group, tag) for x in recv]
+        group = self.grad_group if tag == GRAD_TAG else self.group
+        ops = [dist.P2POp(dist.isend, x, self.next, group, tag) for x in send]
+        ops += [dist.P2POp(dist.irecv, x, self.prev, group, tag) for x in recv]
         return Transfer(recv, dist.batch_isend_irecv(ops))

@@ -19,14 +19,12 @@ from cp_train.parallel.cp.plan.device import Selector
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
 from cp_train.parallel.cp.plan.segments import Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
-from cp_train.parallel.cp.ring.comm import RingComm, Transfer
+from cp_train.parallel.cp.ring.comm import KV_TAG, RingComm, Transfer
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
 from cp_train.parallel.cp.ring.varlen_steps import whole_call as varlen_whole
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels.contract import accumulator_dtype
 from cp_train.parallel.kernels.varlen import merge_block
-
-KV_TAG, GRAD_TAG = 0, 1
 
 
 def head_chunk_bounds(kv_heads: int, chunks: int) -> list[tuple[int, int]]:
