@@ -32,6 +32,7 @@ from cp_train.parallel.cp.plan.batch_plan import SamplePlanner
 from cp_train.parallel.dp.ddp import replicate_with_ddp
 from cp_train.parallel.mesh.groups import run_device
 from cp_train.parallel.mesh.state import ParallelState
+from cp_train.parallel.tp.fp8 import convert_to_fp8, fp8_unavailable
 
 
 def select_device(state: ParallelState) -> torch.device:
@@ -174,10 +175,11 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
 
     Built on the meta device, then (``parallel.fsdp``) sharded with FSDP2 over DP x CP, then given storage
     for its local shards only, filled from the seeded initialisation or, with ``hf_dir``, from this rank's
-    blocks of the Hugging Face weights there. Without FSDP the model is wrapped in DDP over DP x CP. Both
-    SUM the gradients over DP x CP (``cp_train.parallel.dp.ddp``, ``model/parallelize.py``). ``param_dtype``
-    (bf16 runs): the dtype FSDP gathers the parameters in. ``train.compile``: each block and the head with its
-    loss are compiled (``GPTModel.compile_parts``) before FSDP wraps them. Returns ``(model, module)``:
+    blocks of the Hugging Face weights there. ``model.fp8``: the blocks' linears compute in FP8 (converted before
+    compiling and sharding; ``ConfigError`` when torchao or the GPU cannot). Without FSDP the model is wrapped in
+    DDP over DP x CP. Both SUM the gradients over DP x CP (``cp_train.parallel.dp.ddp``, ``model/parallelize.py``).
+    ``param_dtype`` (bf16 runs): the dtype FSDP gathers the parameters in. ``train.compile``: each block and the
+    head with its loss are compiled (``GPTModel.compile_parts``) before FSDP wraps them. Returns ``(model, module)``:
     ``module`` is the DDP wrapper or the model."""
     parallel = config.parallel
     model_parallel = state.model_parallel(parallel.cp_layout, parallel.cp_algorithm, parallel.sequence_parallel_on)
@@ -189,10 +191,17 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
             model = get_model_family(config.model.family).build(config.model, model_parallel, device=device)
     except ImportError as error:  # an optional package the config asks for (model.norm apex) is missing
         raise ConfigError(str(error)) from None
+    problem = fp8_unavailable(config.model.fp8, device)  # torchao missing, or a GPU without FP8
+    if problem:
+        raise ConfigError(problem)
+    try:  # the blocks' linears (parallel/tp/fp8.py); the LM head and the embedding stay in the compute dtype
+        convert_to_fp8(model.layers, config.model.fp8, device, fsdp=parallel.fsdp, prefix="layers.")
+    except ValueError as error:  # a weight shape the GPU's FP8 GEMMs do not take
+        raise ConfigError(str(error)) from None
     if config.train.compile:
         model.compile_parts()
     if parallel.fsdp:
-        shard_with_fsdp(model, state.dp_cp_mesh, parallel.fsdp_reshard_after_forward, param_dtype)
+        shard_with_fsdp(model, state.fsdp_mesh, parallel.fsdp_reshard_after_forward, param_dtype)
     if on_meta:
         allocate(model, device)
         if hf_dir is None:

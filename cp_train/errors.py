@@ -9,14 +9,21 @@ Both are raised alike on every rank (``agree`` turns a check made on some ranks 
 rank 0 alone prints them. Any other exception (a bug, or the machine failing) makes each rank that hits it
 print one line naming the exception, its first message line and where it was raised (exit 1). No traceback
 is printed unless ``--debug`` is given or ``CP_TRAIN_DEBUG=1`` is set. Under torchrun the same line goes to
-torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure summary shows it instead of a link,
-and the ranks that leave the report to rank 0 exit a little later, so that the summary's root cause is rank 0.
+torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure summary shows it instead of a link.
+
+No line is lost: the reporting rank flushes its line, then exits. Under torchrun the ranks that leave the report to
+rank 0 do not exit by themselves (torchrun would stop every other rank, rank 0 too, at the first exit): they wait
+until torchrun stops them, which it does as soon as rank 0 has exited, so torchrun's summary names rank 0 as the
+root cause. Should rank 0 not report within ``REPORT_WAIT_S`` (a rank on another node, say), each such rank prints
+the line itself. Ctrl-C prints one line (``interrupted``) from rank 0, none under ``cp-train-launch``, whose own
+line says it (``LAUNCHER_ENV``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -27,7 +34,8 @@ from typing import TypeVar
 
 DEBUG_ENV = "CP_TRAIN_DEBUG"
 DEBUG_FLAG = "--debug"
-QUIET_RANK_EXIT_DELAY_S = 2.0  # under torchrun, ranks that leave the report to rank 0 exit this much later
+REPORT_WAIT_S = 120.0  # under torchrun, the longest a rank that leaves the report to rank 0 waits to be stopped
+LAUNCHER_ENV = "CP_TRAIN_LAUNCHER"  # set by cp-train-launch for its ranks: it reports an interrupt itself
 T = TypeVar("T")
 
 
@@ -113,6 +121,24 @@ def write_torchelastic_error_file(line: str) -> None:
         pass  # the summary then shows torchrun's default text
 
 
+def wait_to_be_stopped(seconds: float) -> None:
+    """Sleep up to ``seconds`` with SIGTERM and SIGINT at their defaults, so that torchrun's SIGTERM (sent once
+    another rank exited) ends this process at once, whatever handler the run had installed."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+        except ValueError:  # not the main thread: keep the handlers
+            pass
+    time.sleep(seconds)
+
+
+def report(prog: str, line: str, code: int) -> None:
+    """Print ``prog: error|failed: line`` on stderr, flushed, and give it to torchrun's error file."""
+    sys.stdout.flush()
+    print(f"{prog}: {'error' if code == 2 else 'failed'}: {line}", file=sys.stderr, flush=True)
+    write_torchelastic_error_file(line)
+
+
 def run_entry_point(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None,
                     explain: Callable[[BaseException], str | None] | None = None) -> int:
     """Run ``main(argv)`` and turn any exception into one line on stderr and an exit code (see the module
@@ -122,7 +148,7 @@ def run_entry_point(prog: str, main: Callable[[list[str]], int | None], argv: Se
     try:
         return main(args) or 0
     except KeyboardInterrupt:
-        if this_rank() == 0:
+        if this_rank() == 0 and not os.environ.get(LAUNCHER_ENV):
             print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return 130
     except SystemExit:
@@ -133,10 +159,10 @@ def run_entry_point(prog: str, main: Callable[[list[str]], int | None], argv: Se
             print(f"{prog}: rank {this_rank()} traceback:", file=sys.stderr)
             traceback.print_exception(error)
         if here:
-            print(f"{prog}: {'error' if code == 2 else 'failed'}: {line}", file=sys.stderr, flush=True)
-        if not here and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            time.sleep(QUIET_RANK_EXIT_DELAY_S)  # let rank 0 fail first: torchrun's summary names the first failure
-        write_torchelastic_error_file(line if here else f"{prog} exited with {code}: see rank 0's message")
+            report(prog, line, code)
+        elif os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: rank 0 reports; exiting first would kill it
+            wait_to_be_stopped(REPORT_WAIT_S)
+            report(prog, f"{_rank_prefix()}{line} (rank 0 did not report it within {REPORT_WAIT_S:g} s)", code)
         return code
 
 

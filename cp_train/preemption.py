@@ -1,21 +1,24 @@
-"""Save and stop on SIGTERM or SIGUSR1 (a preempted or time-limited Slurm job), so that the rerun resumes.
+"""Save and stop on SIGTERM, SIGUSR1 or Ctrl-C, so that the rerun resumes.
 
-Slurm sends SIGUSR1 ahead of the time limit where the job asks for it (``#SBATCH --signal=B:USR1@180`` in
-``launch/slurm.sbatch``, which forwards it to every task and requeues the job) and SIGTERM on preemption.
-While the trainer runs, either signal only sets a flag on the rank that got it. At the next log step
-(``logging.interval``: the steps read anyway) the ranks agree whether any of them got one, in the max over
-the world that the log record takes anyway (``run_log.interval_record``), and if so all save a checkpoint
-and stop with exit code 0; rerunning the same command resumes from it. A second SIGTERM before that point
-ends the process as SIGTERM does by default.
+Slurm sends SIGTERM to every process of a preempted job (the launcher and every rank) and, where the job asks for
+it, SIGUSR1 ahead of the time limit (``#SBATCH --signal=B:USR1@180`` in ``launch/slurm.sbatch``, which forwards it
+to every task and requeues the job); Ctrl-C is SIGINT. While the trainer runs, a signal only sets a flag on the
+rank that got it. After every optimizer step the ranks agree whether any of them got one (one all-reduce of a
+number over the host's gloo group: no GPU sync), and if so all save a checkpoint and stop with exit code 0;
+rerunning the same command resumes from it. Further SIGTERMs change nothing (plain torchrun relays the one it got,
+then kills its ranks 30 s later: a step and a save must fit in that, or launch through ``cp_train.cli.launch``,
+which waits for them); a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 from types import FrameType
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preemption:
@@ -39,14 +42,22 @@ class Preemption:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received == signal.SIGTERM and signum == signal.SIGTERM:  # the second one: stop now
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.received = signal.Signals(signum)
+        if signum == signal.SIGINT and self.received == signal.SIGINT:  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        if self.received is None:
+            self.received = signal.Signals(signum)
 
     def code(self) -> float:
-        """The signal this rank got (0: none), for the max over ranks the log step takes (``run_log``)."""
+        """The signal this rank got (0: none), for the max over ranks."""
         return float(self.received or 0)
+
+    def agreed(self, group: dist.ProcessGroup | None) -> str | None:
+        """The name of the signal any rank of ``group`` (the host's gloo group, every rank) got, or None
+        (collective: every rank calls it after every step)."""
+        code = torch.tensor([self.code()], dtype=torch.float64)
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+        return self.name(float(code.numpy()[0]))  # a host tensor of the gloo group: no device read
 
     @staticmethod
     def name(code: float) -> str | None:
@@ -54,6 +65,10 @@ class Preemption:
         return signal.Signals(int(code)).name if code else None
 
     @staticmethod
-    def stopped(name: str, step: int) -> str:
-        """The note of a run stopped by signal ``name`` after saving at ``step``."""
-        return f"{name} received: stopped at step {step} after saving a checkpoint; rerun the same command to resume"
+    def stopped(name: str, step: int, saved: bool) -> str:
+        """The one line of a run stopped by signal ``name`` at ``step``, ``saved`` or not (no ``checkpoint.save``)."""
+        if saved:
+            return (f"{name} received: stopped at step {step} after saving a checkpoint; rerun the same command to "
+                    f"resume")
+        return (f"{name} received: stopped at step {step} without a checkpoint (checkpoint.save is not set: set --save "
+                f"DIR to make a stop resumable)")

@@ -4,11 +4,13 @@ of step time and memory), evaluations, and the event of a layout change on resum
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cp_train.metrics.throughput import (
+    FP8_PEAK_RATIO,
     IntervalMeter,
     device_memory_gib,
     max_over_ranks,
@@ -17,7 +19,8 @@ from cp_train.metrics.throughput import (
 )
 from cp_train.metrics.window_bytes import kv_bytes_per_layer
 from cp_train.parallel.kernels.select import chosen_backends
-from cp_train.preemption import Preemption
+from cp_train.parallel.mesh.rank_groups import compute_rank_groups, crossing_nodes
+from cp_train.parallel.tp.fp8 import fp8_layers
 from cp_train.results import StepResult
 
 if TYPE_CHECKING:
@@ -26,21 +29,19 @@ if TYPE_CHECKING:
 Trainer = Any  # the running ``cp_train.trainer.Trainer`` (not imported: it imports this module)
 
 
-def interval_record(trainer: Trainer, meter: IntervalMeter, out: StepResult, preemption: Preemption
-                    ) -> tuple[dict[str, Any], str | None]:
-    """The record of the interval ending at ``trainer.step`` (``out``: its last step's scalars), and the signal
-    that stops the run if any rank got one. Step time and peak memory are also maxed over every rank (one
-    collective over the host group, which carries the signal too), memory also as a percentage of the device's."""
+def interval_record(trainer: Trainer, meter: IntervalMeter, out: StepResult) -> dict[str, Any]:
+    """The record of the interval ending at ``trainer.step`` (``out``: its last step's scalars). Step time and peak
+    memory are also maxed over every rank (one collective over the host group), memory also as a percentage of
+    the device's."""
     config, device = trainer.config, trainer.device
     memory = peak_memory_gib(device)
     record = meter.record(trainer.step, out.lr, out.grad_norm, trainer.loader.consumed_samples, config.data.seq_len,
                           memory, peak_memory_reserved_gib(device))
-    step_time, memory, signal_code = max_over_ranks([record["step_time_s"], memory, preemption.code()],
-                                                    trainer.state.host_group)
+    step_time, memory = max_over_ranks([record["step_time_s"], memory], trainer.state.host_group)
     total = device_memory_gib(device)
     record.update({"step_time_max_s": step_time, "peak_memory_max_gib": memory,
                    "peak_memory_pct": 100.0 * memory / total if total else None})
-    return record, Preemption.name(signal_code)
+    return record
 
 
 def setup_record(trainer: Trainer, sizes: dict[str, int], step: int) -> dict[str, Any]:
@@ -52,8 +53,27 @@ def setup_record(trainer: Trainer, sizes: dict[str, int], step: int) -> dict[str
         "sequence_parallel": trainer.model.parallel.sequence_parallel,
         "attention_kernels": ", ".join(chosen_backends()),
         "compiled": ", ".join(trainer.model.compiled_parts) or "nothing", "prediction": trainer.prediction,
-        "kv_bytes_per_layer": _kv_bytes(trainer),
-        "mfu_convention": "mfu: attention under the causal (and document) mask; mfu_dense: attention in full"})
+        "kv_bytes_per_layer": _kv_bytes(trainer), "nodes": _nodes(trainer), "fp8": trainer.config.model.fp8,
+        "fp8_linears": len(fp8_layers(trainer.model)), "mfu_convention": _mfu_convention(trainer)})
+
+
+def _mfu_convention(trainer: Trainer) -> str:
+    text = "mfu: attention under the causal (and document) mask; mfu_dense: attention in full"
+    if trainer.config.model.fp8 == "none":
+        return text
+    return (f"{text}; both at the bf16 peak; mfu_fp8_peak: the blocks' FP8 linears at the FP8 peak "
+            f"({FP8_PEAK_RATIO:g}x bf16's), the rest at the bf16 peak")
+
+
+def _nodes(trainer: Trainer) -> dict[str, Any]:
+    """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``), the kinds of group that cross nodes, and the ranks this
+    rank's FSDP shards over (``dp_cp``, or a replica's under HSDP)."""
+    state = trainer.state
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", state.world_size))
+    groups = compute_rank_groups(state.world_size, state.tp.size, state.cp.size, state.dp.size,
+                                 state.cp_ulysses.size if state.cp_ulysses else 1, state.dp_replicate)
+    return {"ranks_per_node": per_node, "crossing": list(crossing_nodes(groups, per_node)),
+            "fsdp_shard_ranks": list(state.fsdp_shard.ranks), "dp_replicate": state.dp_replicate}
 
 
 def _kv_bytes(trainer: Trainer) -> dict[str, int]:

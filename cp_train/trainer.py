@@ -24,7 +24,6 @@ import torch
 
 from cp_train import run_log, run_parts
 from cp_train.checkpoint.dcp import read_meta, save_checkpoint
-from cp_train.collector import ScheduledCollection
 from cp_train.config.validate import with_accumulation
 from cp_train.data.loader import CP_PLAN
 from cp_train.eval.periodic import PeriodicEval
@@ -34,9 +33,13 @@ from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, 
 from cp_train.metrics.throughput import IntervalMeter, peak_tflops, reset_peak_memory
 from cp_train.optim import clip_gradients, global_grad_norm
 from cp_train.parallel.dp.ddp import gradient_sync
+from cp_train.parallel.tp.fp8 import precompute_fp8_scales
 from cp_train.perf.run_check import PlannerCheck
 from cp_train.preemption import Preemption
 from cp_train.results import NonFiniteLossError, StepResult, TrainResult
+from cp_train.runtime.collective_check import CollectiveGuard
+from cp_train.runtime.collector import ScheduledCollection
+from cp_train.runtime.cp_check import CPCheck
 
 if TYPE_CHECKING:
     from cp_train.config.schema import Config
@@ -66,6 +69,8 @@ class Trainer:
     def __init__(self, config: Config, state: ParallelState) -> None:
         config = with_accumulation(config, state.world_size)  # the global batch of gradient_accumulation_steps
         self.config, self.state = config, state
+        self.collectives = (CollectiveGuard(state, config.parallel.timeout_minutes)
+                            if config.parallel.check_collectives else None)  # recording from here on
         self.env = run_parts.prepare_environment(config, state)  # checks, device, seed, data sources, resume source
         self.training = run_parts.build_training_state(self.env)  # model, module, optimizer, schedule, sharded
         # parallel.fsdp_reduce with auto resolved as the dry run does (against this device's memory on CUDA)
@@ -89,6 +94,9 @@ class Trainer:
         self.resumed_meta = read_meta(self.env.resumed_from) if self.env.resumed_from is not None else None
         self._wandb: dict[str, str] | None = None  # the wandb run's id and group (rank 0), saved in checkpoints
         self.long_eval = PeriodicEval(config)  # eval.every: long-context tasks (cp_train/eval)
+        self.cp_check = CPCheck(config, state, self.model, self.loader, self.device, self.autocast_dtype,
+                                self._autocast)  # train.check_cp_every (cp_train/runtime/cp_check.py)
+        self.last_batch: DeviceBatch | None = None  # the last step's (forward_backward)
 
     # the parts' attributes under their own names
     dp, device, autocast_dtype, sources, run_name, run_dir = _parts(
@@ -143,6 +151,7 @@ class Trainer:
         tokens = torch.as_tensor(global_loss_tokens(masks, group), dtype=torch.float64, device=self.device)
         divisor = tokens.float()  # what dividing by the count as a Python number computed
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        first = local_sum
         areas, pairs = [0] * self.state.cp.size, 0  # attention work per CP rank, visible pairs in all
         parallel = self.config.parallel
         every = parallel.fsdp and self.fsdp_reduce == "per_microbatch"  # else only the last backward reduces
@@ -154,13 +163,16 @@ class Trainer:
                 loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])
                 (loss_sum / divisor).backward()
             local_sum += loss_sum.detach().double()
+            if index == 0:
+                first = loss_sum.detach()
             if plan is not None:  # the pairs each layer's (window's) plan counts, averaged over the layers
                 areas = [a + b for a, b in zip(areas, plan.areas, strict=True)]
                 pairs += plan.pairs if self.model.layer_pairs is None else self.model.layer_pairs
         local_tokens = float(sum(_loss_tokens(mb) for mb in micro_batches))
         imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
         return DeviceBatch(loss=reduce_loss(local_sum, tokens, group), tokens=tokens, local_tokens=local_tokens,
-                           local_loss_sum=local_sum, imbalance=imbalance, attention_pairs=pairs)
+                           local_loss_sum=local_sum, imbalance=imbalance, attention_pairs=pairs,
+                           first_loss_sum=first)
 
     def read_steps(self) -> list[tuple[int, StepResult]]:
         """The steps not read yet, read to the host (one read of the device; none if none) and returned in order;
@@ -178,10 +190,10 @@ class Trainer:
         """One optimizer step; its scalars stay on the device unless ``read``: then every unread step is read
         (``read_steps``, returned) before the update, which a diverged step never gets."""
         lr = self.schedule.apply(self.optimizer, self.step)
-        batch = self.forward_backward(self._to_device(micro_batches))
+        batch = self.last_batch = self.forward_backward(self._to_device(micro_batches))
         if self.grad_callback is not None:
             self.grad_callback(self.step + 1)
-        norm = global_grad_norm(self.params, self.state.tp.group, self.state.dp_cp.group)
+        norm = global_grad_norm(self.params, self.state.tp.group, self.state.fsdp_shard.group)
         pairs = None  # every CP rank's plan counts its replica's pairs: the sum over DP
         if self.planner is not None:
             pairs = device_sums([batch.attention_pairs / self.state.cp.size], self.state.dp_cp.group, self.device)[0]
@@ -189,6 +201,7 @@ class Trainer:
         steps = self.read_steps() if read else []
         clip_gradients(self.params, self.config.optimizer.clip_grad, norm)
         self.optimizer.step()
+        precompute_fp8_scales(self.params)  # FSDP's FP8 gathers: their scales in one all-reduce (parallel/tp/fp8.py)
         self.step += 1
         return steps
 
@@ -230,8 +243,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------ loop
     def train(self, until_step: int | None = None) -> TrainResult:
         """Train to ``train.steps`` (or stop after ``until_step``), logging, evaluating and saving on the way; a
-        SIGTERM or SIGUSR1 saves and stops at the next log step (``preemption``). Python's collector runs on the
-        run's schedule (``train.gc_interval``, ``collector.py``)."""
+        SIGTERM, SIGUSR1 or Ctrl-C on any rank saves and stops after the step it came in (``preemption``). Python's
+        collector runs on the run's schedule (``train.gc_interval``, ``runtime/collector.py``)."""
         config, state = self.config, self.state
         last = min(config.train.steps, until_step or config.train.steps)
         writers = run_parts.open_writers(self.env, self.step, (self.resumed_meta or {}).get("wandb"))
@@ -252,6 +265,7 @@ class Trainer:
         batches = iter(self.loader)
         first = self.step
         times: dict[int, tuple[float, float]] = {}  # step -> (step time, data time), until the meter has it
+        halted: str | None = None  # the signal that stopped the run
         try:
             with Preemption() as preemption, ScheduledCollection(config.train.gc_interval) as collection:
                 while self.step < last:
@@ -259,16 +273,28 @@ class Trainer:
                     micro_batches = next(batches)
                     loaded = time.perf_counter()
                     log, evaluate, save = run_parts.due_events(config, self.step + 1, last)
+                    checked = self.cp_check.due(self.step + 1)  # then also a log step
+                    log, checking = log or checked, time.perf_counter()
+                    if checked:
+                        self.cp_check.before_step()  # the first micro-batch's loss without CP, on these weights
+                    checking = time.perf_counter() - checking  # not the step's time
                     read = self._step(micro_batches, read=log or evaluate or save)  # checked before the update
+                    cp_error = self.cp_check.after_step(self.step, self.last_batch.first_loss_sum) if checked else None
                     collection.after_step(self.step, self.step == first + 1)
                     if self.step == first + 1:  # gradients and optimizer state exist now: measure them
                         writers.log(run_log.setup_record(self, sizes, first))
-                    times[self.step] = (time.perf_counter() - started, loaded - started)
+                    times[self.step] = (time.perf_counter() - started - checking, loaded - started)
+                    stop = preemption.agreed(state.host_group)  # a signal on any rank: save and stop now
+                    if stop and not read:  # the last step before the stop is read and logged as a log step's
+                        read, log = self.read_steps(), True
                     meter.add_steps(read, times)
-                    stop = None
                     if log:
-                        record, stop = run_log.interval_record(self, meter, read[-1][1], preemption)
+                        record = run_log.interval_record(self, meter, read[-1][1])
+                        if cp_error is not None:
+                            record["cp_check_rel_err"] = cp_error
                         writers.log(record)
+                        if self.collectives is not None:
+                            self.collectives.at_log_step(self.step)
                         for line in check.observe(record):
                             self._note(line)
                         self._flush(writers)
@@ -281,7 +307,7 @@ class Trainer:
                         self.save()
                         self._flush(writers)
                     if stop:
-                        self._note(preemption.stopped(stop, self.step))
+                        halted = stop
                         break
                     meter.exclude(time.perf_counter() - paused)
             if self.step == first:
@@ -289,9 +315,13 @@ class Trainer:
             self.save()
             for line in check.summary():
                 self._note(line)
+            if halted:  # the last line
+                self._note(Preemption.stopped(halted, self.step, bool(config.checkpoint.save)))
             self._flush(writers)
         finally:
-            writers.close()
+            writers.close(quiet=halted is not None)  # a signal's stop: its line is the last
+            if self.collectives is not None:
+                self.collectives.close()
         self.result.final_step = self.step
         return self.result
 

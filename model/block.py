@@ -12,6 +12,7 @@ from cp_train.model.attention import Attention
 from cp_train.model.config import NORMS, ModelConfig
 from cp_train.model.mlp import MLP
 from cp_train.parallel.mesh.model_parallel import ModelParallel
+from cp_train.parallel.offload import ActivationOffload
 from cp_train.parallel.tp.sequence_parallel import sequence_parallel_norm
 
 
@@ -53,18 +54,20 @@ class BlockInputs:
     ``cos``/``sin`` of this rank's global positions (``model.rope.rope_tables``) and the attention ``handle``
     (``cp_train.parallel.cp.op.plan_handle``: a CPU scalar naming the attention spec and the batch's CP plan) of the
     full layers, and ``handles``: the handle of each window the layers use (key None: ``handle``; a window lives in
-    its plan). Tensors only, so a compiled block sees a new plan as a new value, not a new graph.
+    its plan). Tensors only, so a compiled block sees a new plan as a new value, not a new graph. ``offload``: the
+    forward's ``ActivationOffload`` (``model.activation_offload``; made by its first block, None until then).
 
     A plain class on purpose: FSDP2 searches each sharded module's arguments for tensors that need gradients,
     through dataclasses too, and searching the plan (index tensors, none needing gradients) took 150-450 us
     per block call at cp 2-8."""
 
-    __slots__ = ("cos", "sin", "handle", "handles")
+    __slots__ = ("cos", "sin", "handle", "handles", "offload")
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, handle: torch.Tensor,
                  handles: dict[int | None, torch.Tensor] | None = None) -> None:
         self.cos, self.sin, self.handle = cos, sin, handle
         self.handles = {None: handle, **(handles or {})}
+        self.offload: ActivationOffload | None = None
 
 
 class Block(nn.Module):
@@ -75,13 +78,17 @@ class Block(nn.Module):
     The RMSNorm weights are replicated over TP (and CP). ``config.activation_checkpointing``: ``full`` keeps
     only the block's input for the backward and recomputes the block there (the CP attention's communication
     included); ``selective`` recomputes all but the CP attention, which keeps its inputs and outputs;
-    ``none`` keeps everything.
+    ``none`` keeps everything. ``config.activation_offload`` (``checkpointed`` or ``all``): what the block keeps
+    goes to host memory during the forward and comes back a layer ahead of its backward (``parallel/offload.py``;
+    the RoPE tables and the parameters stay), bitwise the same results.
     """
 
     def __init__(self, config: ModelConfig, layer: int, parallel: ModelParallel | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.checkpointing = config.activation_checkpointing
+        self.offloads, self.layer_index = config.activation_offload != "none", layer
+        self.num_layers = config.num_layers
         self.attention_norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, dtype, device)
         self.attention = Attention(config, layer, parallel, dtype=dtype, device=device)
         self.mlp_norm = rms_norm(config.hidden_size, config.norm_eps, config.norm, dtype, device)
@@ -125,5 +132,12 @@ class Block(nn.Module):
         self._checkpointed = torch.compile(self._checkpointed, fullgraph=fullgraph)
 
     def forward(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        """``inputs``: the RoPE tables and the attention handle of this forward (``BlockInputs``)."""
-        return self._checkpointed(x, inputs)
+        """``inputs``: the RoPE tables and the attention handle of this forward (``BlockInputs``); with activation
+        offload, the forward's ``ActivationOffload`` is made on it by the first block (a new one when this block
+        ran under it already: ``inputs`` reused for another forward)."""
+        if not (self.offloads and torch.is_grad_enabled()):
+            return self._checkpointed(x, inputs)
+        if inputs.offload is None or inputs.offload.has_run(self.layer_index):
+            inputs.offload = ActivationOffload(self.num_layers, x.device)
+        with inputs.offload.layer(self.layer_index, self, shared=(inputs.cos, inputs.sin)):
+            return self._checkpointed(x, inputs)

@@ -9,6 +9,7 @@ from typing import Any
 from cp_train.model.rope import resolve_rope_scaling
 from cp_train.parallel.cp.layout import check_layout, check_layout_name
 from cp_train.parallel.kernels.select import BACKENDS
+from cp_train.parallel.offload import OFFLOAD_MODES
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names of a layer's attention
 CHECKPOINTING = ("none", "selective", "full")  # model.activation_checkpointing: what a block recomputes
@@ -59,6 +60,9 @@ class ModelConfig:
     mlp_chunks: int = 1
     loss_chunk_tokens: int = 1024  # the head and its loss this many tokens at a time (0: full logits)
     activation_checkpointing: str = "none"  # none | selective | full (true: full, false: none)
+    # none | checkpointed | all: what the blocks save for the backward goes to host memory and comes back a layer
+    # ahead (parallel/offload.py); checkpointed: what activation checkpointing keeps, all: also without it
+    activation_offload: str = "none"
     attention_kernel: str | None = None
     init_std: float = 0.02
     seed: int = 1234
@@ -71,6 +75,7 @@ class ModelConfig:
     attention_sinks: bool = False
     hf_architecture: str | None = None
     family: str = "llama"  # what the trainer builds (model/family.py: llama is GPTModel; others registered)
+    fp8: str = "none"  # none | tensorwise | rowwise: the blocks' linears in FP8 with torchao (parallel/tp/fp8.py)
 
     def __post_init__(self) -> None:
         self.resolve()
@@ -147,6 +152,12 @@ class ModelConfig:
         if self.activation_checkpointing not in CHECKPOINTING:
             raise ValueError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTING)} (or true/false), "
                              f"got {self.activation_checkpointing!r}")
+        if self.activation_offload not in OFFLOAD_MODES:
+            raise ValueError(f"activation_offload must be one of {', '.join(OFFLOAD_MODES)}, got "
+                             f"{self.activation_offload!r}")
+        if self.activation_offload == "checkpointed" and self.activation_checkpointing == "none":
+            raise ValueError("activation_offload checkpointed moves what activation checkpointing keeps, and "
+                             "activation_checkpointing is none: set it to selective or full, or offload all")
         if isinstance(self.loss_chunk_tokens, bool) or not isinstance(self.loss_chunk_tokens, int) \
                 or self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens must be an integer >= 0 (0: full logits), got "

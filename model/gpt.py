@@ -12,6 +12,7 @@ replicated (their gradients must be summed over CP and DP like every other gradi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,6 +160,17 @@ class GPTModel(nn.Module):
             return full
         return LayerSamplePlanner(full, {w: SamplePlanner(p.algorithm, p.cp_size, p.cp_rank, p.cp.ulysses_size,
                                                           window=as_window(w, True)) for w in windows})
+
+    @contextlib.contextmanager
+    def without_context_parallel(self) -> Iterator[None]:
+        """Inside the block, ``forward`` takes whole sequences ``[B, seq_len]`` and attends on this rank alone (no CP
+        communication; TP, FSDP and the weights as they are): the in-run CP check's reference."""
+        parallel = self.parallel
+        self.parallel = parallel.without_cp()
+        try:
+            yield
+        finally:
+            self.parallel = parallel
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,

@@ -14,10 +14,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from cp_train.parallel.tp.fp8 import storage_tensor
+
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds for ``param`` (a DTensor's local shard; writes reach the parameter)."""
-    return param.to_local() if isinstance(param, DTensor) else param.data
+    """The tensor this rank holds for ``param`` (a DTensor's local shard; writes reach the parameter), plain: an FP8
+    weight's storage under its FSDP float8 wrapper (``parallel/tp/fp8.py``)."""
+    return storage_tensor(param.to_local() if isinstance(param, DTensor) else param.data)
 
 
 def tensor_parallel_dim(param: torch.Tensor) -> int | None:

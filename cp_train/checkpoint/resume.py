@@ -3,8 +3,9 @@
 Changes to the data stream (which samples each step sees) or to the model's function and shapes are
 refused, listing every such key with its old and new value, unless the key is named in
 ``checkpoint.allow_changes``; accepted and other changes (learning rate, ``train.steps``, layout, ...)
-are logged. ``train.steps`` may grow freely: the sample order does not depend on it
-(``cp_train.data.sample_index``), so training longer continues the same stream.
+are logged (``model.fp8`` on its own line: a bf16 run resumes in FP8 and back). ``train.steps`` may grow
+freely: the sample order does not depend on it (``cp_train.data.sample_index``), so training longer continues
+the same stream.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MODEL_KEYS = ("model.vocab_size", "model.num_layers", "model.hidden_size", "mode
               "model.qk_norm", "model.attention_sinks")
 GUARDED_KEYS = DATA_STREAM_KEYS + MODEL_KEYS
 QUIET_SECTIONS = ("logging", "checkpoint")  # where a run is written and read: changes are not worth a note
+FP8_KEY = "model.fp8"  # how the linears compute: a resume may switch it (its own note)
 
 
 def _flat(config: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +63,10 @@ def check_resume(saved: dict[str, Any], config: Config, checkpoint: str) -> list
     accepted = {k: v for k, v in changes.items() if k in GUARDED_KEYS}
     others = {k: v for k, v in changes.items() if k not in GUARDED_KEYS and k.split(".")[0] not in QUIET_SECTIONS}
     notes = []
+    if FP8_KEY in others:  # the same weights either way: said on its own line
+        old, new = others.pop(FP8_KEY)
+        notes.append(f"{FP8_KEY} {old} -> {new}: the checkpoint's weights and optimizer state load as saved (FP8 "
+                     f"changes how the blocks' linears compute, not the fp32 weights they keep)")
     if accepted:
         notes.append(f"accepted changes since the checkpoint (checkpoint.allow_changes): {_listing(accepted)}")
     if others:

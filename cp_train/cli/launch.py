@@ -1,11 +1,15 @@
-"""torchrun with a one-line failure report: ``python -m cp_train.cli.launch [torchrun options] train.py [args]``.
+"""torchrun with a one-line failure report: ``cp-train-launch [torchrun options] train.py [args]`` (the console
+script; also ``python -m cp_train.cli.launch``).
 
 It takes torchrun's own arguments and runs torchrun's own launcher (``torch.distributed.run``). When a
 worker fails, plain torchrun logs the failure, prints a Python traceback of its own launcher and a
 failure summary, and exits with 1 whatever the workers' exit codes were. This launcher prints one line
 naming the first rank that failed instead, and exits with that rank's exit code: 2 for a config or input
-error, 1 for a failed run, 128 + N for a rank killed by signal N. SIGUSR1 is passed on to the ranks (which
-save a checkpoint and stop: ``cp_train.preemption``). ``launch/torchrun.sh`` and ``launch/slurm.sbatch`` use it.
+error, 1 for a failed run, 128 + N for a rank killed by signal N (the ranks print none of their own:
+``cp_train.errors.LAUNCHER_ENV``). SIGUSR1, SIGTERM and Ctrl-C are passed on to the ranks, which save a checkpoint
+after their step and stop with exit code 0 and one line (``cp_train.preemption``), and the launcher waits for them
+and exits 0 (``SaveAndStop``); a second Ctrl-C stops at once (one line, exit 130). ``launch/torchrun.sh`` and
+``launch/slurm.sbatch`` use it.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from cp_train.errors import LAUNCHER_ENV
+
 PROG = "cp_train.cli.launch"
-QUIETED_LOGGERS = "torch.distributed.elastic.multiprocessing"  # log each failure: the summary line says it all
+# log each failure and each signal: the summary line says it all
+QUIETED_LOGGERS = ("torch.distributed.elastic.multiprocessing", "torch.distributed.elastic.agent")
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+OURS_LEFT_TO_TORCHRUN = "SIGHUP,SIGQUIT"  # the signals torchrun's agent handles; SIGTERM and SIGINT are SaveAndStop's
 
 
 def stop_with_launcher() -> None:
@@ -89,12 +97,36 @@ def forward_to_ranks(signum: int, frame: object = None) -> None:
             pass
 
 
+class SaveAndStop:
+    """The launcher's SIGTERM and SIGINT (Ctrl-C): passed on to the ranks once, which save a checkpoint after their
+    step and exit 0, while torchrun's agent keeps waiting for them (``TORCHELASTIC_SIGNALS_TO_HANDLE`` leaves these
+    two to us: the agent would send its ranks SIGTERM and kill them 30 s later). A second Ctrl-C stops at once."""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+
+    def __call__(self, signum: int, frame: object = None) -> None:
+        if self.received is not None:
+            if signum == signal.SIGINT:  # the agent stops its ranks (SIGINT: a second Ctrl-C for them too)
+                raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+            return
+        self.received = signal.Signals(signum)
+        forward_to_ranks(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     signal.signal(signal.SIGUSR1, forward_to_ranks)  # torchrun itself would die of it
+    save_and_stop = SaveAndStop()
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = OURS_LEFT_TO_TORCHRUN  # SIGTERM and SIGINT are ours
+    if hasattr(args, "signals_to_handle"):  # torchrun >= 2.8 sets the variable from its flag
+        args.signals_to_handle = OURS_LEFT_TO_TORCHRUN
+    signal.signal(signal.SIGTERM, save_and_stop)
+    signal.signal(signal.SIGINT, save_and_stop)
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(QUIETED_LOGGERS):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[LAUNCHER_ENV] = PROG  # the ranks leave an interrupt's line to this launcher
     try:
         run(args)
     except ChildFailedError as failure:
@@ -104,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SignalException as stop:
         print(f"{PROG}: stopped by {signal.Signals(stop.sigval).name}", file=sys.stderr, flush=True)
         return 128 + int(stop.sigval)
-    return 0
+    return 0  # after a SIGTERM or Ctrl-C passed on: the ranks' own line says where they stopped
 
 
 if __name__ == "__main__":

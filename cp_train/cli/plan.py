@@ -8,7 +8,7 @@ with the range measured runs like each came out in, before renting (``cp_train/p
 
 With no layout flag it searches every layout the trainer can run (``cp_train/perf/search.py``); any layout flag
 fixes that setting. Prints a table, or one JSON line per layout (``--json``). Bad input is one line and exit
-status 2.
+status 2. A search prints its progress on stderr every 5 s; ``--max-seconds S`` stops it with the best found.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from cp_train.perf.inputs.documents import document_pieces, parse_document_lengt
 from cp_train.perf.inputs.hardware import load_hardware
 from cp_train.perf.inputs.presets import load_model
 from cp_train.perf.predict import Prediction
-from cp_train.perf.rates import DeviceRates
+from cp_train.perf.rates import DeviceRates, linear_precision
 from cp_train.perf.search import Choices, search
 
 
@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=128256,
                         help="for a project YAML whose model.vocab_size is null (the tokenizer's); default 128256")
     parser.add_argument("--eager", action="store_true", help="plan the eager step (default: compiled, --compile)")
-    parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
-                        help="the linears' precision (fp8: for comparison with published fp8 runs)")
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default=None,
+                        help="the blocks' linears' precision, the trainer's model.fp8 (fp8: tensorwise unless the "
+                             "config names a recipe); default: the config's model.fp8 (fp8 unless none), else bf16")
     parser.add_argument("--attention-kernel", default=None, metavar="KERNEL",
                         help="the attention kernel planned, one of the profile's curves (cudnn, flash2; default: "
                              "the profile's, the trainer's choice on that GPU)")
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reserve-gib", type=float, default=RESERVE_GIB)
     parser.add_argument("--reserve-fraction", type=float, default=RESERVE_FRACTION)
     parser.add_argument("--top", type=int, default=10, help="layouts shown by a search")
+    parser.add_argument("--max-seconds", type=float, default=None, metavar="S",
+                        help="stop a search after S seconds with the best layouts found so far (it says so)")
     parser.add_argument("--json", action="store_true", help="one JSON line per layout instead of the table")
     parser.add_argument("--explain", action="store_true", help="the best layout's time and memory in words")
     parser.add_argument("--calibrate", metavar="OUT.yaml", default=None,
@@ -104,6 +107,10 @@ def base_config(args: argparse.Namespace) -> Config:
     config.train.compile = not args.eager
     config.parallel.backend = None  # CUDA: the dry run plans nccl runs
     config.logging.wandb = False
+    if args.precision == "bf16":  # --precision and model.fp8 are one switch: the config plans what it trains
+        config.model.fp8 = "none"
+    elif args.precision == "fp8" and config.model.fp8 == "none":
+        config.model.fp8 = "tensorwise"
     return config
 
 
@@ -171,14 +178,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.gpus_per_node:
             hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
         base = base_config(args)
-        rates = DeviceRates(hardware, args.precision, args.attention_kernel)
+        precision = linear_precision(base.model.fp8)
+        rates = DeviceRates(hardware, precision, args.attention_kernel)
         reserve = reserve_gib(hardware.hbm_gib, args.reserve_gib, args.reserve_fraction)
         documents = parse_document_lengths(args.document_lengths) if args.document_lengths else None
         result = search(base, args.gpus, rates, hardware.peak_tflops("bf16"), hardware.hbm_gib, reserve,
-                        choices_of(args), documents)
+                        choices_of(args), documents, keep=max(1, args.top), max_seconds=args.max_seconds,
+                        progress=lambda r: print(f"cp-train-plan: {r.progress_line()}", file=sys.stderr, flush=True))
     except InputError as error:
         print(f"cp-train-plan: {error}", file=sys.stderr)
         return 2
+    if result.stopped:
+        print(f"cp-train-plan: stopped by --max-seconds {args.max_seconds:g}: {result.evaluated:,} of "
+              f"{result.total:,} layouts searched; the best found so far follow", file=sys.stderr, flush=True)
     if not result.ranked:
         reasons = "; ".join(f"{reason} ({count}x)" for reason, count in result.rejected.most_common(3))
         print(f"cp-train-plan: no layout the trainer can run: {reasons}", file=sys.stderr)
@@ -189,10 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(prediction.record()))
     else:
         print(f"{base.model.num_layers} layers x {base.model.hidden_size} hidden, seq {args.seq_len:,}, "
-              f"{args.gpus} x {hardware.name}, {base.train.global_batch_size} samples per step, {args.precision} "
-              f"linears, {rates.kernel} attention: {result.evaluated} layouts, {len(result.ranked)} valid, "
-              f"{sum(p.fits for p in result.ranked)} fit" + (_documents_note(documents, args.seq_len) if documents
-                                                                else ""))
+              f"{args.gpus} x {hardware.name}, {base.train.global_batch_size} samples per step, {precision} "
+              f"linears, {rates.kernel} attention: {result.summary()}" + (_documents_note(documents, args.seq_len)
+                                                                         if documents else ""))
         print(table(shown))
         print(f"range: the planner's errors on the {len(shown[0].band.runs)} measured runs of regime "
               f"{'/'.join(shown[0].band.regime)} (cp_train/perf/ranges.py; --explain names them)")

@@ -26,20 +26,20 @@ from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import check_input_files, check_schedule, validate, with_accumulation
 from cp_train.errors import run_entry_point, this_rank
 from cp_train.parallel.mesh.collectives import explain_collective_failure, trace_collectives
-from cp_train.parallel.mesh.state import parallel_context
-from cp_train.parallel.spawn import free_port
+from cp_train.parallel.mesh.state import parallel_context, world_of_one
 from cp_train.trainer import run_training
 
 DEFAULT_CPU_CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "cpu-tiny.yaml"
 
 
-def dry_run(config: Config, args: Namespace) -> int:
+def dry_run(config: Config, args: Namespace, source: str | Path | None = None) -> int:
     """Print every rank's planned memory (``cp_train/memory/dry_run_report.py``; ``parallel.fsdp_reduce`` auto
     resolved against the device less the reserve); rank 0 alone under torchrun. Exit status 1 when the largest rank
-    does not fit the device."""
+    does not fit the device (or, with activation offload, a node's offloaded activations its host memory).
+    ``source``: the config file planned (the default one when no --config names it)."""
     from cp_train.memory.dry_run import dry_run_world
     from cp_train.memory.dry_run_report import report
-    from cp_train.perf.run_check import dry_run_line
+    from cp_train.perf.run_check import dry_run_host, dry_run_line
 
     device_gib = args.device_memory_gib
     if device_gib is None:
@@ -47,8 +47,11 @@ def dry_run(config: Config, args: Namespace) -> int:
     reserve_gib = args.reserve_gib + args.reserve_fraction * device_gib
     world = dry_run_world(config)
     config = with_accumulation(config, world)
-    planned = report(config, world, device_gib, args.config or "the command line", reserve_gib)
+    planned = report(config, world, device_gib, str(source or args.config or "the command line"), reserve_gib,
+                     dry_run_host(config, world))  # a node's host memory: activation offload's check
     if this_rank() == 0:
+        for note in config.deprecations:  # deprecated keys and other frameworks' flags, read as ours
+            print(f"[cp-train] {note}")
         lines = planned.text.splitlines()
         predicted = dry_run_line(config, dry_run_world(config))  # the time beside the memory, before the verdict
         verdict = next((i for i, line in enumerate(lines) if line.startswith("reserve:")), len(lines))
@@ -56,15 +59,16 @@ def dry_run(config: Config, args: Namespace) -> int:
     return 0 if planned.fits else 1
 
 
-def machine_default(argv: list[str]) -> list[str]:
-    """``argv`` with ``--config`` of the shipped config that fits this machine when it names none and trains:
-    ``cpu-tiny.yaml`` without CUDA (the dataclass defaults on CUDA)."""
-    if any(arg == "--config" or arg.startswith("--config=") for arg in argv) or "--dry-run" in argv or (
+def machine_default(argv: list[str]) -> Path | None:
+    """The shipped config that fits this machine when ``argv`` names none: ``cpu-tiny.yaml`` without CUDA (None, the
+    dataclass defaults, on CUDA); the same for training and ``--dry-run``. Its model shape gives way to
+    ``--init-from-hf`` (``flags.parse_args``)."""
+    if any(arg == "--config" or arg.startswith("--config=") for arg in argv) or (
             "-h" in argv or "--help" in argv) or torch.cuda.is_available() or not DEFAULT_CPU_CONFIG.is_file():
-        return argv
+        return None
     if this_rank() == 0:
         print(f"[cp-train] no --config: using {DEFAULT_CPU_CONFIG} (this machine has no CUDA GPU)", flush=True)
-    return ["--config", str(DEFAULT_CPU_CONFIG), *argv]
+    return DEFAULT_CPU_CONFIG
 
 
 def check_world(config: Config, world: int) -> None:
@@ -78,21 +82,20 @@ def check_world(config: Config, world: int) -> None:
 
 def train(argv: list[str]) -> int:
     stop_with_launcher()
-    config, args = parse_args(machine_default(argv))
+    default = machine_default(argv)
+    config, args = parse_args(argv, default_config=default)
     if args.dry_run:
-        return dry_run(config, args)
+        return dry_run(config, args, default)
     check_input_files(config)  # missing files first, then the settings derived from them
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_world(config, world)
     check_schedule(config)
     config = with_accumulation(config, world)
     dp = validate(config, world)
-    if "RANK" not in os.environ:  # plain `python train.py`: a world of one (on a free port: several may run)
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
     parallel = config.parallel
-    with parallel_context(parallel.tp, parallel.cp, dp, parallel.backend, parallel.timeout_minutes,
-                          parallel.ulysses_size) as state:
+    with world_of_one(), parallel_context(parallel.tp, parallel.cp, dp, parallel.backend,  # plain `python train.py`
+                                          parallel.timeout_minutes, parallel.ulysses_size,
+                                          parallel.dp_replicate) as state:
         trace_collectives(state, parallel.timeout_minutes)
         run_training(config, state)
     return 0

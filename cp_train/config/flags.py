@@ -1,4 +1,12 @@
-"""Command line of ``train.py``: ``--config FILE``, Megatron-style flags and ``--set key=value`` overrides."""
+"""Command line of ``train.py``: ``--config FILE``, Megatron-style flags and ``--set key=value`` overrides.
+
+Each layer wins over the one below it (YAML < flags < ``--set``), also between the global batch and gradient
+accumulation: set in one layer, both must agree (``validate``); set in different layers, the higher one decides
+(``--gradient-accumulation-steps`` over a YAML's ``global_batch_size``, ``--global-batch-size`` over a YAML's
+``gradient_accumulation_steps``). A default config (``parse_args``' ``default_config``: the CPU demo when no
+``--config`` is given) gives way to ``--init-from-hf``: the HF model's shape replaces its ``model.*`` keys.
+torchtitan's names and Megatron-LM's other flags: ``foreign_flags.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,19 @@ import difflib
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+from cp_train.config.foreign_flags import (
+    FOREIGN_DEST,
+    TORCHTITAN_KEYS,
+    megatron_hint,
+    read_torchtitan,
+    torchtitan_spellings,
+)
+from cp_train.config.hf_init import hf_model_keys
 from cp_train.config.schema import Config, ConfigError, field_type
-from cp_train.config.sources import load_config
+from cp_train.config.sources import build_config, flatten, parse_override, read_yaml
 from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, this_rank
 
 # flag -> (dotted key, type, help); Megatron's long names are accepted as aliases
@@ -110,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Context-parallel GPT pretraining. Precedence: YAML (--config) < flags < --set "
                     "section.key=value.\nEvery config key can be set with --set; the flags below are shortcuts "
                     "(Megatron-LM's names work too).",
-        epilog="Launch with torchrun, e.g. torchrun --nproc-per-node 2 train.py --config "
-               "launch/configs/cpu-tiny.yaml --set train.steps=50")
+        epilog="Launch with cp-train-launch (torchrun's flags, one line when it fails), e.g. cp-train-launch "
+               "--nproc-per-node 2 train.py --config launch/configs/cpu-tiny.yaml --set train.steps=50; "
+               "torchtitan's --parallelism.*/--training.* names of these keys are read too (with a note)")
     command = parser.add_argument_group("command")
     command.add_argument("--config", help="YAML file (see launch/configs/; default: cpu-tiny on a machine without "
                                           "CUDA)")
@@ -147,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
             if key.startswith(section + "."):
                 group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None,
                                    help=f"[{key}: {described[key]}]")
+    for name in TORCHTITAN_KEYS:  # read as ours with a note (foreign_flags.py); not listed
+        parser.add_argument(*torchtitan_spellings(name), dest=FOREIGN_DEST + name, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -164,6 +185,9 @@ def suggestion(unknown: list[str]) -> str:
     name, _, value = unknown[first][2:].partition("=")
     if not value and first + 1 < len(unknown) and not unknown[first + 1].startswith("--"):
         value = unknown[first + 1]
+    hint = megatron_hint(name, value or None)
+    if hint:
+        return f": {hint}"
     name = name.replace("_", "-")
     keys = [key for section in config_keys().values() for key, _, _ in section]
     targets = {flag[2:]: spec[0] for flag, spec in FLAGS.items() for flag in (flag, *spec[3])}
@@ -185,14 +209,46 @@ def suggestion(unknown: list[str]) -> str:
     return f": did you mean {flag}{' ' + shown if takes_value else ''} ({hint})?"
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    """The config from ``argv`` (YAML (``--config``) < flags < ``--set`` overrides) and the parsed options."""
+def _batch_by_layer(config: Config, file_keys: set[str], command_keys: set[str]) -> None:
+    """The global batch and gradient accumulation set in different layers: the command line's wins (the file's
+    value of the other is dropped); set in the same layer, ``validate`` checks that they agree."""
+    batch, steps = "train.global_batch_size", "train.gradient_accumulation_steps"
+    for ours, theirs in ((steps, batch), (batch, steps)):
+        if ours in command_keys and theirs not in command_keys and theirs in file_keys:
+            if theirs == steps:
+                config.train.gradient_accumulation_steps = None
+            config.explicit_keys = config.explicit_keys - {theirs}
+
+
+def parse_args(argv: Sequence[str] | None = None, default_config: str | Path | None = None
+               ) -> tuple[Config, argparse.Namespace]:
+    """The config from ``argv`` (YAML (``--config``, else ``default_config``) < flags < ``--set`` overrides, see the
+    module docstring) and the parsed options."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{suggestion(unknown)}")
-    flags = {key: value for key, value in vars(args).items() if key not in NOT_CONFIG and value is not None}
-    return load_config(args.config, flags, args.overrides), args
+    options = {key: value for key, value in vars(args).items() if key not in NOT_CONFIG and value is not None}
+    flags = {key: value for key, value in options.items() if not key.startswith(FOREIGN_DEST)}
+    foreign, notes = read_torchtitan({key[len(FOREIGN_DEST):]: value for key, value in options.items()
+                                      if key.startswith(FOREIGN_DEST)}, flags,
+                                     {key: flag for key in TORCHTITAN_KEYS.values() if (flag := _flag_of(key))})
+    flags |= foreign
+    overrides = dict(parse_override(text) for text in args.overrides)
+    path = args.config or default_config
+    layers: list[tuple[str, dict[str, Any]]] = []
+    file_keys: set[str] = set()
+    if path is not None:
+        values = flatten(read_yaml(Path(path)), str(path))
+        if args.config is None and (flags.get("checkpoint.init_from_hf") or overrides.get("checkpoint.init_from_hf")):
+            values = {key: value for key, value in values.items() if key not in hf_model_keys()}
+        layers.append((str(path), values))
+        file_keys = set(values)
+    layers += [("command-line flags", flags), ("--set", overrides)]
+    config = build_config(layers)
+    _batch_by_layer(config, file_keys, set(flags) | set(overrides))
+    config.deprecations = (*config.deprecations, *notes)
+    return config, args
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:

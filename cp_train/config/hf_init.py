@@ -8,7 +8,8 @@ key. The RoPE fields (``max_position_embeddings``, ``rope_theta``, ``rope_scalin
 the HF config unless the user set them: that is how a context extension is configured. A user
 ``rope_scaling`` of type llama3 or yarn without ``original_max_position_embeddings`` gets the HF
 model's ``max_position_embeddings`` (the context it was trained at). The weights are loaded by
-``build.build_model`` when the run does not resume from a DCP checkpoint.
+``build.build_model`` when the run does not resume from a DCP checkpoint. Keys of a default config (no
+``--config``: the CPU demo's) are not the user's: ``hf_model_keys`` are dropped from it first (``flags.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from cp_train.model.hf.config import (
     model_fields,
     read_hf_config,
 )
+
+
+def hf_model_keys() -> frozenset[str]:
+    """The ``model.*`` keys a Hugging Face config.json sets (its shape, attention options and RoPE fields): a
+    default config's values of these give way to ``--init-from-hf`` (``flags.parse_args``)."""
+    return frozenset(f"model.{name}" for name in (*ARCHITECTURE_FIELDS, *ATTENTION_FIELDS, *ROPE_FIELDS,
+                                                  "hf_architecture"))
 
 
 def user_model_keys(config: Config) -> set[str]:

@@ -35,10 +35,13 @@ class ParallelConfig:
     dp: int | None = None  # None: world // (tp * cp)
     backend: str | None = None  # None: nccl on CUDA, else gloo
     timeout_minutes: float = 10.0  # bounds every collective; fractions work (0.05 = 3 s)
+    check_collectives: bool = False  # compare the ranks' collectives at log steps and name a stall's first
+    # differing call (cp_train/runtime/collective_check.py; a Python call's cost per collective)
     cp_layout: str = "zigzag"  # contiguous | zigzag | stripe | balanced (how the sequence is split over CP)
     # ring | allgather | ulysses | hybrid (Megatron's p2p, all_gather, a2a, a2a+p2p), or one registered by train.imports
     cp_algorithm: str = "ring"
     ulysses_size: int = 1  # hybrid: adjacent CP ranks per Ulysses group (cp = ulysses_size x ring size)
+    dp_replicate: int = 1  # HSDP (with fsdp): FSDP shards over (dp / dp_replicate) x cp ranks, replicates across
     fsdp: bool = False  # shard parameters, gradients and optimizer state over DP x CP (FSDP2); false: DDP
     fsdp_reshard_after_forward: bool = True  # free the gathered parameters after forward (ZeRO-3); false: ZeRO-2
     # FSDP under gradient accumulation: reduce-scatter once per step (unsharded fp32 gradients of every parameter
@@ -108,7 +111,10 @@ class TrainConfig:
     cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for the next step (memory/cpu_memory.py)
     compile: bool = False  # torch.compile each block and the head with its loss (fullgraph; GPT.compile_parts)
     gc_interval: int = 50  # Python's collector off in the run, a young-generation collection every this many
-    # steps on every rank at once (cp_train/collector.py); 0: Python's own automatic collection
+    # steps on every rank at once (cp_train/runtime/collector.py); 0: Python's own automatic collection
+    check_cp_every: int = 0  # every N-th step: its first micro-batch's loss again without CP (cp_train/runtime/
+    # cp_check.py), cp_check_rel_err in the step's record; 0: off
+    check_cp_tolerance: float | None = None  # the largest relative error that passes; None: 1e-5 fp32, 2e-2 bf16
     # Python modules imported before the config is checked: they register CP algorithms
     # (cp_train.parallel.register_cp_algorithm) or model families (cp_train.model.register_model_family)
     imports: list[str] = field(default_factory=list)

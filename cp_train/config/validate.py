@@ -14,9 +14,10 @@ from cp_train.model.config import NORMS
 from cp_train.model.family import get_model_family
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.cp.layout import LAYOUTS, check_layout
-from cp_train.parallel.mesh.rank_groups import check_ulysses
+from cp_train.parallel.mesh.rank_groups import check_replicate, check_ulysses
 from cp_train.parallel.mesh.rank_groups import resolve_dp as resolve_layout_dp
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState
+from cp_train.parallel.tp.fp8 import RECIPES as FP8_RECIPES
 
 DTYPES = ("auto", "bf16", "fp32")
 FSDP_REDUCE = ("auto", "per_step", "per_microbatch")
@@ -64,6 +65,18 @@ def _choice(key: str, value: object, choices: tuple) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
+def _check_replicas(config: Config, dp: int) -> None:
+    """parallel.dp_replicate (HSDP) divides the DP size and comes with FSDP."""
+    replicas = config.parallel.dp_replicate
+    try:
+        check_replicate(dp, replicas)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if replicas > 1 and not config.parallel.fsdp:
+        raise ConfigError(f"parallel.dp_replicate {replicas} is HSDP, FSDP's sharding inside a replica: set "
+                          f"parallel.fsdp=true (--fsdp), or parallel.dp_replicate=1")
+
+
 def _check_cp_algorithm(config: Config) -> None:
     """parallel.cp_algorithm and parallel.ulysses_size against cp and the heads per TP rank."""
     parallel, model = config.parallel, config.model
@@ -92,10 +105,11 @@ def _check_device_settings(config: Config) -> None:
 
 
 def _check_impls(config: Config) -> None:
-    """optimizer.implementation and model.norm name known choices that go together."""
+    """optimizer.implementation, model.norm and model.fp8 name known choices that go together."""
     optimizer = config.optimizer
     _choice("optimizer.implementation", optimizer.implementation, OPTIMIZERS)
     _choice("model.norm", config.model.norm, NORMS)
+    _choice("model.fp8", config.model.fp8, FP8_RECIPES)  # torchao and the GPU: build.build_model (parallel/tp/fp8.py)
     if optimizer.implementation == "apex" and config.parallel.fsdp:
         raise ConfigError("optimizer.implementation apex: apex's FusedAdam cannot update FSDP2's sharded (DTensor) "
                           "parameters; set optimizer.implementation=auto (torch's fused AdamW) or parallel.fsdp=false")
@@ -123,12 +137,16 @@ def validate(config: Config, world_size: int) -> int:
                        "logging.interval", "data.seq_len"), 1)
     _positive(config, ("train.valid_interval", "checkpoint.interval", "checkpoint.keep", "schedule.warmup_steps",
                        "data.num_workers", "optimizer.weight_decay", "optimizer.clip_grad",
-                       "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops", "train.gc_interval"), 0)
+                       "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops", "train.gc_interval",
+                       "train.check_cp_every"), 0)
+    if train.check_cp_tolerance is not None and not train.check_cp_tolerance > 0:
+        raise ConfigError(f"train.check_cp_tolerance must be > 0 (or null: by dtype), got {train.check_cp_tolerance}")
     if not config.parallel.timeout_minutes > 0:
         raise ConfigError(f"parallel.timeout_minutes must be > 0 (fractions work: 0.5 = 30 s), got "
                           f"{config.parallel.timeout_minutes}")
     if not config.optimizer.lr > 0:
         raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
+    _check_replicas(config, dp)
     _check_optimizer_range(config)
     for key in config.checkpoint.allow_changes:
         try:
@@ -214,6 +232,10 @@ def check_parallel_state(config: Config, state: ParallelState, dp: int) -> None:
     dims = ParallelDims(tp=config.parallel.tp, cp=config.parallel.cp, dp=dp)
     if dims != state.dims:
         raise ValueError(f"config layout {dims} differs from the parallel state's {state.dims}")
+    replicas = config.parallel.dp_replicate
+    if state.dp_replicate != replicas:
+        raise ValueError(f"parallel.dp_replicate {replicas} differs from the parallel state's {state.dp_replicate} "
+                         f"replicas: initialise it with dp_replicate={replicas}")
     ulysses = state.cp_ulysses.size if state.cp_ulysses else 1
     if config.parallel.cp > 1 and get_cp_algorithm(config.parallel.cp_algorithm).subgroups \
             and ulysses != config.parallel.ulysses_size:

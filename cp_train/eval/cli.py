@@ -26,8 +26,7 @@ from cp_train.eval.load import eval_config, load_model
 from cp_train.eval.report import plots, table, wandb_log, write_jsonl
 from cp_train.eval.tasks import TASKS, EvalSettings, Record, check_lengths, run_tasks
 from cp_train.parallel.mesh.collectives import explain_collective_failure
-from cp_train.parallel.mesh.state import parallel_context
-from cp_train.parallel.spawn import free_port
+from cp_train.parallel.mesh.state import parallel_context, world_of_one
 
 PASSED_FLAGS = ("parallel.", "data.prefix", "data.tokenizer", "logging.wandb_")  # training flags the eval takes
 
@@ -96,11 +95,9 @@ def evaluate(argv: list[str]) -> int:
     config.data.seq_len = max(settings.lengths)
     config.train.valid_interval = 0
     dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
-    if "RANK" not in os.environ:  # plain python: a world of one
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
-    with parallel_context(parallel.tp, parallel.cp, dp, parallel.backend, parallel.timeout_minutes,
-                          parallel.ulysses_size) as state:
+    with world_of_one(), parallel_context(parallel.tp, parallel.cp, dp, parallel.backend,  # plain python: one
+                                          parallel.timeout_minutes, parallel.ulysses_size,
+                                          parallel.dp_replicate) as state:
         device = build.select_device(state)
         sources = build.resolve_data(config, state)
         model = load_model(config, state, args.load, device)

@@ -25,12 +25,16 @@ tensors kept (one chunk's logits, the head's fp32 weight gradient and its matmul
 backward (the recomputed block, then the MLP's gradients, or the attention's with the CP algorithm's buffers of
 ``attention_memory.py`` once the MLP half is freed).
 Checked against the measured peak of real training steps by ``bench/dry_run_check.py``.
+
+With ``model.activation_offload`` the blocks' term is what stays on the device and a block's backward holds the
+prefetched block on top (``offload.py``, which also counts the host bytes).
 """
 
 from __future__ import annotations
 
 from cp_train.memory import attention_memory
 from cp_train.memory.attention_memory import Shapes
+from cp_train.memory.offload import device_terms, offload_plan
 from cp_train.model.config import ModelConfig
 from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 
@@ -113,10 +117,13 @@ def block_peak(s: Shapes, chunks: int) -> int:
 
 
 def activation_estimate(model: ModelConfig, s: Shapes) -> dict[str, int]:
-    """Bytes per rank for shapes ``s`` of ``model``: ``blocks`` (kept by all blocks), ``block_input`` (one block's
-    input), ``head`` (kept by the head and loss), ``head_backward`` (the head's backward on top), ``block_backward``
-    (a block's backward: the recomputed block with activation checkpointing and its working set; the head's
-    tensors are freed by then) and ``block`` (one block without checkpointing)."""
+    """Bytes per rank for shapes ``s`` of ``model``: ``blocks`` (kept by all blocks on the device), ``block_input``
+    (one block's input), ``head`` (kept by the head and loss), ``head_backward`` (the head's backward on top),
+    ``block_backward`` (a block's backward: the recomputed block with activation checkpointing and its working set;
+    the head's tensors are freed by then) and ``block`` (one block without checkpointing); with
+    ``model.activation_offload`` (``offload.py``) ``window`` (the prefetched blocks a block's backward holds on
+    top), ``offloaded`` (host bytes), ``moved`` (bytes each way per micro-batch), ``moved_per_layer`` and
+    ``offloaded_layers`` (all 0 without it)."""
     mode = model.activation_checkpointing
     # inside a checkpointed block the MLP slices are not checkpointed again (``model/mlp.py``): the recompute
     # keeps every slice's intermediates
@@ -134,5 +141,9 @@ def activation_estimate(model: ModelConfig, s: Shapes) -> dict[str, int]:
         qkv_side = attention_half(s) - kept
         backward = max(block_backward(s, 1, mlp_half(s, 1)), _stream(s) + qkv_side + attention_memory.buffers(s, True))
     chunk = model.loss_chunk_tokens
-    return {"blocks": model.num_layers * kept, "block_input": block_input, "head": head_kept(s, chunk),
-            "head_backward": head_peak(s, chunk), "block_backward": backward, "block": block}
+    plan = offload_plan(model, s, block)
+    blocks, window = device_terms(plan, model.num_layers * kept)
+    return {"blocks": blocks, "block_input": block_input, "head": head_kept(s, chunk),
+            "head_backward": head_peak(s, chunk), "block_backward": backward, "block": block, "window": window,
+            "offloaded": plan.host_bytes if plan else 0, "moved": plan.traffic_bytes if plan else 0,
+            "moved_per_layer": plan.per_layer if plan else 0, "offloaded_layers": plan.layers if plan else 0}

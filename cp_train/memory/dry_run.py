@@ -13,7 +13,8 @@ copies ("gathered") and its activations (``activations.py``):
   the weights without FSDP; the unsharded fp32 gradients of every parameter while gradients accumulate
   (FSDP with ``parallel.fsdp_reduce`` per_step, in place of the sharded ones the state counts; DDP keeps the
   earlier micro-batches' gradients outside its buckets);
-- a block's backward: the blocks' activations, the recomputed block and its working set; FSDP's root and two
+- a block's backward: the blocks' activations (with activation offload the prefetch window besides,
+  ``offload.py``), the recomputed block and its working set; FSDP's root and two
   blocks (the current one and the next one's gather), the root's unsharded gradient (the head's) and the block's,
   and the previous block's reduce-scatter in flight; without FSDP a tied head's gradient, held until the
   embedding's backward;
@@ -41,6 +42,7 @@ from cp_train.config.validate import validate
 from cp_train.data.default_corpus import DEFAULT_VOCAB_SIZE
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.memory.activations import activation_estimate, shapes_of
+from cp_train.memory.offload import offload_plan
 from cp_train.model.config import ModelConfig
 from cp_train.model.meta import meta_model
 from cp_train.model.parallelize import fsdp_shard_dim
@@ -82,10 +84,11 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: bool
+def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: bool, replicas: int = 1
                  ) -> tuple[torch.Size, torch.Size]:
     """``(held, stored)`` shapes of ``rank``'s shard of the full parameter ``full`` (a meta parameter with the TP
-    attributes): its TP chunk, then with FSDP its chunk over DP x CP (``stored``: padded to the largest)."""
+    attributes): its TP chunk, then with FSDP its chunk over DP x CP, or under HSDP over a replica's DP x CP of
+    ``replicas`` (``stored``: padded to the largest)."""
     coordinates = dims.coordinates(rank)
     shape = list(full.shape)
     tp_dim = tensor_parallel_dim(full)
@@ -93,8 +96,8 @@ def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: 
         shape[tp_dim] //= dims.tp
     if not fsdp:
         return torch.Size(shape), torch.Size(shape)
-    dim, parts = fsdp_shard_dim(full, dims.tp), dims.data
-    index = coordinates["cp"] + dims.cp * coordinates["dp"]
+    dim, parts = fsdp_shard_dim(full, dims.tp), dims.data // replicas
+    index = coordinates["cp"] + dims.cp * (coordinates["dp"] % (dims.dp // replicas))
     chunk = -(-shape[dim] // parts)
     held, stored = list(shape), list(shape)
     held[dim], stored[dim] = max(0, min(chunk, shape[dim] - index * chunk)), chunk
@@ -123,7 +126,7 @@ def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: Parall
     fsdp = config.parallel.fsdp
     held, stored = [], []
     for param in full.values():
-        shape, padded = local_shapes(param, dims, rank, fsdp)
+        shape, padded = local_shapes(param, dims, rank, fsdp, config.parallel.dp_replicate)
         held.append(torch.nn.Parameter(torch.empty(shape, device="meta")))
         stored.append(torch.empty(padded, device="meta"))
     module = torch.nn.ParameterList(held)
@@ -169,7 +172,7 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
         at_block = at_head
         held = 4 * head_weight if config.model.tie_embeddings else 0  # summed with the embedding's at its backward
     return {"head": (at_head, activations["blocks"] + activations["head"] + activations["head_backward"]),
-            "block": (at_block, activations["blocks"] + activations["block_backward"] + held),
+            "block": (at_block, activations["blocks"] + activations["window"] + activations["block_backward"] + held),
             "optimizer": (state[0] if foreach else 0, 0)}
 
 
@@ -223,7 +226,8 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None
     full = _meta_parameters(config.model)
     ranks = []
     for rank in range(dims.world) if only is None else only:
-        key = (_model_key(config.model), dims, rank, config.parallel.fsdp, repr(config.optimizer))
+        key = (_model_key(config.model), dims, rank, config.parallel.fsdp, config.parallel.dp_replicate,
+               repr(config.optimizer))
         if key not in _STATE:  # the planner asks for the same state under many activation settings
             _STATE[key] = rank_state(config, full, dims, rank)
         params, grads, moments = _STATE[key]
@@ -232,7 +236,8 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None
         ranks.append(RankMemory(rank, params, grads, moments, *phases[phase], phase))
     assumed = {"device": "cuda" if cuda else "cpu", "compute": "bf16" if bf16 else "fp32", "tokens_per_rank": tokens,
                "accumulation": accumulation, "parameters": sum(p.numel() for p in full.values()),
-               "sequence_parallel": shapes.sequence_parallel, "algorithm": shapes.algorithm}
+               "sequence_parallel": shapes.sequence_parallel, "algorithm": shapes.algorithm,
+               "offload": offload_plan(config.model, shapes, activations["block"])}
     return dims, ranks, activations, assumed
 
 

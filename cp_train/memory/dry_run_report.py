@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from cp_train.config.schema import Config
+from cp_train.memory.communicators import communicator_lines, communicators
 from cp_train.memory.dry_run import (
     GIB,
     PHASES,
@@ -16,18 +17,28 @@ from cp_train.memory.dry_run import (
     with_reduce,
     with_vocab,
 )
+from cp_train.memory.offload import (
+    HOST_USABLE_FRACTION,
+    PREFETCH_LAYERS,
+    HostMemory,
+    OffloadPlan,
+    host_hint,
+    ranks_per_node,
+)
 
 
 class DryRunReport(NamedTuple):
     text: str
-    fits: bool  # the largest rank's total within the device memory
+    fits: bool  # the largest rank's total within the device memory (and offloaded activations within the host's)
 
 
 def report(config: Config, world: int, device_gib: float, source: str = "the config",
-           reserve_gib: float = 0.0) -> DryRunReport:
-    """The dry run's text (the layout and assumptions, ``fsdp_reduce`` with FSDP, the activation terms, one line
-    per rank, the reserve, the verdict and, when the largest rank does not fit, what to change) and whether it
-    fits: the largest rank within ``device_gib`` less ``reserve_gib`` (CUDA context, NCCL, fragmentation)."""
+           reserve_gib: float = 0.0, host: HostMemory | None = None) -> DryRunReport:
+    """The dry run's text (the layout and assumptions, ``fsdp_reduce`` with FSDP, the activation terms, with
+    ``model.activation_offload`` what moves to host memory and the host per rank and per node, one line per rank,
+    the reserve, the verdict and, when the largest rank does not fit, what to change) and whether it fits: the
+    largest rank within ``device_gib`` less ``reserve_gib`` (CUDA context, NCCL, fragmentation) and, with offload
+    and ``host`` (a node's host memory), the offloaded activations of a node's ranks within its usable part."""
     config = with_vocab(config)
     reduce, why = resolve_fsdp_reduce(config, world, device_gib, reserve_gib)
     auto = config.parallel.fsdp_reduce == "auto"
@@ -35,7 +46,9 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     dims, ranks, activations, assumed = memory_plan(config, world)
     parallel, model = config.parallel, config.model
     worst = max(ranks, key=lambda r: r.total_bytes)
-    mode = (f"FSDP over dp x cp ({'ZeRO-3' if parallel.fsdp_reshard_after_forward else 'ZeRO-2'})"
+    zero = "ZeRO-3" if parallel.fsdp_reshard_after_forward else "ZeRO-2"
+    mode = (f"FSDP over dp x cp ({zero})" if parallel.fsdp and parallel.dp_replicate == 1 else
+            f"HSDP: FSDP over dp/{parallel.dp_replicate} x cp ({zero}), {parallel.dp_replicate} replicas"
             if parallel.fsdp else "DDP (replicated parameters)")
     sp = ", sequence parallel" if assumed["sequence_parallel"] else ""
     lines = [f"dry run of {source}: {assumed['parameters']:,} parameters, world {dims.world} = tp {dims.tp} x cp "
@@ -53,6 +66,10 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
                  f"{gib('head_backward' if head else 'block_backward')} GiB in {'the head' if head else 'a block'}'s "
                  f"({gib('block_backward' if head else 'head_backward')} in {'a block' if head else 'the head'}'s): "
                  f"peak {sig3(worst.activation_bytes / GIB)} GiB at {PHASES[worst.phase]}")
+    plan, host_fits = assumed["offload"], True
+    if plan is not None:
+        offload, host_fits = offload_lines(plan, host, host.ranks_per_node if host else ranks_per_node(world))
+        lines += offload
     header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
     rows = [header] + [(str(r.rank), *(sig3(b / GIB) for b in (
         r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes, r.state_bytes, r.gathered_bytes,
@@ -62,6 +79,8 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     usable = device_gib - reserve_gib
     fits = worst.total_bytes <= usable * GIB
+    if assumed["device"] == "cuda":
+        lines += communicator_lines(communicators(config, dims.dp, ranks_per_node(world)))
     lines.append(f"reserve: {sig3(reserve_gib)} GiB per device for the runtime (CUDA context, NCCL) and fragmentation "
                  f"(--reserve-gib, --reserve-fraction): {sig3(usable)} of {device_gib:g} GiB usable")
     lines.append(f"{'fits' if fits else 'does NOT fit'}: the largest rank ({worst.rank}) needs "
@@ -69,12 +88,37 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
                  f"({100 * worst.total_bytes / (usable * GIB):.0f}%)")
     if not fits:
         lines.append(f"to fit: {shrink_hint(config, worst, assumed['accumulation'])}")
-    return DryRunReport("\n".join(lines), fits)
+    elif not host_fits:
+        need = plan.host_per_node(host.ranks_per_node) / GIB
+        lines.append(f"does NOT fit the host: the offloaded activations need {sig3(need)} GiB per node of "
+                     f"{sig3(host.usable_gib)} GiB usable ({host.source})")
+        lines.append(f"to fit: {host_hint(model)}")
+    return DryRunReport("\n".join(lines), fits and host_fits)
+
+
+def offload_lines(plan: OffloadPlan, host: HostMemory | None, ranks_per_node: int) -> tuple[list[str], bool]:
+    """The report's lines about ``plan`` and whether the host memory holds it (True without ``host``)."""
+    g = lambda b: sig3(b / GIB)  # noqa: E731
+    what = {"full": "the block input", "selective": "the block input and the CP attention's q, k, v, output, lse",
+            "none": "every saved activation"}[plan.checkpointing]
+    node = plan.host_per_node(ranks_per_node)
+    lines = [f"activation offload {plan.mode}: {plan.layers} blocks move {g(plan.per_layer)} GiB each ({what}) to "
+             f"{'pinned ' if plan.cuda else ''}host memory and back, {g(plan.traffic_bytes)} GiB each way per "
+             f"micro-batch; on the device the last block's and a prefetch window of {1 + PREFETCH_LAYERS} blocks"]
+    if not plan.cuda:
+        lines[0] += " (on CPU host and device are one memory: nothing is saved)"
+    fits = host is None or node <= host.usable_gib * GIB
+    where = (f" of {sig3(host.usable_gib)} GiB usable ({100 * HOST_USABLE_FRACTION:.0f}% of {host.gib_per_node:g} GiB, "
+             f"{host.source})" if host else "")
+    lines.append(f"host memory: {g(plan.host_bytes)} GiB per rank, {g(node)} GiB per node of {ranks_per_node} "
+                 f"rank(s){where}{'' if fits else ': does NOT fit the host'}")
+    return lines, fits
 
 
 def shrink_hint(config: Config, worst: RankMemory, accumulation: int = 1) -> str:
     """What to change, the largest part first: the state and its transient copies (sharding, the FSDP reduction,
-    fewer micro-batches) or the activations (checkpointing, sequence parallelism, tokens per rank)."""
+    fewer micro-batches) or the activations (checkpointing, activation offload, sequence parallelism, tokens per
+    rank)."""
     model, parallel, train = config.model, config.parallel, config.train
     if not parallel.fsdp:
         state = ["--fsdp (shards parameters, gradients and optimizer state over dp x cp)",
@@ -89,6 +133,10 @@ def shrink_hint(config: Config, worst: RankMemory, accumulation: int = 1) -> str
                          f": one per step keeps no unsharded gradients, but more activations)"]
     acts = {"none": ["model.activation_checkpointing=selective (recomputes all but the attention; or full)"],
             "selective": ["model.activation_checkpointing=full"], "full": []}[model.activation_checkpointing]
+    if model.activation_offload == "none":  # checkpointed: after full checkpointing, the largest lever at length
+        acts.append("model.activation_offload=checkpointed (what checkpointing keeps to pinned host memory, back a "
+                    "block ahead of its backward)" if model.activation_checkpointing != "none" else
+                    "model.activation_offload=all (every saved activation to pinned host memory)")
     if parallel.tp > 1 and not parallel.sequence_parallel_on:
         acts.insert(0, "parallel.sequence_parallel=true (the residual stream and the norms hold 1/tp of the tokens)")
     acts += [] if model.loss_chunk_tokens else ["model.loss_chunk_tokens=1024 (no [tokens, vocab] logits)"]

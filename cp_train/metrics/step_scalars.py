@@ -29,6 +29,7 @@ class DeviceBatch:
     local_loss_sum: torch.Tensor  # this rank's summed token losses
     imbalance: float  # attention work of the busiest CP rank over the mean (1.0: balanced)
     attention_pairs: int = 0  # visible query-key pairs of this replica's micro-batches (per-document masks)
+    first_loss_sum: torch.Tensor | None = None  # this rank's summed token losses of the first micro-batch
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@
   A GPU missing from the table has no known peak: MFU is NaN (one warning names ``logging.peak_tflops``).
 - attention imbalance: the busiest CP rank's attention work (query-key pairs under the mask) over the
   mean, per global batch, averaged over the interval (1.0: balanced; see the ``balanced`` CP layout).
+- ``mfu_fp8_peak`` (runs with ``model.fp8``): the blocks' linears, which compute in FP8, counted against the FP8
+  peak (``FP8_PEAK_RATIO`` x the bf16 peak) and every other FLOP against the bf16 peak: the time the step's FLOPs
+  take at those peaks over the measured time. ``mfu`` stays at the bf16 peak, comparable with bf16 runs.
 - peak memory: CUDA's max allocated bytes (and max reserved, the allocator's cache included), or on
   CPU the process's peak RSS (``VmHWM``; it counts the freed memory glibc keeps for the next step,
   ``cp_train/memory/cpu_memory.py``, like CUDA's reserved bytes).
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from cp_train.model.config import ModelConfig
-from cp_train.model.family import attention_flops, matmul_params, model_flops_per_token
+from cp_train.model.family import attention_flops, get_model_family, matmul_params, model_flops_per_token
 from cp_train.results import StepResult
 
 # Per device name: the dense bf16 tensor-core peak TFLOP/s (no sparsity, the vendors' data sheets) and the planner's
@@ -50,6 +53,20 @@ GPUS: dict[str, tuple[float, str | None]] = {
     "V100": (125.0, None),  # fp16
     "MI300X": (1307.0, None), "MI250X": (383.0, None),
 }
+
+
+# dense FP8 over dense bf16 tensor-core peak: 2 on Ada, Hopper and Blackwell (the vendors' data sheets; the planner's
+# profiles hold fp8_tflops = 2 x bf16_tflops)
+FP8_PEAK_RATIO = 2.0
+
+
+def fp8_flops_per_token(model: ModelConfig) -> float:
+    """Training FLOPs per token of the linears ``model.fp8`` computes in FP8 (the blocks', ``parallel/tp/fp8.py``): 6 x
+    their weights; 0 without FP8."""
+    if model.fp8 == "none":
+        return 0.0
+    linears = get_model_family(model.family).block_linears(model)
+    return 6.0 * model.num_layers * sum(x.in_features * x.out_features for x in linears)
 
 
 def gpu_entry(device_name: str) -> tuple[float, str | None] | None:
@@ -165,13 +182,15 @@ class IntervalMeter:
     flops_sum: float = 0.0  # model FLOPs of the steps that counted their attention pairs
     flops_steps: int = 0
     full_flops_per_token: float = 0.0  # attention counted in full, every key visible (torchtitan's convention)
+    fp8_flops_per_token: float = 0.0  # the FP8 linears' share of ``flops_per_token`` (``model.fp8``; 0: none)
 
     @classmethod
     def for_model(cls, model: ModelConfig, seq_len: int, global_batch: int, world_size: int,
                   peak: float) -> IntervalMeter:
         return cls(global_batch * seq_len, model_flops_per_token(model, seq_len), world_size, peak,
                    dense_flops_per_token=6.0 * matmul_params(model), flops_per_pair=attention_flops(model, 1),
-                   full_flops_per_token=model_flops_per_token(model, seq_len, causal=False))
+                   full_flops_per_token=model_flops_per_token(model, seq_len, causal=False),
+                   fp8_flops_per_token=fp8_flops_per_token(model))
 
     def add(self, loss: float, step_time: float, data_time: float, imbalance: float = 1.0,
             attention_pairs: float | None = None) -> None:
@@ -217,6 +236,11 @@ class IntervalMeter:
         }
         if memory_reserved_gib is not None:
             record["peak_memory_reserved_gib"] = memory_reserved_gib
+        if self.fp8_flops_per_token:  # the FP8 linears at the FP8 peak, the rest at bf16's
+            fp8 = self.fp8_flops_per_token * self.tokens_per_step * self.steps
+            at_peaks = fp8 / FP8_PEAK_RATIO + (flops - fp8)
+            record["mfu_fp8_peak"] = (at_peaks / elapsed / self.world_size / 1e12 / self.peak_tflops
+                                      if self.peak_tflops else 0.0)
         self.started, self.steps, self.loss_sum, self.step_time, self.data_time = now, 0, 0.0, 0.0, 0.0
         self.imbalance_sum, self.flops_sum, self.flops_steps = 0.0, 0.0, 0
         return record

@@ -1,13 +1,17 @@
 """Where metrics go, from one rank: a console line with a progress bar, ``metrics.jsonl`` and wandb.
 
 wandb runs offline unless ``WANDB_API_KEY`` is set or ``logging.wandb_mode`` is ``online``; the
-offline run lands in ``RUN_DIR/wandb/`` (``wandb sync`` uploads it later). The run name and config
+offline run lands in ``RUN_DIR/wandb/`` (``wandb sync`` uploads it later). A resumed run appends to its
+``metrics.jsonl``; a fresh run into a directory that holds one moves it aside first (``set_aside``), so that no
+run's records are ever overwritten. The run name and config
 carry tp/cp/dp and seq_len, and the wandb group is the layout, so dashboards group by layout. A resumed run
 continues its wandb run (the id and group its checkpoint saved), also after a layout change (logged as an event).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -107,13 +111,32 @@ def drop_records_after(path: Path, step: int) -> int:
     return len(lines) - len(kept)
 
 
+def set_aside(path: Path) -> Path | None:
+    """Rename a non-empty file ``path`` (``metrics.jsonl``) to ``metrics.<its last write, YYYYmmdd-HHMMSS>.jsonl``
+    beside it (``-2``, ``-3``, ... when taken); returns the new path, or None when there was nothing to keep."""
+    try:
+        if path.stat().st_size == 0:
+            return None
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    except FileNotFoundError:
+        return None
+    target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    copies = 1
+    while target.exists():
+        copies += 1
+        target = path.with_name(f"{path.stem}.{stamp}-{copies}{path.suffix}")
+    os.replace(path, target)
+    return target
+
+
 @dataclass(frozen=True, kw_only=True)
 class SinkSettings:
     """Where and what one run's writers write: ``metrics.jsonl`` (and wandb's offline run) in ``run_dir``, console
     lines with a progress bar to ``total_steps`` (when ``console``), a wandb run named ``run_name`` (when
     ``use_wandb``) that records ``config`` and ``layout`` (tp, cp, dp, seq_len: its group and tags).
     ``metrics.jsonl`` is appended to when ``append`` (a run resumed at ``first_step``: records of later steps,
-    logged before the run stopped, are dropped first), else started afresh."""
+    logged before the run stopped, are dropped first), else started afresh after an earlier run's file is moved
+    aside (``set_aside``)."""
 
     run_dir: Path
     run_name: str
@@ -145,9 +168,14 @@ class MetricWriters:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        # a resumed run appends to its metrics (dropping what it is about to redo), a fresh one starts them over
+        # a resumed run appends to its metrics (dropping what it is about to redo), a fresh one starts a new file
         if settings.append:
             drop_records_after(run_dir / METRICS_FILE, settings.first_step)
+        else:
+            kept = set_aside(run_dir / METRICS_FILE)
+            if kept is not None:
+                self.message(f"{run_dir / METRICS_FILE} held an earlier run's metrics: moved to {kept.name} (this "
+                             f"run starts a new file; to continue that run, resume it with --load)")
         self.jsonl = open(run_dir / METRICS_FILE, "a" if settings.append else "w", encoding="utf-8")  # noqa: SIM115
         if settings.use_wandb and wandb_mode(mode) != "disabled":
             try:
@@ -198,10 +226,19 @@ class MetricWriters:
             self.wandb_run.log({prefix + k: v for k, v in record.items() if isinstance(v, int | float)
                                 and k != "step"}, step=record["step"])
 
-    def close(self) -> None:
+    def close(self, quiet: bool = False) -> None:
+        """Close the JSONL file and finish the wandb run. Closed while an exception propagates (Ctrl-C, a failure:
+        the entry point's one line follows) or ``quiet`` (a signal's stop: its line is the last), wandb finishes
+        without its summary and sync hints on the console."""
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            failing = sys.exc_info()[1]
+            if failing is None and not quiet:
+                self.wandb_run.finish()
+            else:
+                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                    self.wandb_run.finish(exit_code=0 if failing is None else 130 if isinstance(
+                        failing, KeyboardInterrupt) else 1)
             self.wandb_run = None

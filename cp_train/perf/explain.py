@@ -4,15 +4,18 @@ move it."""
 from __future__ import annotations
 
 from cp_train.perf.inputs.hardware import Hardware
-from cp_train.perf.predict import Prediction
+from cp_train.perf.predict import Prediction, cp_check_seconds
 from cp_train.perf.ranges import MIN_RUNS
+from cp_train.perf.rates import DeviceRates
 
+SUGGESTED_CHECK_EVERY = 1000  # the GPU configs' train.check_cp_every
 PARTS = {"matmuls": "the linear layers' matmuls", "attention": "the attention kernels",
          "elementwise": "memory-bound work (norms, residual adds, RoPE, SwiGLU, the loss)",
          "recompute": "activation checkpointing's recompute", "cp_comm": "exposed CP communication",
          "tp_comm": "TP communication", "data_comm": "exposed FSDP/DDP communication",
          "optimizer": "the optimizer step",
-         "host": "the host (dispatching ops, building cuDNN graphs for new attention shapes)"}
+         "host": "the host (dispatching ops, building cuDNN graphs for new attention shapes)",
+         "offload": "exposed activation offload (PCIe copies outlasting a block's compute)"}
 
 # what moves each part, when it is the largest one not bound by the hardware's peak
 MOVES = {"recompute": "less checkpointing (selective instead of full, or none where memory allows)",
@@ -23,7 +26,8 @@ MOVES = {"recompute": "less checkpointing (selective instead of full, or none wh
          "elementwise": "a compiled step (fusing the memory-bound work) or larger matmuls",
          "attention": "a faster attention kernel (FA3 or cuDNN) or a layout that balances the causal work",
          "matmuls": "fp8 linears, or larger matmuls (a larger micro-batch)",
-         "host": "a compiled step, larger micro-batches (fewer, larger ops), or documents in fewer kernel shapes"}
+         "host": "a compiled step, larger micro-batches (fewer, larger ops), or documents in fewer kernel shapes",
+         "offload": "offloading less (model.activation_checkpointing=full moves only the block inputs) or none"}
 
 
 def explain(prediction: Prediction, hardware: Hardware) -> str:
@@ -59,4 +63,13 @@ def explain(prediction: Prediction, hardware: Hardware) -> str:
                  f"({'fits' if prediction.fits else 'does NOT fit'}): parameters {memory['parameters']:.3g}, "
                  f"gradients {memory['gradients']:.3g}, optimizer {memory['optimizer']:.3g}, gathered "
                  f"{memory['gathered']:.3g}, activations {memory['activations']:.3g}.")
+    if "host" in memory:  # activation offload
+        lines.append(f"host memory (activation offload): {memory['host']:.3g} GiB per GPU, "
+                     f"{memory['host_per_node']:.3g} per node of {prediction.host_usable_gib:.3g} usable.")
+    if record["cp"] > 1:  # the in-run CP check's forward of a whole sample (every 1000 steps unless set)
+        every = prediction.config.train.check_cp_every or SUGGESTED_CHECK_EVERY
+        check = cp_check_seconds(prediction.config, DeviceRates(hardware, prediction.precision, prediction.kernel))
+        lines.append(f"CP check (train.check_cp_every {every}): {check:.3g} s per check (a forward of a whole "
+                     f"{prediction.config.data.seq_len:,}-token sample on each GPU), {check / (every * step):.3%} of "
+                     f"the run's time.")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from typing import Any
 
 from cp_train.config.schema import Config
 from cp_train.memory.dry_run import GIB, memory_plan, with_vocab
+from cp_train.memory.offload import HOST_USABLE_FRACTION, ranks_per_node
 from cp_train.model.family import attention_flops, matmul_params, model_flops_per_token
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.perf.host import host_seconds
@@ -25,6 +26,7 @@ from cp_train.perf.time_model import (
     fp8_cast_seconds,
     group_spans_nodes,
     matmul_seconds,
+    offload_seconds,
 )
 from cp_train.perf.workload import Workload, build_workload
 
@@ -44,6 +46,7 @@ class Prediction:
     regime: Regime  # its class for the error range (``ranges.py``)
     kernel: str  # the attention kernel planned
     precision: str  # the linears' precision planned
+    host_usable_gib: float = float("inf")  # a node's host memory activation offload may fill (``memory_gib``'s host)
 
     @property
     def band(self) -> ErrorBand:
@@ -60,7 +63,9 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.memory_gib["total"] <= self.usable_gib
+        """The largest rank within the device and, with activation offload, a node's ranks within its host."""
+        return (self.memory_gib["total"] <= self.usable_gib
+                and self.memory_gib.get("host_per_node", 0.0) <= self.host_usable_gib)
 
     def tflops_per_gpu(self, convention: str) -> float:
         return self.flops_per_token[convention] * self.tokens_per_s_per_gpu / 1e12
@@ -74,6 +79,7 @@ class Prediction:
                 "ulysses_size": p.ulysses_size if subgroups else None, "cp_layout": p.cp_layout,
                 "fsdp": p.fsdp, "sequence_parallel": p.sequence_parallel_on,
                 "activation_checkpointing": m.activation_checkpointing, "mlp_chunks": m.mlp_chunks,
+                "activation_offload": m.activation_offload,
                 "micro_batch": t.micro_batch_size, "seq_len": self.config.data.seq_len, "gpus": self.world,
                 "attention_kernel": self.kernel, "precision": self.precision,
                 "step_time_s": self.step_time_s, "step_time_s_range": list(self.band.seconds(self.step_time_s)),
@@ -105,8 +111,13 @@ def _data_parallel_seconds(work: Workload, rates: DeviceRates, forward: float, b
         reduce = collective_seconds("all_reduce", 4 * total, ranks, link)
         bucket = collective_seconds("all_reduce", min(DDP_BUCKET_BYTES, 4 * total), ranks, link)
         return max(bucket, reduce - backward)
+    ranks, spans = group_spans_nodes(work, "shard", rates.gpus_per_node)  # HSDP: a replica's ranks
+    link = rates.link(spans)
+    replicas, across = group_spans_nodes(work, "replicate", rates.gpus_per_node)
     gather = collective_seconds("all_gather", work.compute_bytes * layer // ranks, ranks, link)
     scatter = collective_seconds("reduce_scatter", 4 * layer, ranks, link)
+    # HSDP all-reduces each layer's gradient shard across the replicas after its reduce-scatter, during the backward
+    scatter += collective_seconds("all_reduce", 4 * layer // ranks, replicas, rates.link(across))
     gathers_backward = 1 if parallel.fsdp_reshard_after_forward else 0
     per_micro = model.num_layers * (max(0.0, gather - per_layer_f) + gathers_backward * max(0.0, gather - per_layer_b))
     reduces = work.accumulation if parallel.fsdp_reduce == "per_microbatch" else 1
@@ -114,7 +125,8 @@ def _data_parallel_seconds(work: Workload, rates: DeviceRates, forward: float, b
     # the backward, and reduce-scattered after the last: nothing to hide behind (``model/parallelize.py``)
     root = root_parameters(model) // parallel.tp
     root_gather = collective_seconds("all_gather", work.compute_bytes * root // ranks, ranks, link)
-    root_scatter = collective_seconds("reduce_scatter", 4 * root, ranks, link)
+    root_scatter = collective_seconds("reduce_scatter", 4 * root, ranks, link) + collective_seconds(
+        "all_reduce", 4 * root // ranks, replicas, rates.link(across))
     # each gathered unit is copied out into its parameters on the compute stream (FSDP2's ``wait_for_unshard``:
     # ``foreach_all_gather_copy_out``), nothing to hide behind: the gathered buffer read and the parameters written
     copy_out = FSDP_COPY_OUT_PASSES * work.compute_bytes / rates.memory_bytes_per_s
@@ -123,9 +135,11 @@ def _data_parallel_seconds(work: Workload, rates: DeviceRates, forward: float, b
             + reduces * (model.num_layers * max(0.0, scatter - per_layer_b) + root_scatter))
 
 
-def breakdown(work: Workload, rates: DeviceRates, documents: tuple[int, ...] | None = None) -> Breakdown:
+def breakdown(work: Workload, rates: DeviceRates, documents: tuple[int, ...] | None = None,
+              offload: tuple[int, int] = (0, 0)) -> Breakdown:
     """The step's seconds by part (see ``time_model.py``); ``documents``: the packed documents' lengths (the host's
-    cuDNN graphs, ``host.py``)."""
+    cuDNN graphs, ``host.py``); ``offload``: activation offload's ``(bytes each block moves, blocks that move)``
+    (the dry run's ``moved_per_layer`` and ``offloaded_layers``)."""
     config, model = work.config, work.config.model
     blocks, head, elementwise = matmul_seconds(work, rates)
     cast_f, cast_b = fp8_cast_seconds(work, rates)
@@ -151,12 +165,17 @@ def breakdown(work: Workload, rates: DeviceRates, documents: tuple[int, ...] | N
     if config.parallel.fsdp:
         local_params /= work.config.parallel.cp * (config.parallel.dp or 1)
     a, hardware = work.accumulation, rates.hardware
+    # one block's forward and backward (its recompute included), what its offload copies travel behind
+    block_f = (blocks + elementwise + attn_f + cp_f) / model.num_layers
+    block_b = (2 * (blocks + elementwise) + attn_b + cp_b + recompute
+               - (head if model.loss_chunk_tokens else 0.0)) / model.num_layers
     return Breakdown(matmuls=a * 3 * (blocks + head), attention=a * (attn_f + attn_b),
                      elementwise=a * (3 * (elementwise + loss) + cast_f + cast_b), recompute=a * recompute,
                      cp_comm=a * (cp_f + cp_b), tp_comm=a * (tp_f + tp_b + recompute_tp + tp_outside),
                      data_comm=_data_parallel_seconds(work, rates, forward, backward),
                      optimizer=ADAMW_BYTES * local_params / rates.memory_bytes_per_s,
-                     host=host_seconds(work, hardware.host_op_us, hardware.graph_build_ms, rates.kernel, documents))
+                     host=host_seconds(work, hardware.host_op_us, hardware.graph_build_ms, rates.kernel, documents),
+                     offload=a * offload_seconds(*offload, block_f, block_b, rates.pcie_bytes_per_s))
 
 
 def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, device_gib: float,
@@ -164,7 +183,7 @@ def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, 
     """``config`` (validated by the dry run's ``memory_plan``) on ``world`` ranks of a device with ``rates``;
     ``documents``: the lengths of the documents packed into each sample (``documents.py``; None: one document
     per sample, or ``data.document_mask`` off)."""
-    dims, ranks, _, assumed = memory_plan(config, world, only=[0])  # rank 0 holds FSDP's largest shards
+    dims, ranks, activations, assumed = memory_plan(config, world, only=[0])  # rank 0 holds FSDP's largest shards
     config = replace(with_vocab(config), parallel=replace(config.parallel, dp=dims.dp))  # ``config`` is not changed
     compute = 2 if assumed["compute"] == "bf16" else 4
     work = build_workload(config, world, compute, documents if config.data.document_mask else None)
@@ -172,6 +191,11 @@ def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, 
     memory = {"parameters": worst.parameter_bytes / GIB, "gradients": worst.gradient_bytes / GIB,
               "optimizer": worst.optimizer_bytes / GIB, "gathered": worst.gathered_bytes / GIB,
               "activations": worst.activation_bytes / GIB, "total": worst.total_bytes / GIB}
+    hardware = rates.hardware
+    node = ranks_per_node(world, hardware.gpus_per_node)
+    if assumed["offload"] is not None:  # host memory per rank and per node (activation offload)
+        host = assumed["offload"].host_bytes / GIB
+        memory.update(host=host, host_per_node=node * host)
     seq = config.data.seq_len
     flops = {"causal_half": model_flops_per_token(config.model, seq, causal=True),
              "causal_full": model_flops_per_token(config.model, seq, causal=False)}
@@ -181,7 +205,23 @@ def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, 
         flops = {"causal_half": dense + attention_flops(config.model, sum(c * (c + 1) // 2 for c in pieces)) / seq,
                  "causal_full": dense + attention_flops(config.model, sum(c * c for c in pieces)) / seq}
     tokens = config.train.global_batch_size * seq
-    hardware = rates.hardware
     regime = regime_of(parameter_count(config.model), seq, rates.precision, world, hardware.gpus_per_node)
-    return Prediction(config, world, breakdown(work, rates, documents if config.data.document_mask else None), tokens,
-                      flops, peak_tflops, memory, device_gib - reserve_gib, regime, rates.kernel, rates.precision)
+    moved = (activations["moved_per_layer"], activations["offloaded_layers"])
+    return Prediction(config, world, breakdown(work, rates, documents if config.data.document_mask else None, moved),
+                      tokens, flops, peak_tflops, memory, device_gib - reserve_gib, regime, rates.kernel,
+                      rates.precision, HOST_USABLE_FRACTION * hardware.host_memory_gib)
+
+
+def cp_check_seconds(config: Config, rates: DeviceRates) -> float:
+    """One in-run CP check (``train.check_cp_every``, ``runtime/cp_check.py``): the forward of one micro-batch's
+    whole sample on one rank, TP kept, no CP (the planner's forward of ``config`` at cp 1, one document per
+    sample: the dense upper bound)."""
+    whole = replace(with_vocab(config), parallel=replace(config.parallel, cp=1, dp=1, fsdp=False, cp_algorithm="ring"),
+                    train=replace(config.train, global_batch_size=config.train.micro_batch_size,
+                                  gradient_accumulation_steps=None))
+    work = build_workload(whole, whole.parallel.tp, 2)
+    blocks, head, elementwise = matmul_seconds(work, rates)
+    attention = attention_seconds(work, rates)[0]
+    tp = collectives_seconds(work, rates, work.tp_collectives, "forward")
+    return blocks + head + elementwise + work.loss_bytes / rates.memory_bytes_per_s + whole.model.num_layers * (
+        attention + tp)

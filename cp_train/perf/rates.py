@@ -13,6 +13,11 @@ from cp_train.perf.workload import KernelCall
 MEMORY_EFFICIENCY = 0.85
 
 
+def linear_precision(fp8: str) -> str:
+    """The linears' precision the planner plans for the trainer's ``model.fp8`` (one switch): fp8 unless none."""
+    return "bf16" if fp8 == "none" else "fp8"
+
+
 class DeviceRates:
     """``hardware``'s rates with linears in ``precision`` (bf16, or fp8 for fp8 linears; attention stays bf16) and
     attention by ``kernel`` (default: the profile's, the trainer's choice on that GPU)."""
@@ -24,6 +29,7 @@ class DeviceRates:
         self.gpus_per_node = hardware.gpus_per_node
         self.memory_bytes_per_s = hardware.hbm_tb_s * 1e12 * MEMORY_EFFICIENCY
         self.call_latency_s = hardware.collective_latency_us * 1e-6
+        self.pcie_bytes_per_s = hardware.pcie_gb_s * 1e9  # per direction (activation offload)
         self._links = {spans: (gb_s * 1e9 * efficiency, latency * 1e-6) for spans, gb_s, efficiency, latency in (
             (False, hardware.nvlink_gb_s, hardware.nvlink_efficiency, hardware.nvlink_latency_us),
             (True, hardware.net_gb_s, hardware.net_efficiency, hardware.net_latency_us))}

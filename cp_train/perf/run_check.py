@@ -18,12 +18,13 @@ import torch
 from cp_train.config.schema import Config
 from cp_train.errors import InputError
 from cp_train.memory.dry_run import reserve_gib
+from cp_train.memory.offload import HostMemory, ranks_per_node
 from cp_train.metrics.throughput import gpu_entry, implausible_mfu
 from cp_train.perf.host import GRAPH_SAMPLES
 from cp_train.perf.inputs.documents import document_pieces
 from cp_train.perf.inputs.hardware import Hardware, load_hardware
 from cp_train.perf.predict import predict
-from cp_train.perf.rates import DeviceRates
+from cp_train.perf.rates import DeviceRates, linear_precision
 
 
 def run_hardware(config: Config, device: torch.device) -> Hardware | None:
@@ -65,7 +66,7 @@ def run_prediction(config: Config, world: int, device: torch.device, documents: 
         hardware = run_hardware(config, device)
         if hardware is None:
             return None, None
-        rates = DeviceRates(hardware)
+        rates = DeviceRates(hardware, linear_precision(config.model.fp8))  # FP8 linears planned as such
         planned = predict(copy.deepcopy(config), world, rates, hardware.peak_tflops("bf16"), hardware.hbm_gib,
                           reserve_gib(hardware.hbm_gib), documents)
     except (InputError, ValueError, KeyError) as error:
@@ -79,7 +80,9 @@ def run_prediction(config: Config, world: int, device: torch.device, documents: 
             "step_time_s_range": record["step_time_s_range"], "regime": record["regime"],
             "documents_per_sample": len(document_pieces(documents, config.data.seq_len)) if documents else 1,
             "tokens_per_s_per_device": record["tokens_per_s_per_gpu"], "mfu": record["mfu"]["causal_half"],
-            "memory_gib": record["memory_gib"]["total"], "fits": record["fits"]}, None
+            "memory_gib": record["memory_gib"]["total"], "fits": record["fits"],
+            "tokens_per_s_per_device_range": record["tokens_per_s_per_gpu_range"],
+            "offload_exposed_s": record["breakdown_s"]["offload"], "pcie_gb_s": hardware.pcie_gb_s}, None
 
 
 def dry_run_line(config: Config, world: int) -> str | None:
@@ -96,10 +99,33 @@ def dry_run_line(config: Config, world: int) -> str | None:
     if prediction is None:
         return note
     low, high = prediction["step_time_s_range"]
+    slow, fast = prediction["tokens_per_s_per_device_range"]
+    offload = ""
+    if config.model.activation_offload != "none":
+        exposed = prediction["offload_exposed_s"]
+        offload = (f"; activation offload over PCIe at {prediction['pcie_gb_s']:g} GB/s: "
+                   + (f"{exposed:.3g} s exposed per step" if exposed > 0 else "hidden behind each block's compute"))
     return (f"planner ({prediction['hardware']}; cp-train-plan for other layouts): a step of "
             f"{config.train.global_batch_size * config.data.seq_len:,} tokens in {prediction['step_time_s']:.3g} s "
             f"(runs like it: {low:.3g}-{high:.3g} s), {prediction['tokens_per_s_per_device']:,.0f} tokens/s per "
-            f"device, MFU {prediction['mfu']:.1%} (causal attention at half)")
+            f"device ({slow:,.0f}-{fast:,.0f}), MFU {prediction['mfu']:.1%} (causal attention at half){offload}")
+
+
+def dry_run_host(config: Config, world: int) -> HostMemory | None:
+    """A node's host memory for ``--dry-run``'s offload check: the ``host_memory_gib`` of the profile
+    ``dry_run_line`` predicts with (None for a CPU run without one, or an unreadable profile), shared by
+    ``LOCAL_WORLD_SIZE`` or ``min(world, gpus_per_node)`` ranks."""
+    if not config.logging.hardware_profile and config.parallel.backend == "gloo":
+        return None
+    name = config.logging.hardware_profile
+    if not name and torch.cuda.is_available():
+        name = device_profile(torch.cuda.get_device_name(torch.device("cuda")))
+    try:
+        hardware = load_hardware(name or "h100-sxm")
+    except InputError:
+        return None
+    return HostMemory(hardware.host_memory_gib, ranks_per_node(world, hardware.gpus_per_node),
+                      f"{hardware.name}'s host_memory_gib")
 
 
 def measured_against_predicted(step_time_s: float, prediction: dict[str, Any] | None) -> str | None:

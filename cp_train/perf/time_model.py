@@ -5,7 +5,8 @@ bound work at the memory bandwidth, the CP attention step by step), the recomput
 checkpointing, the TP collectives (not overlapped: the trainer waits for them), the CP attention's
 collectives and hops (a ring hop hides behind its step's kernels, so a step costs the longer of the two; the
 all-gather's chunks overlap the compute of the chunk before; Ulysses' all-to-alls are exposed), FSDP's
-gathers and reduce-scatters (prefetched: exposed only where a layer's communication outlasts its compute).
+gathers and reduce-scatters (prefetched: exposed only where a layer's communication outlasts its compute), and
+activation offload's copies over PCIe (exposed only where a block's copy outlasts a block's compute).
 Per step: the micro-batches, DDP's gradient all-reduce (overlapped with the last backward but its last
 bucket), the optimizer (AdamW: memory-bound, 28 bytes per local parameter) and the host's own time (``host.py``).
 
@@ -45,6 +46,7 @@ class Breakdown:
     data_comm: float  # exposed FSDP gathers and reduce-scatters, DDP's all-reduce
     optimizer: float
     host: float  # the host's dispatch and cuDNN graph builds the GPU waits for (``host.py``)
+    offload: float = 0.0  # exposed activation offload: a block's copies over PCIe outlasting its compute
 
     @property
     def step(self) -> float:
@@ -64,12 +66,15 @@ def collective_seconds(kind: str, size: int, ranks: int, link: tuple[float, floa
 
 
 def group_spans_nodes(work: Workload, group: str, gpus_per_node: int) -> tuple[int, bool]:
-    """``(ranks, spans nodes)`` of ``group`` in Megatron's order (tp, then cp, then dp)."""
+    """``(ranks, spans nodes)`` of ``group`` in Megatron's order (tp, then cp, then dp): ``data`` is DP x CP,
+    ``shard`` the ranks FSDP shards over (a replica's DP x CP under HSDP), ``replicate`` HSDP's replicas."""
     parallel = work.config.parallel
     tp, cp = parallel.tp, parallel.cp
     world = tp * cp * (work.config.parallel.dp or 1)
+    replicas = parallel.dp_replicate if parallel.fsdp else 1
     extent = {"tp": (tp, tp), "cp": (cp, tp * cp), "ulysses": (parallel.ulysses_size, tp * parallel.ulysses_size),
-              "data": (world // tp, world)}[group]
+              "data": (world // tp, world), "shard": (world // (tp * replicas), world // replicas),
+              "replicate": (replicas, world if replicas > 1 else 1)}[group]
     return extent[0], extent[1] > gpus_per_node
 
 
@@ -134,6 +139,18 @@ def _overlapped(comm: float, compute: float, local: float, chunks: int = 2) -> f
     per_comm, per_compute, per_local = comm / chunks, compute / chunks, local / chunks
     exposed = max(0.0, per_comm - per_local)
     return exposed + (chunks - 1) * max(0.0, per_comm - per_compute)
+
+
+def offload_seconds(moved_per_layer: int, layers: int, forward_s: float, backward_s: float, pcie_bytes_per_s: float
+                    ) -> float:
+    """Exposed seconds of one micro-batch's activation offload (``model.activation_offload``): each of ``layers``
+    blocks copies ``moved_per_layer`` bytes to the host while the next block's forward runs (``forward_s`` per
+    block) and back while the block after it runs its backward (``backward_s``, its recompute included), each
+    direction on its own at ``pcie_bytes_per_s``; what a copy takes beyond its block's time is exposed."""
+    if not layers or not moved_per_layer:
+        return 0.0
+    copy = moved_per_layer / pcie_bytes_per_s
+    return layers * (max(0.0, copy - forward_s) + max(0.0, copy - backward_s))
 
 
 def matmul_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float, float]:

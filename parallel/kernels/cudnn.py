@@ -16,9 +16,10 @@ get None (an undefined tensor: no bias, dense inputs), as PyTorch's own autograd
 causal mask is used on square blocks only (``check_square_causal``).
 
 Varlen calls (packed documents) go to ``varlen_kernel`` on a GPU (``select_kernel``: FA3 where installed on
-Hopper, else flash-attn 2, else PyTorch's CUDA flash kernel): one varlen call per mask kind and ring step. Measured on an H100 with the 1B config at 16k tokens,
-running them segment by segment through cuDNN (``VarlenBySegments``, the fallback when ``varlen_kernel`` is
-None) cost one dense call per document and a host sync per call: 12.5% MFU. The native ragged cuDNN path
+Hopper, else flash-attn 2, else PyTorch's CUDA flash kernel): one varlen call per mask kind and ring step.
+Measured on an H100 with the 1B config at 16k tokens, running them segment by segment through cuDNN
+(``VarlenBySegments``, the fallback when ``varlen_kernel`` is None) cost one dense call per document and a host
+sync per call: 12.5% MFU. The native ragged cuDNN path
 (``aten::_cudnn_attention_forward`` with ``cum_seq_q``/``cum_seq_k``) is not used: its causal alignment for
 segments with more keys than queries differs between cuDNN frontend versions, and its backward is missing
 from some torch releases. Nor would it bound the graphs: PyTorch keys its cuDNN graph cache on the ragged

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench import step_profile
@@ -26,6 +28,7 @@ def test_a_scheduled_profile_of_real_steps(tmp_path, monkeypatch) -> None:
                  "--set", f"logging.dir={tmp_path}", "--set", "schedule.warmup_steps=1", "--set", "model.num_layers=1",
                  "--set", "logging.wandb=false"]) == 0
     (record, top), = reports
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ  # the one-process world leaves nothing behind
     assert record["device"] == "cpu" and record["steps"] == 2 and record["step_s"] > 0.01
     assert 0.5 * record["step_s"] < record["busy_s"] <= record["step_s"] and 0 <= record["idle_fraction"] < 0.5
     assert any("attention" in name for name, _ in top)

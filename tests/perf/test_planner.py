@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -121,6 +122,10 @@ def test_search_ranks_fitting_layouts_by_throughput_and_explains_the_best(capsys
     text = capsys.readouterr().out
     assert "where the time goes" in text and "bounded by" in text and "memory per GPU" in text
     assert "expected:" in text and "measured runs of regime large/long" in text and "titan-8b-128k-fsdp2-cp4" in text
+    step = float(re.search(r"takes ([0-9.]+) s", text).group(1))
+    check = re.search(r"CP check \(train.check_cp_every 1000\): ([0-9.]+) s per check .*, ([0-9.]+)% of", text)
+    # a forward of the whole sample on one GPU: more than the step's share of it (1/3 over cp 8), a few steps at most
+    assert check and step / 8 < float(check.group(1)) < 5 * step and float(check.group(2)) < 1, text
 
 
 @pytest.mark.parametrize(("argv", "message"), [

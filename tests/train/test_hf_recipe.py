@@ -73,7 +73,7 @@ def test_the_gpu_recipe_fits_8_x_80_gb_with_llama_2_7b(tmp_path, monkeypatch, ca
         "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
         "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False}))
     recipe = (ROOT / "docs" / "huggingface.md").read_text()
-    command = recipe[recipe.index("torchrun --nproc-per-node 8 train.py"):]
+    command = recipe[recipe.index("cp-train-launch --nproc-per-node 8 train.py"):]
     command = command[:command.index("\ncp-train-export-hf")].replace("\\\n", " ")
     assert " --fsdp " in command
     args = shlex.split(command.split("train.py", 1)[1].replace("DIR", str(tmp_path)))

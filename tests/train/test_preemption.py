@@ -5,14 +5,28 @@ losses, bitwise, in the same wandb run. The records carry the max over ranks and
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from cp_train.checkpoint.dcp import LATEST
 from tests import trainer_cases
-from tests.entry_points import run, signal_rank, start, wait_for_step, write_config
+from tests.entry_points import (
+    REPO,
+    command,
+    environment,
+    rank_pids,
+    run,
+    signal_rank,
+    start,
+    wait_for_step,
+    write_config,
+)
 
 STEPS, SIGNAL_AT = 40, 2
 
@@ -56,3 +70,54 @@ def test_sigusr1_saves_and_exits_0_and_the_rerun_resumes_bitwise_in_the_same_wan
     for key in ("step_time_max_s", "peak_memory_max_gib", "peak_memory_pct", "mfu", "mfu_dense"):
         assert all(isinstance(r[key], float) and r[key] > 0 for r in train), key
     assert all(r["mfu_dense"] > r["mfu"] and r["step_time_max_s"] >= r["step_time_s"] for r in train)
+
+
+SIGTERM_STEPS, LOG_EVERY = 20, 10
+
+
+@pytest.fixture(scope="module")
+def sigterm_reference(tmp_path_factory) -> tuple[str, dict[int, float]]:
+    """The corpus, and the uninterrupted run's losses at its log steps (every 10: each the interval's mean)."""
+    root = tmp_path_factory.mktemp("sigterm")
+    corpus = trainer_cases.write_corpus(root / "docs")
+    config = write_config(root / "reference.yaml", corpus, root / "reference", cp=2,
+                          **{"train.steps": SIGTERM_STEPS, "logging.interval": LOG_EVERY})
+    done = run(["--config", str(config)], world=2, launcher="launch")
+    assert done.returncode == 0, done.output[-3000:]
+    return corpus, losses(root / "reference")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "launch"])
+def test_sigterm_to_every_process_saves_after_the_step_and_resumes_bitwise(sigterm_reference, tmp_path,
+                                                                            launcher) -> None:
+    """SIGTERM to every process of the run at once (as Slurm preempts: the launcher's process group and each rank,
+    which torchrun starts in sessions of their own) after step 1: the ranks save after the step they are in, not at the
+    next log step (10), and stop; the launcher waits for them and exits 0 with one line (plain torchrun's agent
+    relays the signal and exits as it does); under torchrun the same command resumes with the
+    uninterrupted losses, bitwise."""
+    corpus, reference = sigterm_reference
+    config = write_config(tmp_path / "run.yaml", corpus, tmp_path / "run", cp=2,
+                          **{"train.steps": SIGTERM_STEPS, "logging.interval": LOG_EVERY,
+                             "train.imports": ["tests.slow_steps"]})
+    args = ["--config", str(config), "--save", str(tmp_path / "ckpt")]
+    slow = {**environment(), "SLOW_STEP_S": "0.3"}  # the signal lands a step or two after step 2, not at the log step
+    process = subprocess.Popen(command(args, 2, launcher), cwd=REPO, env=slow, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for_step(tmp_path / "run" / "metrics.jsonl", 0, process)  # the setup record, written after step 1
+    ranks = rank_pids(process.pid)
+    os.killpg(process.pid, signal.SIGTERM)
+    for pid in ranks.values():
+        os.kill(pid, signal.SIGTERM)
+    output, _ = process.communicate(timeout=300)
+    stopped = re.search(r"\[cp-train\] SIGTERM received: stopped at step (\d+) after saving a checkpoint; rerun the "
+                        r"same command to resume", output)
+    assert stopped, output[-3000:]
+    step = int(stopped.group(1))
+    assert 1 <= step < LOG_EVERY and (tmp_path / "ckpt" / LATEST).read_text().strip() == f"step_{step:08d}"
+    if launcher == "launch":  # the ranks' line is the last; plain torchrun's agent adds its own
+        assert process.returncode == 0 and output.splitlines()[-1] == stopped.group(0), output[-3000:]
+        return  # the resume is the same as under torchrun's
+    rerun = run(args, world=2, launcher=launcher)
+    assert rerun.returncode == 0, rerun.output[-3000:]
+    resumed = losses(tmp_path / "run")  # a record holds its interval's mean: compare the whole intervals after it
+    assert resumed[step] and resumed[SIGTERM_STEPS] == reference[SIGTERM_STEPS]

@@ -5,7 +5,8 @@ On a GPU a read of a device tensor (``item``, ``tolist``, ``bool``/``float``/``i
 CPU until the device catches up. On CPU nothing stalls, so the tests count the calls instead
 (``tests.parallel.test_host_syncs``'s methods): in a run of the tiny model with ``logging.interval`` 4 every step
 but the log steps, an evaluation step and the first (its setup record gathers every rank's sizes once) must
-read nothing; the loader's own reads (on the CPU, in its workers in a real run) are not counted. The
+read nothing; the loader's own reads (on the CPU, in its workers in a real run) are not counted, nor the per-step
+agreement on a stop signal, a host tensor of the gloo host group read as a numpy array (never on a GPU). The
 optimizer is fused AdamW, the default (foreach AdamW reads its CPU step counters with ``item``). The
 losses, gradient norms, evaluations and metrics records must be bitwise those of the same run logging every
 step, and a step that diverged between log steps must still stop the run, named.

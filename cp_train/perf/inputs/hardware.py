@@ -18,7 +18,9 @@ Efficiencies are fractions of the matching peak, 0 < f <= 1:
 - Latencies follow NCCL's model: a collective costs ``collective_latency_us`` plus one step latency per ring
   step (``nvlink_latency_us`` inside a node, ``net_latency_us`` for a step that crosses nodes).
 - The host: ``host_op_us`` per op the host dispatches (Python, the dispatcher, the launch) and
-  ``graph_build_ms`` per cuDNN execution graph built for a new attention shape (``host.py``).
+  ``graph_build_ms`` per cuDNN execution graph built for a new attention shape (``host.py``); ``pcie_gb_s``, what
+  pinned copies between a GPU and host memory reach per direction, and ``host_memory_gib`` per node: activation
+  offload (``cp_train/memory/offload.py``).
 """
 
 from __future__ import annotations
@@ -57,8 +59,12 @@ FIELDS: dict[str, str] = {  # every key of a hardware file -> what it holds (nam
     "notes": "free text (default empty)",
     "host_op_us": "host time per dispatched op (Python, dispatcher, kernel launch), microseconds",
     "graph_build_ms": "host time to build one cuDNN attention execution graph for a new shape, milliseconds",
+    "pcie_gb_s": "host link (PCIe) bandwidth per GPU per direction that pinned copies reach, GB/s (activation offload)",
+    "host_memory_gib": "host (CPU) memory per node, GiB (activation offload)",
 }
-OPTIONAL = {"gpus_per_node": 8, "notes": ""}
+# a user's file may leave these out: 8 GPUs, no notes; a PCIe 4 x16 link's copies (about 25 GB/s) and 1 TiB of host
+# memory, the lower figures of the built-in profiles' hosts
+OPTIONAL = {"gpus_per_node": 8, "notes": "", "pcie_gb_s": 25.0, "host_memory_gib": 1024.0}
 
 
 class HardwareError(InputError):
@@ -114,6 +120,8 @@ class Hardware:
     graph_build_ms: float
     gpus_per_node: int = 8
     notes: str = ""
+    pcie_gb_s: float = OPTIONAL["pcie_gb_s"]
+    host_memory_gib: float = OPTIONAL["host_memory_gib"]
 
     def peak_tflops(self, precision: str = "bf16") -> float:
         """Dense peak TFLOP/s per device for ``precision`` (bf16 | fp8)."""
@@ -237,7 +245,8 @@ def from_dict(data: Any, source: str = "hardware") -> Hardware:
         raise HardwareError(f"{source}: name must be a non-empty string, got {data['name']!r}")
     values: dict[str, Any] = {"name": data["name"], "notes": str(data["notes"] or "")}
     for key in ("bf16_tflops", "hbm_gib", "hbm_tb_s", "nvlink_gb_s", "nvlink_latency_us", "net_gb_s",
-                "net_latency_us", "collective_latency_us", "host_op_us", "graph_build_ms"):
+                "net_latency_us", "collective_latency_us", "host_op_us", "graph_build_ms", "pcie_gb_s",
+                "host_memory_gib"):
         values[key] = _number(data, key, source, zero=key.endswith(("latency_us", "_us", "_ms")))
     values["fp8_tflops"] = _number(data, "fp8_tflops", source, zero=True)
     for key in ("nvlink_efficiency", "net_efficiency"):
