@@ -151,7 +151,7 @@ class Trainer:
         tokens = torch.as_tensor(global_loss_tokens(masks, group), dtype=torch.float64, device=self.device)
         divisor = tokens.float()  # what dividing by the count as a Python number computed
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        first = local_sum
+        first: torch.Tensor | None = None  # the first micro-batch's loss sum (the CP check's)
         areas, pairs = [0] * self.state.cp.size, 0  # attention work per CP rank, visible pairs in all
         parallel = self.config.parallel
         every = parallel.fsdp and self.fsdp_reduce == "per_microbatch"  # else only the last backward reduces

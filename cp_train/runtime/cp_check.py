@@ -17,6 +17,7 @@ sample per rank, about a third of a step of cp ranks' work (the planner's estima
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +89,7 @@ class CPCheck:
         dist.all_reduce(total, group=state.cp.group)
         cp_loss, ref_loss = total.item(), reference.item()
         local = abs(cp_loss - ref_loss) / max(abs(ref_loss), 1e-30)
-        error, = max_over_ranks([local if local == local else float("inf")], state.host_group)
+        error, = max_over_ranks([local if math.isfinite(local) else float("inf")], state.host_group)
         if error > self.tolerance:
             parallel = self.config.parallel
             layout = (f"tp{state.tp.size} cp{state.cp.size} dp{state.dp.size} {parallel.cp_algorithm} "

@@ -156,7 +156,7 @@ def test_a_hardware_file_missing_a_constant_names_it(tmp_path, capsys) -> None:
     path.write_text("name: mine\nbf16_tflops: 100\n")
     assert plan_main(["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--hardware", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "mine" in err or "gpu.yaml" in err, err
+    assert len(err.splitlines()) == 1 and ("mine" in err or "gpu.yaml" in err), err
 
 
 def test_every_run_checks_the_planner(spawn_world, tmp_path) -> None:
