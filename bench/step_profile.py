@@ -9,7 +9,9 @@ start and stop fall outside the recorded steps. The busy time is read from the t
 kernels' intervals on the device, on CPU the union of the main thread's top-level ops, over the span from the
 first to the last of them; ``idle_fraction`` is the rest of that span. Prints one JSON line (``step_s``, ``busy_s``,
 ``idle_fraction``, the kernel seconds by kind on CUDA: matmul, attention, Inductor's fused kernels, other
-memory-bound kernels, optimizer, copies, NCCL) and the 16 longest kernels or ops, each line prefixed ``PROFILE``.
+memory-bound kernels, optimizer, copies, NCCL) and the 16 longest kernels or ops, each line prefixed ``PROFILE``;
+at the end, the dense attention calls' new keys per step (``bench.cudnn_graphs.DenseKeys``: each one a graph cuDNN
+builds on CUDA; on CPU the CPU kernel's, which builds none).
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from bench.cudnn_graphs import DenseKeys
 from cp_train import trainer
 from cp_train.cli.train import main
+from cp_train.parallel.kernels.cudnn import CudnnAttention
+from cp_train.parallel.kernels.torch_ops import TorchCpuFlash
 
 KINDS = (("attention", ("fmha", "flash", "cudnn", "attn", "sdpa")),
          ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "splitk")),
@@ -92,13 +97,16 @@ def longest(events: list[Any], cuda: bool, count: int = 16) -> list[tuple[str, f
     return [(name, us / 1e3) for name, us in totals.most_common(count)]
 
 
-def profiled_steps(original: Callable, skip: int, active: int, report: Callable[[list, bool, int], None]
-                   ) -> Callable:
+def profiled_steps(original: Callable, skip: int, active: int, report: Callable[[list, bool, int], None],
+                   keys: DenseKeys | None = None) -> Callable:
     """``Trainer._step`` wrapped: rank 0 runs its steps under a profiler that skips ``skip`` steps, warms up on
-    one and records ``active``; ``report`` gets the recorded events when they are ready."""
+    one and records ``active``; ``report`` gets the recorded events when they are ready; ``keys`` (if given)
+    learns each step's number."""
     state: dict[str, Any] = {"profiler": None}
 
     def wrapper(self, micro_batches, read):  # noqa: ANN001, ANN202 - Trainer._step's signature
+        if keys is not None:
+            keys.step = self.step + 1
         if self.state.rank != 0:
             return original(self, micro_batches, read)
         if state["profiler"] is None:
@@ -133,5 +141,11 @@ def _take(argv: list[str], flag: str, default: int) -> int:
 if __name__ == "__main__":
     args = sys.argv[1:]
     skip_steps, active_steps = _take(args, "--skip", 6), _take(args, "--active", 3)
-    trainer.Trainer._step = profiled_steps(trainer.Trainer._step, skip_steps, active_steps, print_report)
-    sys.exit(main(args))
+    dense_keys = DenseKeys()  # the dense attention calls' new keys per step (each a cuDNN graph on CUDA)
+    trainer.Trainer._step = profiled_steps(trainer.Trainer._step, skip_steps, active_steps, print_report, dense_keys)
+    with dense_keys.recording(CudnnAttention if torch.cuda.is_available() else TorchCpuFlash):
+        code = main(args)
+    steps = max(dense_keys.first_seen.values(), default=0)
+    print("PROFILE " + json.dumps({"dense_kernel_keys": len(dense_keys.first_seen),
+                                   "new_keys_by_step": dense_keys.new_by_step(steps)[1:]}), flush=True)
+    sys.exit(code)

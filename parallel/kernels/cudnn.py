@@ -82,6 +82,17 @@ def one_key_backward(rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, scale
             reduce_kv_grad(p * dout, kv_heads).to(v.dtype))
 
 
+def op_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, S, H, D]`` as the ops take it, ``[B, H, S, D]`` (a view). With one sample the batch stride,
+    which cuDNN never steps but keys its graphs on, is made the view's own extent: a row slice of a block and
+    a block of its own rows then share one graph."""
+    x = x.transpose(1, 2)
+    if x.shape[0] != 1:
+        return x
+    extent = max(x.shape[1] * x.stride(1), x.shape[2] * x.stride(2))
+    return x.as_strided(x.shape, (extent, *x.stride()[1:]), x.storage_offset())
+
+
 @dataclass(frozen=True)
 class CudnnAttention(VarlenBySegments):
     """cuDNN SDPA (fp16/bf16, CUDA sm80+); varlen calls by ``varlen_kernel``'s varlen entry (None: by segments)."""
@@ -89,6 +100,7 @@ class CudnnAttention(VarlenBySegments):
     name: str = "cudnn"
     varlen_kernel: AttentionKernel | None = None
     native_gqa: bool = False  # K/V with fewer heads go in as they are (no expanding copy)
+    plans_per_shape: bool = True  # a graph per call shape and strides, per thread (the ring warms them: ring/warm.py)
 
     @property
     def native_varlen(self) -> bool:
@@ -96,7 +108,7 @@ class CudnnAttention(VarlenBySegments):
 
     def _kv(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """K or V ``[B, S, Hk, D]`` as the op takes it (``[B, Hk or H, S, D]``)."""
-        return (x if self.native_gqa else expand_kv(x, heads)).transpose(1, 2)
+        return op_view(x if self.native_gqa else expand_kv(x, heads))
 
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
                        causal: bool, scale: float) -> OutLse:
@@ -115,7 +127,7 @@ class CudnnAttention(VarlenBySegments):
         heads = q.shape[2]
         if q.shape[1] == k.shape[1] == 1:  # cuDNN refuses s_q = s_kv = 1 (a one-token document's block)
             return one_key_forward(q, k, v, scale)
-        out, lse = FORWARD(q.transpose(1, 2), self._kv(k, heads), self._kv(v, heads), None, True, 0.0, causal, False,
+        out, lse = FORWARD(op_view(q), self._kv(k, heads), self._kv(v, heads), None, True, 0.0, causal, False,
                            scale=scale)[:2]
         return out.transpose(1, 2), lse[..., 0]
 
@@ -128,7 +140,7 @@ class CudnnAttention(VarlenBySegments):
             return one_key_backward(rows, k, v, scale)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read
         dq, dk, dv = BACKWARD(
-            dout.transpose(1, 2), q.transpose(1, 2), self._kv(k, heads), self._kv(v, heads), out.transpose(1, 2),
+            op_view(dout), op_view(q), self._kv(k, heads), self._kv(v, heads), op_view(out),
             lse.contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
             scale=scale)
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

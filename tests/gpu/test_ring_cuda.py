@@ -112,3 +112,18 @@ def test_packed_documents_give_cudnn_only_the_layouts_shapes() -> None:
     for docs in lognormal_documents(seqlen, 12, seed=5):
         run_threaded_ring(q, k, v, dout, world, spec, docs[None])
     assert len({s[1:] for s in shapes}) <= 8 and {s[1:3] for s in shapes} <= layout_shapes(seqlen // world)
+
+
+def test_cudnn_meets_no_new_graph_after_the_first_step_with_packed_documents() -> None:
+    """cp 4 zigzag rank threads that persist (as a rank's do), a new sample of lognormal documents per step: with
+    the ring's warm-up every dense key cuDNN's graph cache sees is first seen at step 1 (``bench.cudnn_graphs``)."""
+    import argparse
+
+    from bench import cudnn_graphs
+
+    args = argparse.Namespace(device="cuda", dtype="bfloat16", world=4, layout="zigzag", seqlen=4096, steps=6,
+                              heads=8, kv_heads=2, head_dim=64, seed=0, no_warm=False, plans_per_shape=False)
+    summary = cudnn_graphs.run(args)[-1]
+    if summary["kernel"] != "cudnn":
+        pytest.skip(f"the selected kernel is {summary['kernel']}, not cuDNN")
+    assert summary["keys"] > 0 and summary["new_after_step_1"] == 0, summary

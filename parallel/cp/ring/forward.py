@@ -19,6 +19,7 @@ from cp_train.parallel.cp.plan.device import Selector
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
 from cp_train.parallel.cp.plan.segments import Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
+from cp_train.parallel.cp.ring import warm
 from cp_train.parallel.cp.ring.comm import KV_TAG, RingComm, Transfer
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
 from cp_train.parallel.cp.ring.varlen_steps import whole_call as varlen_whole
@@ -144,6 +145,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
         q_c = q[:, :, qs]
         k_chunk = k[:, :, k0:k1]
         held = [k_chunk, v[:, :, k0:k1]]
+        if warm.needed(spec, n, q_c, *held):
+            warm_forward(spec, q_c, held, plan.world)
         for index, step in enumerate(plan.steps):
             # the next block travels while this one computes
             transfer = pass_kv(comm, held, step, k_chunk) if index + 1 < plan.world else None
@@ -153,6 +156,16 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
                 forward_step(plan, index, q_c, held, out[:, :, qs], lse[:, :, qs], spec)
             held = transfer.wait() if transfer is not None else []
     return out.reshape(*shape[:3], dim), lse.reshape(*shape[:3])
+
+
+def warm_forward(spec: AttentionSpec, q: torch.Tensor, held: list[torch.Tensor], world: int) -> None:
+    """Every layout shape once (``warm.shapes``) on the local K/V store ``held`` and (``world`` > 1) on one shaped
+    as a received block: the kernel's per-shape plans built before a step needs them; the results are dropped."""
+    rows = q.shape[1]
+    stores = [held] + ([[warm.received_like(x, rows) for x in held]] if world > 1 else [])
+    for store in stores:
+        for segment in warm.shapes(rows, world):
+            call_forward(spec, segment, q, store)
 
 
 def uses_varlen(spec: AttentionSpec, step: StepPlan) -> bool:

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 45, 48 and 49 on one lent H100/H200, in the order a short lease is spent:
+#
+#   bash bench/gpu_acceptance.sh                      # setup tests graphs profile offload fp8
+#   bash bench/gpu_acceptance.sh setup fp8            # some parts only
+#
+# Each part runs under its own time limit (seconds, below) and writes its whole log to $OUT/<part>.log
+# (default runs/gpu-acceptance); the console gets each part's key lines. torchao comes from .whl/ when
+# that folder holds its wheel (the lent machines have no registry); the project installs in place.
+#   tests    python -m pytest tests/gpu
+#   graphs   bench.cudnn_graphs: cp 4 zigzag thread ranks, 16,384 tokens of packed documents, 12 steps,
+#            without and with the ring's warm-up (new cuDNN graph keys per step)
+#   profile  the 1B config at cp 1, 2 x 16,384 tokens of packed documents, compiled, 20 steps logged every 5:
+#            MFU, the scheduled profile's idle fraction, new cuDNN keys per step (bench.step_profile)
+#   offload  bench.offload at 64k and 128k tokens, with and without activation offload
+#   fp8      bench.fp8: bf16, tensorwise, rowwise, 100 compiled steps of 16,384 tokens each
+set -u
+OUT=${OUT:-runs/gpu-acceptance}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CP_TRAIN_CACHE=/tmp/cp-train-cache
+PARTS=${*:-setup tests graphs profile offload fp8}
+
+run_part() {  # name limit command...: the command's log in $OUT/name.log, its exit code and seconds on the console
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "=== $name (limit ${limit} s) $(date +%T)"
+    timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "=== $name: exit $? in $((SECONDS - start)) s"
+}
+
+for part in $PARTS; do
+    case $part in
+    setup)
+        nvidia-smi --query-gpu=name,memory.total,power.limit,clocks.max.sm,driver_version --format=csv,noheader
+        if ls .whl/torchao-*.whl > /dev/null 2>&1; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl
+        fi
+        python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+        export PYTHONPATH=/tmp/site
+        python3 -c "import torch, cp_train; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())"
+        python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
+        ;;
+    tests)
+        run_part tests 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+        grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12
+        ;;
+    graphs)
+        run_part graphs 90 bash -c "python3 -m bench.cudnn_graphs --steps 12 --no-warm && python3 -m bench.cudnn_graphs --steps 12"
+        grep -E '"step": (1|2|3|4|12),|summary' "$OUT/graphs.log"
+        ;;
+    profile)
+        run_part profile 180 torchrun --nproc-per-node 1 -m bench.step_profile \
+            --config launch/configs/gpt-1b-128k-cp8.yaml --cp-size 1 --set data.seq_len=16384 \
+            --set train.global_batch_size=2 --train-steps 20 --set schedule.warmup_steps=2 \
+            --set logging.interval=5 --set logging.wandb=false --set checkpoint.save=null --set checkpoint.interval=0 \
+            --set train.valid_interval=0 --set logging.dir=/tmp/profile-run --skip 6 --active 3
+        cp /tmp/profile-run/metrics.jsonl "$OUT/profile_metrics.jsonl" 2> /dev/null
+        grep -E '^PROFILE \{|^PROFILE .*ms/step' "$OUT/profile.log" | head -12
+        grep -iE 'mfu|step [0-9]+ |planner|measured' "$OUT/profile.log" | tail -8
+        ;;
+    offload)
+        run_part offload 150 python3 -m bench.offload --seq 65536 --warmup 1 --repeats 1
+        tail -8 "$OUT/offload.log"
+        ;;
+    fp8)
+        run_part fp8 330 python3 -m bench.fp8 --steps 100 --out /tmp/fp8-runs
+        tail -6 "$OUT/fp8.log"
+        ;;
+    *) echo "unknown part $part" ;;
+    esac
+done

@@ -1,0 +1,71 @@
+"""The ring's warm-up of per-shape kernel plans (``parallel/cp/ring/warm.py``) and the cuDNN op view's batch
+stride (CPU; the keys are those cuDNN's graph cache would see).
+
+The warm-up runs only on kernels with ``plans_per_shape`` (cuDNN); here the CPU flash kernel is counted as one.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from bench import cudnn_graphs
+from cp_train.parallel.cp.ring import warm
+from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels.cudnn import op_view
+from tests.parallel.test_kernel_shapes import NativeVarlen, lognormal_documents
+from tests.ring_threads import run_threaded_ring
+
+
+def _args(layout: str, world: int, no_warm: bool) -> argparse.Namespace:
+    return argparse.Namespace(device="cpu", dtype="float32", world=world, layout=layout, seqlen=1024, steps=8,
+                              heads=4, kv_heads=2, head_dim=16, seed=0, no_warm=no_warm, plans_per_shape=True)
+
+
+@pytest.mark.parametrize("layout,world", [("zigzag", 4), ("stripe", 4), ("contiguous", 4), ("zigzag", 1)])
+def test_every_dense_key_is_built_at_the_first_step(layout: str, world: int) -> None:
+    """Persistent rank threads, a new sample of lognormal documents per step: with the warm-up every key the
+    dense calls use (thread, shape, strides past the batch, causal) is first seen at step 1."""
+    summary = cudnn_graphs.run(_args(layout, world, no_warm=False))[-1]
+    assert summary["keys"] > 0 and summary["new_after_step_1"] == 0, summary
+    assert not hasattr(type(cudnn_graphs.kernels.select_kernel(torch.device("cpu"), torch.float32, 16)),
+                       "plans_per_shape")  # the bench put the class back
+
+
+def test_without_the_warm_up_keys_appear_late() -> None:
+    """The control: the same run without the warm-up meets new dense keys after step 1 (what would stall a
+    cuDNN rank for a graph build at a late step)."""
+    summary = cudnn_graphs.run(_args("zigzag", 4, no_warm=True))[-1]
+    assert summary["new_after_step_1"] > 0, summary
+    assert warm.ENABLED
+
+
+class WarmedNativeVarlen(NativeVarlen):
+    plans_per_shape = True
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_warm_up_leaves_the_results_bitwise(layout: str) -> None:
+    """The warm calls' results are dropped: out, lse and the gradients are bitwise those without them."""
+    gen = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, 512, 4, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 512, 2, 16, generator=gen) for _ in range(2))
+    docs = lognormal_documents(512, 1, seed=4, median=96)
+    results = {}
+    for kernel in (NativeVarlen(), WarmedNativeVarlen()):
+        spec = AttentionSpec("ring", layout, True, 0.25, kernel, 2, True, varlen=True)
+        results[type(kernel).__name__] = run_threaded_ring(q, k, v, dout, 4, spec, docs)
+    plain, warmed = results["NativeVarlen"], results["WarmedNativeVarlen"]
+    for name in plain:
+        assert torch.equal(plain[name], warmed[name]), name
+
+
+def test_op_view_gives_a_row_slice_the_strides_of_its_own_block() -> None:
+    block = torch.randn(1, 8, 4, 16)
+    part, own = block[:, 2:6], block[:, 2:6].clone()
+    assert op_view(part).stride() == op_view(own).stride()
+    assert torch.equal(op_view(part), part.transpose(1, 2))
+    two = torch.randn(2, 8, 4, 16)[:, 2:6]
+    assert op_view(two).stride() == two.transpose(1, 2).stride()  # the batch stride is stepped: kept
