@@ -12,6 +12,7 @@
 #            without and with the ring's warm-up (new cuDNN graph keys per step)
 #   profile  the 1B config at cp 1, 2 x 16,384 tokens of packed documents, compiled, 20 steps logged every 5:
 #            MFU, the scheduled profile's idle fraction, new cuDNN keys per step (bench.step_profile)
+#   profile-nofsdp  the same without FSDP
 #   offload  bench.offload at 64k and 128k tokens, with and without activation offload
 #   fp8      bench.fp8: bf16, tensorwise, rowwise, 100 compiled steps of 16,384 tokens each
 set -u
@@ -57,6 +58,15 @@ for part in $PARTS; do
         cp /tmp/profile-run/metrics.jsonl "$OUT/profile_metrics.jsonl" 2> /dev/null
         grep -E '^PROFILE \{|^PROFILE .*ms/step' "$OUT/profile.log" | head -12
         grep -iE 'mfu|step [0-9]+ |planner|measured' "$OUT/profile.log" | tail -8
+        ;;
+    profile-nofsdp)  # the same run without FSDP (one rank: FSDP's gathers and reduce-scatters are copies)
+        run_part profile-nofsdp 180 torchrun --nproc-per-node 1 -m bench.step_profile \
+            --config launch/configs/gpt-1b-128k-cp8.yaml --cp-size 1 --set data.seq_len=16384 \
+            --set train.global_batch_size=2 --train-steps 20 --set schedule.warmup_steps=2 \
+            --set logging.interval=5 --set logging.wandb=false --set checkpoint.save=null --set checkpoint.interval=0 \
+            --set train.valid_interval=0 --set logging.dir=/tmp/profile-nofsdp --set parallel.fsdp=false --skip 6 --active 3
+        grep -E '^PROFILE \{' "$OUT/profile-nofsdp.log" | head -3
+        grep -iE 'mfu' "$OUT/profile-nofsdp.log" | tail -4
         ;;
     offload)
         run_part offload 150 python3 -m bench.offload --seq 65536 --warmup 1 --repeats 1

@@ -209,7 +209,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 def warm_backward(spec: AttentionSpec, rows: SavedRows, held: list[torch.Tensor], world: int) -> None:
     """Every layout shape's backward once (``warm.shapes``) through ``call_backward`` on ``rows`` and the K/V store
     ``held``; the gradients are dropped."""
-    for segment in warm.shapes(rows.q.shape[1], world):
+    for segment in warm.shapes(rows.q.shape[1], world, spec.layout, spec.causal):
         call_backward(spec, segment, rows, held)
 
 

@@ -164,7 +164,7 @@ def warm_forward(spec: AttentionSpec, q: torch.Tensor, held: list[torch.Tensor],
     rows = q.shape[1]
     stores = [held] + ([[warm.received_like(x, rows) for x in held]] if world > 1 else [])
     for store in stores:
-        for segment in warm.shapes(rows, world):
+        for segment in warm.shapes(rows, world, spec.layout, spec.causal):
             call_forward(spec, segment, q, store)
 
 

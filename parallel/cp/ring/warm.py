@@ -27,14 +27,24 @@ ENABLED = True  # bench/cudnn_graphs.py --no-warm measures the graphs built with
 _seen = threading.local()
 
 
-def shapes(rows: int, world: int) -> list[Segment]:
-    """The dense calls of ``layout_shapes(rows)`` from row and key 0 (one rank: the whole block only): square ones
-    causal and not, others not."""
-    segments = []
-    for m, n in sorted(layout_shapes(rows) if world > 1 else {(rows, rows)}):
-        if m > 0 and n > 0:
-            segments += [Segment((0, m), (0, n), causal) for causal in ((True, False) if m == n else (False,))]
-    return segments
+def shapes(rows: int, world: int, layout: str, causal: bool) -> list[Segment]:
+    """The dense calls a rank of ``world`` with ``rows`` rows can make in ``layout`` (one document's steps, which
+    are the dense steps of any documents: ``route_by_documents``), from row and key 0. One rank: the whole block;
+    zigzag: the causal block and its halves against whole blocks; stripe: the causal block and the one a row
+    short; contiguous: the causal block and a whole earlier one; balanced: every ``layout_shapes`` shape. Without
+    a causal mask every call is a full one."""
+    squares = {(rows, rows): (True,)} if causal else {(rows, rows): (False,)}
+    if world > 1 and layout == "zigzag" and rows % 2 == 0:
+        squares.update({(rows // 2, rows): (False,), (rows, rows // 2): (False,)})
+    elif world > 1 and layout == "stripe" and causal:
+        squares[rows - 1, rows - 1] = (True,)
+    elif world > 1 and layout == "contiguous" and causal:
+        squares[rows, rows] = (True, False)
+    elif world > 1 and layout not in ("zigzag", "stripe", "contiguous"):
+        squares = {shape: ((True, False) if causal and shape[0] == shape[1] else (False,))
+                   for shape in layout_shapes(rows)}
+    return [Segment((0, m), (0, n), flag) for (m, n), flags in sorted(squares.items()) if m > 0 and n > 0
+            for flag in flags]
 
 
 def needed(spec: AttentionSpec, rows: int, *parts: torch.Tensor | Hashable) -> bool:
