@@ -3,16 +3,16 @@
     python -m bench.cudnn_graphs                      # GPU: cp 4 zigzag, 16 steps of 16,384 tokens, bf16
     python -m bench.cudnn_graphs --device cpu --seqlen 2048 --heads 4 --kv-heads 2 --head-dim 32   # CPU
 
-cuDNN's SDPA builds one execution graph per call shape (forward and backward apart) and keeps it in a
-thread-local cache; a step that meets a new shape waits ~40 ms per graph on the host. This runs the ring's
-forward and backward on ``--world`` rank threads that live for the whole run (as a rank's threads do in
-training: the caches persist), each step a new sample of lognormal packed documents (median 512 tokens), and
-records every dense kernel call's key (the thread, forward or backward, q/k/v shapes and strides, dtype,
-causal): a key seen for the first time is a graph cuDNN builds. Prints a JSON line per step (new keys, distinct
-keys so far, milliseconds) and a summary; on CUDA with ``TORCH_CUDNN_SDPA_CACHE_DEBUG=1`` (set here) cuDNN's
-own cache lookups and hit rate per thread are read from its warnings as a cross-check (``main`` sets it before
-cuDNN's first lookup, which reads it once). The issue's bar: no new key after step 3. ``DenseKeys`` also serves
-``bench.step_profile`` (the trainer's steps).
+cuDNN's SDPA builds one execution graph per call shape (forward and backward apart) and keeps it in a thread-local
+cache; a step that meets a new shape waits ~40 ms per graph on the host. This runs the ring's forward and backward
+on ``--world`` rank threads that live for the whole run (as a rank's threads do in training: the caches persist),
+each step a new sample of lognormal packed documents (median 512 tokens), and records every dense kernel call's key
+(the thread, forward or backward, causal, every operand's shape, strides past a single sample's batch and dtype): a
+key seen for the first time is a graph cuDNN builds. Prints a JSON line per step (new keys, distinct keys so far,
+milliseconds) and a summary; on CUDA with ``TORCH_CUDNN_SDPA_CACHE_DEBUG=1`` (set here) cuDNN's own cache lookups
+and hit rate per thread are read from its warnings as a cross-check (``main`` sets it before cuDNN's first lookup,
+which reads it once). The issue's bar: no new key after step 3. ``DenseKeys`` also serves ``bench.step_profile``
+(the trainer's steps).
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ class DenseKeys:
     def __init__(self) -> None:
         self.step, self.first_seen, self.lock, self.inside = 0, {}, threading.Lock(), threading.local()
 
-    def note(self, kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    def note(self, kind: str, causal: bool, *tensors: torch.Tensor) -> None:
         if getattr(self.inside, "varlen", False):
             return
-        strides = [x.stride()[x.shape[0] == 1:] for x in (q, k, v)]  # one sample: cuDNN's view has no batch stride
-        key = (threading.get_ident(), kind, tuple(q.shape), tuple(k.shape), tuple(v.shape), *strides, q.dtype, causal)
+        # one sample: cuDNN's view has no batch stride (``cudnn.op_view``)
+        layouts = tuple((tuple(x.shape), x.stride()[x.shape[0] == 1:], x.dtype) for x in tensors)
         with self.lock:
-            self.first_seen.setdefault(key, self.step)
+            self.first_seen.setdefault((threading.get_ident(), kind, causal, layouts), self.step)
 
     def new_by_step(self, steps: int) -> list[int]:
         counts = [0] * (steps + 1)
@@ -80,11 +80,11 @@ class DenseKeys:
             return call
 
         def noted_forward(kernel, q, k, v, causal, scale):  # noqa: ANN001, ANN202 - the kernel contract's
-            self.note("forward", q, k, v, causal)
+            self.note("forward", causal, q, k, v)
             return forward(kernel, q, k, v, causal, scale)
 
         def noted_backward(kernel, rows, k, v, causal, scale):  # noqa: ANN001, ANN202
-            self.note("backward", rows.q, k, v, causal)
+            self.note("backward", causal, rows.dout, rows.q, rows.out, k, v)
             return backward(kernel, rows, k, v, causal, scale)
 
         kernel_class.forward, kernel_class.backward = noted_forward, noted_backward
@@ -142,12 +142,14 @@ class _Comm:
         return type("Received", (), {"wait": lambda _self: inbox.get(timeout=120) if count else []})()
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``args.steps`` ring steps on persistent rank threads; one record per step and a summary record."""
+def run(args: argparse.Namespace, kernel: Any = None, keys: DenseKeys | None = None) -> list[dict[str, Any]]:
+    """``args.steps`` ring steps on persistent rank threads; one record per step and a summary record. ``kernel``:
+    the attention kernel (default: the one selected for the device); ``keys``: the recorder (its ``step`` is the
+    step running)."""
     import queue
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    kernel = kernels.select_kernel(device, dtype, args.head_dim)
+    kernel = kernel or kernels.select_kernel(device, dtype, args.head_dim)
     spec = AttentionSpec("ring", args.layout, True, args.head_dim ** -0.5, kernel, 1, True, varlen=True)
     docs = lognormal_documents(args.seqlen, args.steps, seed=args.seed)
     world, rows = args.world, args.seqlen // args.world
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 errors.append(error)
             done.wait()
 
-    keys, records = DenseKeys(), []
+    keys, records = keys or DenseKeys(), []
     warm.ENABLED = not args.no_warm
     if args.plans_per_shape:  # a CPU kernel counted as if it built plans per shape (to see the warm-up's keys)
         type(kernel).plans_per_shape = True

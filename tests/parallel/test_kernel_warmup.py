@@ -7,6 +7,7 @@ The warm-up runs only on kernels with ``plans_per_shape`` (cuDNN); here the CPU 
 from __future__ import annotations
 
 import argparse
+import threading
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ import torch
 from bench import cudnn_graphs
 from cp_train.parallel.cp.ring import warm
 from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels import cudnn
 from cp_train.parallel.kernels.cudnn import op_view
 from tests.parallel.test_kernel_shapes import NativeVarlen, lognormal_documents
+from tests.parallel.test_kernels_cudnn import GQA, standin_backward, standin_forward
 from tests.ring_threads import run_threaded_ring
 
 
@@ -69,3 +72,36 @@ def test_op_view_gives_a_row_slice_the_strides_of_its_own_block() -> None:
     assert torch.equal(op_view(part), part.transpose(1, 2))
     two = torch.randn(2, 8, 4, 16)[:, 2:6]
     assert op_view(two).stride() == two.transpose(1, 2).stride()  # the batch stride is stepped: kept
+
+
+@pytest.mark.parametrize("warmed", [True, False])
+def test_the_cudnn_ops_see_no_new_graph_key_after_the_first_step(monkeypatch: pytest.MonkeyPatch,
+                                                                 warmed: bool) -> None:
+    """``CudnnAttention`` itself (its op views, GQA without copies) on the ring's warm-up, the ops replaced by
+    stand-ins bound to the real schemas that record cuDNN's graph key (the thread and every operand's sizes and
+    strides, causal, scale; the backward's out, grad_out and lse too; outputs laid out as cuDNN lays them): with
+    the warm-up every key is first seen at step 1; without it (the control) some only later."""
+    keys = cudnn_graphs.DenseKeys()
+    first: dict[tuple, int] = {}
+
+    def key_of(kind: str, tensors: tuple, causal: bool, scale: float) -> None:
+        key = (threading.get_ident(), kind, *((tuple(x.shape), x.stride()) for x in tensors), causal, scale)
+        first.setdefault(key, keys.step)
+
+    def forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        key_of("forward", args[:3], args[6], kwargs["scale"])
+        return standin_forward(*args, **kwargs)
+
+    def backward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        key_of("backward", args[:6], args[14], kwargs["scale"])
+        return standin_backward(*args, **kwargs)
+
+    monkeypatch.setattr(cudnn, "FORWARD", forward)
+    monkeypatch.setattr(cudnn, "BACKWARD", backward)
+    monkeypatch.setitem(GQA, "native", True)
+    kernel = cudnn.CudnnAttention(varlen_kernel=NativeVarlen(), native_gqa=True)
+    args = _args("zigzag", 4, no_warm=not warmed)
+    args.seqlen = 2048
+    summary = cudnn_graphs.run(args, kernel=kernel, keys=keys)[-1]
+    assert summary["kernel"] == "cudnn" and first, summary
+    assert (max(first.values()) == 1) == warmed, sorted(first.values())

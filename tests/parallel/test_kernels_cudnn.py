@@ -50,6 +50,15 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+def _like(operand: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in ``operand``'s dtype and memory layout, as cuDNN allocates its outputs
+    (``alloc_with_matching_layout`` in ``ATen/native/cudnn/MHA.cpp``: the operand's stride order, packed)."""
+    order = sorted(range(operand.dim()), key=lambda d: -operand.stride(d))
+    packed = torch.empty([operand.shape[d] for d in order], dtype=operand.dtype).permute(
+        [order.index(d) for d in range(operand.dim())])
+    return packed.copy_(value)
+
+
 GQA = {"native": False}  # whether the stand-ins take fewer K/V heads (a cuDNN build with GQA) or refuse them
 
 
@@ -62,7 +71,7 @@ def standin_forward(*args, **kwargs) -> tuple:
     out, lse = MATH.forward(_bshd(q), _bshd(k), _bshd(v), a["is_causal"], a["scale"])
     lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
     seed = torch.zeros((), dtype=torch.int64)
-    return _bshd(out.to(q.dtype)), lse[..., None], None, None, q.shape[2], k.shape[2], seed, seed, None
+    return _like(q, _bshd(out)), lse[..., None], None, None, q.shape[2], k.shape[2], seed, seed, None
 
 
 def standin_backward(*args, **kwargs) -> tuple:
@@ -74,7 +83,7 @@ def standin_backward(*args, **kwargs) -> tuple:
     assert (a["max_q"], a["max_k"]) == (q.shape[1], k.shape[1]) and a["dropout_p"] == 0.0
     rows = BackwardRows(_bshd(a["grad_out"]), q, _bshd(a["out"]), a["logsumexp"][..., 0])  # the given out and lse
     dq, dk, dv = MATH.backward(rows, k, v, a["is_causal"], a["scale"])
-    return _bshd(dq.to(q.dtype)), _bshd(dk.to(k.dtype)), _bshd(dv.to(v.dtype))
+    return _like(a["query"], _bshd(dq)), _like(a["key"], _bshd(dk)), _like(a["value"], _bshd(dv))
 
 
 @pytest.fixture
