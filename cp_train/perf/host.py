@@ -10,11 +10,11 @@ selective 102, each ``mlp_chunks`` slice 73. Outside the blocks 43 per micro-bat
 aten events of a compiled against an eager ``GPTModel`` forward + backward at cp 1, 917 / 2,686, 2026-11-28).
 
 **cuDNN graphs**: cuDNN's attention builds an execution graph per new shape, forward and backward apart,
-``graph_build_ms`` each. The ring routes the steps packed documents shape to varlen calls
-(``route_by_documents``), so its dense calls take the layout's few block shapes, built in the first steps and
-never again: counted here are the dense shapes per rank and micro-batch over the planned samples outside those
-(none today; before the routing, a step of one or two documents ran a dense call per document, a new shape in
-almost every micro-batch: 0.4 s per step at 16k in the 1B runs).
+``graph_build_ms`` each. The ring routes the steps packed documents shape to varlen calls (``route_by_documents``),
+so its dense calls take the layout's few block shapes, built at the first step (the ring's warm-up,
+``parallel/cp/ring/warm.py``) and never again: counted here are the dense shapes per rank and micro-batch over the
+planned samples outside those (none today; before the routing, a step of one or two documents ran a dense call per
+document, a new shape in almost every micro-batch: 0.4 s per step at 16k in the 1B runs).
 """
 
 from __future__ import annotations
