@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,7 +27,7 @@ from cp_train.checkpoint.dcp import read_meta, save_checkpoint
 from cp_train.config.validate import with_accumulation
 from cp_train.data.loader import CP_PLAN
 from cp_train.eval.periodic import PeriodicEval
-from cp_train.loss import device_sums, global_loss_tokens, host_sum, masked_loss_sum, reduce_loss, reduce_sums
+from cp_train.loss import device_sums, global_loss_tokens, masked_loss_sum, reduce_loss
 from cp_train.memory.dry_run import fsdp_reduce_for_run
 from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
 from cp_train.metrics.throughput import IntervalMeter, peak_tflops, reset_peak_memory
@@ -40,21 +40,14 @@ from cp_train.results import NonFiniteLossError, StepResult, TrainResult
 from cp_train.runtime.collective_check import CollectiveGuard
 from cp_train.runtime.collector import ScheduledCollection
 from cp_train.runtime.cp_check import CPCheck
+from cp_train.runtime.device_batches import MicroBatch, loss_tokens, to_device
+from cp_train.runtime.validation import validation_loss
 
 if TYPE_CHECKING:
     from cp_train.config.schema import Config
     from cp_train.metrics.writers import MetricWriters
     from cp_train.parallel.cp.plan.batch_plan import CPPlan
     from cp_train.parallel.mesh.state import ParallelState
-
-MicroBatch = dict[str, Any]  # per-token tensors [B, local_seqlen], and the loader's CP_PLAN
-LOCAL_TOKENS = "local_loss_tokens"  # a moved micro-batch's loss tokens, counted from the CPU mask (``_to_device``)
-
-
-def _loss_tokens(mb: MicroBatch) -> float:
-    """A micro-batch's loss-token count: the one ``_to_device`` read from the CPU mask, else its mask's sum."""
-    return mb[LOCAL_TOKENS] if LOCAL_TOKENS in mb else float(mb["loss_mask"].sum())
-
 
 def _parts(group: str, *names: str) -> tuple[property, ...]:
     """Read-only ``Trainer`` attributes ``names``: those of its part ``group`` (``env``, ``training``, ``data``)."""
@@ -111,18 +104,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ step
     def _to_device(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-        """The micro-batches on the device: every tensor and the CP plan's index tensors (``CPPlan.to``) copied
-        with ``non_blocking=True`` (from pinned memory on a GPU: nothing waits), ahead of the forward. Each
-        also carries ``LOCAL_TOKENS``, its loss-token count read from the CPU mask before the copy."""
-        moved = []
-        for mb in micro_batches:
-            movable = (k for k, v in mb.items() if isinstance(v, torch.Tensor) or (k == CP_PLAN and v is not None))
-            out = {**mb, **{k: mb[k].to(self.device, non_blocking=True) for k in movable}}
-            mask = mb.get("loss_mask")
-            if isinstance(mask, torch.Tensor) and mask.device.type == "cpu":
-                out[LOCAL_TOKENS] = host_sum(mask)
-            moved.append(out)
-        return moved
+        return to_device(micro_batches, self.device)  # the tensors and CP plans, non-blocking (device_batches.py)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -168,7 +150,7 @@ class Trainer:
             if plan is not None:  # the pairs each layer's (window's) plan counts, averaged over the layers
                 areas = [a + b for a, b in zip(areas, plan.areas, strict=True)]
                 pairs += plan.pairs if self.model.layer_pairs is None else self.model.layer_pairs
-        local_tokens = float(sum(_loss_tokens(mb) for mb in micro_batches))
+        local_tokens = float(sum(loss_tokens(mb) for mb in micro_batches))
         imbalance = max(areas) / (sum(areas) / len(areas)) if sum(areas) else 1.0
         return DeviceBatch(loss=reduce_loss(local_sum, tokens, group), tokens=tokens, local_tokens=local_tokens,
                            local_loss_sum=local_sum, imbalance=imbalance, attention_pairs=pairs,
@@ -210,24 +192,9 @@ class Trainer:
         return self._step(micro_batches, read=True)[-1][1]
 
     # ------------------------------------------------------------------------------------ eval
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the validation batches (exact over DP x CP), or NaN without a validation split."""
-        if self.valid_data is None:
-            return float("nan")
-        self.read_steps()  # a diverged model is not evaluated
-        loader = self.data.valid_loader(self.env)
-        self.module.eval()
-        local_sum, local_tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0.0
-        for micro_batches in loader:
-            for mb in self._to_device(micro_batches):
-                with self._autocast():
-                    token_losses, _ = self._losses(mb)
-                local_sum += masked_loss_sum(token_losses, mb["loss_mask"]).double()
-                local_tokens += _loss_tokens(mb)
-        self.module.train()
-        total, tokens = reduce_sums([local_sum, local_tokens], self.state.dp_cp.group, self.device)
-        return total / max(tokens, 1.0)
+        return validation_loss(self)
 
     # ------------------------------------------------------------------------------------ save
     def save(self) -> None:
