@@ -21,10 +21,17 @@ import torch.distributed as dist
 from cp_train.parallel.compat import all_gather_single, reduce_scatter_single
 from cp_train.parallel.cp.plan.batch_plan import CPPlan
 from cp_train.parallel.cp.plan.rank_plan import RankPlan
-from cp_train.parallel.cp.ring.backward import add_grad, local_grads, step_grads
+from cp_train.parallel.cp.ring import warm
+from cp_train.parallel.cp.ring.backward import add_grad, local_grads, step_grads, warm_backward
 from cp_train.parallel.cp.ring.blocks import SavedRows
 from cp_train.parallel.cp.ring.comm import count_sent
-from cp_train.parallel.cp.ring.forward import accumulator_dtype, forward_step, head_chunk_bounds, plan_rows
+from cp_train.parallel.cp.ring.forward import (
+    accumulator_dtype,
+    forward_step,
+    head_chunk_bounds,
+    plan_rows,
+    warm_forward,
+)
 from cp_train.parallel.cp.sinks import apply_sinks, sink_grad
 from cp_train.parallel.cp.spec import AttentionSpec
 
@@ -114,7 +121,10 @@ class _AllGatherAttention(torch.autograd.Function):
         for index, (h0, h1) in enumerate(chunks):
             qs = slice(h0 * group_size, h1 * group_size)
             q_c, out_c, lse_c = q_rows[:, :, qs], out[:, :, qs], lse[:, :, qs]
-            forward_step(ring, 0, q_c, [k_rows[:, :, h0:h1], v_rows[:, :, h0:h1]], out_c, lse_c, spec)
+            own = [k_rows[:, :, h0:h1], v_rows[:, :, h0:h1]]
+            if warm.needed(spec, q.shape[1], q_c, *own):  # the gathered blocks are shaped as received ones
+                warm_forward(spec, q_c, own, ring.world, q.shape[1])
+            forward_step(ring, 0, q_c, own, out_c, lse_c, spec)
             stores = _landed(pending, ring)
             pending = _start_gather(k_rows, v_rows, chunks[index + 1], group, ring) if index + 1 < len(chunks) else None
             for step in range(1, ring.world):
@@ -165,7 +175,11 @@ class _AllGatherAttention(torch.autograd.Function):
                 else:
                     grads[step.source][0].zero_()
                     grads[step.source][1].zero_()
-            local_grads(ring, rows, [k_rows[:, :, h0:h1], v_rows[:, :, h0:h1]], dq_c, own[0], own[1], spec)
+            local = [k_rows[:, :, h0:h1], v_rows[:, :, h0:h1]]
+            if warm.needed(spec, q.shape[1], rows.dout, rows.q, rows.out, *local):
+                for store in (local, [warm.received_like(x, q.shape[1]) for x in local]):
+                    warm_backward(spec, rows, store, ring.world, q.shape[1])
+            local_grads(ring, rows, local, dq_c, own[0], own[1], spec)
             stores = _landed(pending, ring)
             pending = _start_gather(k_rows, v_rows, chunks[index + 1], group, ring) if index + 1 < len(chunks) else None
             for step in range(1, ring.world):

@@ -20,6 +20,7 @@ from cp_train.parallel.kernels.cudnn import op_view
 from tests.parallel.test_kernel_shapes import NativeVarlen, lognormal_documents
 from tests.parallel.test_kernels_cudnn import GQA, standin_backward, standin_forward
 from tests.ring_threads import run_threaded_ring
+from tests.warmup_cases import new_keys_by_step
 
 
 def _args(layout: str, world: int, no_warm: bool) -> argparse.Namespace:
@@ -105,3 +106,13 @@ def test_the_cudnn_ops_see_no_new_graph_key_after_the_first_step(monkeypatch: py
     summary = cudnn_graphs.run(args, kernel=kernel, keys=keys)[-1]
     assert summary["kernel"] == "cudnn" and first, summary
     assert (max(first.values()) == 1) == warmed, sorted(first.values())
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "allgather"])
+def test_spawned_ranks_build_every_key_at_the_first_step(spawn_world, algorithm: str) -> None:
+    """cp 4 gloo ranks (the ring's P2P, the all-gather's collectives), new lognormal documents per step: with the
+    warm-up every rank's dense keys are first seen at step 1; without it (the control) some rank's later."""
+    warmed = spawn_world(4).run(new_keys_by_step, algorithm, "zigzag", 1024, 8, True, 128)
+    assert all(sum(counts) > 0 and sum(counts[2:]) == 0 for counts in warmed), warmed
+    plain = spawn_world(4).run(new_keys_by_step, algorithm, "zigzag", 1024, 8, False, 128)
+    assert any(sum(counts[2:]) > 0 for counts in plain), plain

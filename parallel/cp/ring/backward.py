@@ -167,14 +167,15 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         return pass_kv(comm, [k[:, :, k0:k1], v[:, :, k0:k1]], plan.steps[0], k[:, :, k0:k1])
 
     kv_transfer = first_hop(*chunks[0]) if chunks else None
-    if warm.needed(spec, n, dout, q, out, k, v):
-        warm_backward(spec, SavedRows(dout, q, out, lse), [k, v], plan.world)
+    if warm.needed(spec, q_shape[1], dout, q, out, k, v):
+        warm_backward(spec, SavedRows(dout, q, out, lse), [k, v], plan.world, q_shape[1])
     dq, dk, dv = local_step(plan, SavedRows(dout, q, out, lse), [k, v], spec)
     homecoming: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []  # dK/dV hops still travelling home
     for number, (k0, k1) in enumerate(chunks):
         rows = chunk_rows(k0, k1)
-        if warm.needed(spec, n, rows.dout, rows.q, rows.out, ("received", k1 - k0)):
-            warm_backward(spec, rows, [warm.received_like(x[:, :, k0:k1], n) for x in (k, v)], plan.world)
+        if warm.needed(spec, q_shape[1], rows.dout, rows.q, rows.out, ("received", k1 - k0)):
+            received = [warm.received_like(x[:, :, k0:k1], q_shape[1]) for x in (k, v)]
+            warm_backward(spec, rows, received, plan.world, q_shape[1])
         dq_c, dk_c, dv_c = dq[:, :, k0 * group_size:k1 * group_size], dk[:, :, k0:k1], dv[:, :, k0:k1]
         following = chunks[number + 1] if number + 1 < len(chunks) else None
         grad_transfer = None
@@ -206,10 +207,11 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq.reshape(q_shape[:3] + (dim,)), dk.reshape(kv_shape[:3] + (dim,)), dv.reshape(kv_shape[:3] + (dim,))
 
 
-def warm_backward(spec: AttentionSpec, rows: SavedRows, held: list[torch.Tensor], world: int) -> None:
-    """Every layout shape's backward once (``warm.shapes``) through ``call_backward`` on ``rows`` and the K/V store
-    ``held``; the gradients are dropped."""
-    for segment in warm.shapes(rows.q.shape[1], world, spec.layout, spec.causal):
+def warm_backward(spec: AttentionSpec, rows: SavedRows, held: list[torch.Tensor], world: int, sample_rows: int
+                  ) -> None:
+    """Every layout shape of ``sample_rows`` rows per sample once (``warm.shapes``) through ``call_backward`` on
+    ``rows`` and the K/V store ``held``; the gradients are dropped."""
+    for segment in warm.shapes(sample_rows, world, spec.layout, spec.causal):
         call_backward(spec, segment, rows, held)
 
 

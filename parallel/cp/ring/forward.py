@@ -145,8 +145,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
         q_c = q[:, :, qs]
         k_chunk = k[:, :, k0:k1]
         held = [k_chunk, v[:, :, k0:k1]]
-        if warm.needed(spec, n, q_c, *held):
-            warm_forward(spec, q_c, held, plan.world)
+        if warm.needed(spec, shape[1], q_c, *held):
+            warm_forward(spec, q_c, held, plan.world, shape[1])
         for index, step in enumerate(plan.steps):
             # the next block travels while this one computes
             transfer = pass_kv(comm, held, step, k_chunk) if index + 1 < plan.world else None
@@ -158,10 +158,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
     return out.reshape(*shape[:3], dim), lse.reshape(*shape[:3])
 
 
-def warm_forward(spec: AttentionSpec, q: torch.Tensor, held: list[torch.Tensor], world: int) -> None:
-    """Every layout shape once (``warm.shapes``) on the local K/V store ``held`` and (``world`` > 1) on one shaped
-    as a received block: the kernel's per-shape plans built before a step needs them; the results are dropped."""
-    rows = q.shape[1]
+def warm_forward(spec: AttentionSpec, q: torch.Tensor, held: list[torch.Tensor], world: int, rows: int) -> None:
+    """Every layout shape of ``rows`` rows per sample once (``warm.shapes``; a packed plan's calls are a sample's
+    blocks) on the local K/V store ``held`` and (``world`` > 1) on one shaped as a received block: the kernel's
+    per-shape plans built before a step needs them; the results are dropped."""
     stores = [held] + ([[warm.received_like(x, rows) for x in held]] if world > 1 else [])
     for store in stores:
         for segment in warm.shapes(rows, world, spec.layout, spec.causal):

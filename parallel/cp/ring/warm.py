@@ -63,6 +63,11 @@ def needed(spec: AttentionSpec, rows: int, *parts: torch.Tensor | Hashable) -> b
     return True
 
 
+def forget() -> None:
+    """Forget what this thread warmed (a test's stand-in for a fresh process)."""
+    _seen.keys = set()
+
+
 def received_like(x: torch.Tensor, rows: int) -> torch.Tensor:
     """Zeros shaped as a received K/V block of ``rows`` rows (the ring's receive buffers are contiguous)."""
     return torch.zeros(x.shape[0], rows, *x.shape[2:], dtype=x.dtype, device=x.device)
