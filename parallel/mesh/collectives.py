@@ -117,18 +117,35 @@ def _install() -> None:
     dist.Work.wait = wait
 
 
-def trace_collectives(state: ParallelState, timeout_minutes: float) -> None:
-    """Name ``state``'s groups by role and tag failing collectives from now on (idempotent)."""
+# groups a state may also hold, by attribute: the role each is named by (the ring's dK/dV twin is a second
+# communicator over the CP ranks: a hop timing out there is named as the CP group's)
+_OPTIONAL_ROLES = {"cp_grad": "cp", "cp_ulysses": "cp_ulysses", "cp_ring": "cp_ring", "fsdp_shard": "fsdp_shard",
+                   "dp_replicate_axis": "dp_replicate"}
+
+
+def label_groups(state: ParallelState) -> None:
+    """Name ``state``'s groups by role (``group_name``): tp, cp, dp, dp_cp, tp_cp, the world, and the optional
+    groups (``_OPTIONAL_ROLES``) that are objects of their own."""
     _labels.clear()
     _ranks.clear()
     for role in ("tp", "cp", "dp", "dp_cp", "tp_cp"):
         axis = getattr(state, role)
         _labels.setdefault(id(axis.group), []).append(role)
         _ranks[id(axis.group)] = axis.ranks
+    for attr, role in _OPTIONAL_ROLES.items():
+        axis = getattr(state, attr, None)
+        if axis is not None and axis.group is not None and id(axis.group) not in _labels:
+            _labels[id(axis.group)] = [role]
+            _ranks[id(axis.group)] = axis.ranks
     world = dist.group.WORLD
     _world[:] = [world]
     _labels.setdefault(id(world), []).append("world")
     _ranks[id(world)] = tuple(range(state.world_size))
+
+
+def trace_collectives(state: ParallelState, timeout_minutes: float) -> None:
+    """Name ``state``'s groups by role and tag failing collectives from now on (idempotent)."""
+    label_groups(state)
     _settings["timeout_minutes"] = timeout_minutes
     _install()
 

@@ -72,6 +72,26 @@ def test_collective_failures_name_operation_group_and_timeout(monkeypatch) -> No
     assert collectives.explain_collective_failure(ValueError("timed out")) is None
 
 
+def test_the_rings_dk_dv_twin_and_the_other_optional_groups_are_named(monkeypatch) -> None:
+    """A dK/dV hop timing out on the ring's twin communicator is named as the CP group's (it was "group undefined",
+    seen once when a hung rank stopped its peer mid-hop); the hybrid's and HSDP's groups by their own roles."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(collectives, "_labels", {})
+    monkeypatch.setattr(collectives, "_ranks", {})
+    monkeypatch.setattr(collectives, "_world", [])
+    axis = lambda ranks: SimpleNamespace(group=object(), ranks=ranks)  # noqa: E731
+    dp_cp = axis((0, 1))
+    state = SimpleNamespace(tp=axis((0,)), cp=axis((0, 1)), dp=axis((0,)), dp_cp=dp_cp, tp_cp=axis((0, 1)),
+                            cp_grad=axis((0, 1)), cp_ulysses=None, cp_ring=axis((0, 1)), fsdp_shard=dp_cp,
+                            dp_replicate_axis=axis((0, 2)), world_size=2)
+    collectives.label_groups(state)
+    assert collectives.group_name(state.cp_grad.group) == "the cp group (ranks 0, 1)"
+    assert collectives.group_name(state.cp_ring.group) == "the cp_ring group (ranks 0, 1)"
+    assert collectives.group_name(state.dp_replicate_axis.group) == "the dp_replicate group (ranks 0, 2)"
+    assert collectives.group_name(dp_cp.group) == "the dp_cp group (ranks 0, 1)"  # FSDP's is dp_cp's own
+
+
 def test_a_failure_on_the_default_group_is_named_after_the_groups_are_destroyed(monkeypatch) -> None:
     """``dist.all_reduce(x)`` (group None) timed out; the entry point explains it after ``parallel_context`` has
     destroyed the default group (``dist.group.WORLD`` is None then): still the world group, not ``group ?``."""
