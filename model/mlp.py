@@ -28,7 +28,7 @@ from cp_train.parallel.tp.sequence_parallel import (
 
 
 class MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``: gate/up column parallel ``[ffn/tp, hidden]`` (one matmul), down row parallel
+    """``down(silu(gate(x)) * up(x))``: gate/up column parallel ``[ffn/tp, hidden]``, down row parallel
     ``[hidden, ffn/tp]``. Input and output ``[B, n, hidden]``, replicated over ``tp_group``; with
     ``sequence_parallel`` (at tp > 1) this rank's ``[B, n/tp, hidden]``, gathered in and reduce-scattered out.
 
@@ -56,15 +56,10 @@ class MLP(nn.Module):
                                       init_std=config.init_std / math.sqrt(2 * config.num_layers), **common)
 
     def local_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the output for tokens ``x`` ``[B, m, hidden]`` (no communication). Gate and
-        up run as one matmul on their weights side by side (the parameters stay two: names, checkpoints and HF
-        export as they are); under ``model.fp8`` each layer's own FP8 matmul, which scales each weight apart."""
-        gate, up, down = self.gate, self.up, self.down
-        if gate.linear_fn is F.linear and up.linear_fn is F.linear:
-            g, u = F.linear(x, torch.cat([gate.weight, up.weight])).chunk(2, dim=-1)
-        else:
-            g, u = gate.linear_fn(x, gate.weight), up.linear_fn(x, up.weight)
-        return down.linear_fn(F.silu(g) * u, down.weight)
+        """This rank's partial sum of the output for tokens ``x`` ``[B, m, hidden]`` (no communication)."""
+        gate, up, down = self.gate, self.up, self.down  # each layer's local matmul (model.fp8: FP8's)
+        act = F.silu(gate.linear_fn(x, gate.weight)) * up.linear_fn(x, up.weight)
+        return down.linear_fn(act, down.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

@@ -7,14 +7,14 @@ residual stream's (4 under autocast with fp32 weights, 2 with FSDP's bf16 weight
 
 Per block without activation checkpointing: the residual stream (the block's input and the stream between
 attention and MLP), what each RMSNorm keeps besides its input (on CPU its normalised input; CUDA's fused
-kernels keep only a per-token scale), the inputs of the column-parallel matmuls (under autocast each matmul
-casts its own copy; gate and up are one matmul), the CP attention's q, k, v, output and fp32 log-sum-exp
-(Ulysses also keeps its sequence-ordered copies of them for its heads), and the SwiGLU's gate, up, silu and
-product ``[n, ffn/tp]`` (unless ``mlp_chunks`` > 1, which keeps only the MLP's input; not inside a checkpointed
-block). With sequence parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the
-all-gathered inputs of the column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing
-keeps each block's input (``n / tp`` tokens under SP) and recomputes one block in the backward; ``selective``
-keeps the input and what the CP attention keeps, and recomputes either side of it.
+kernels keep only a per-token scale), the inputs of the column-parallel matmuls (under autocast each linear
+casts its own copy), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also keeps its
+sequence-ordered copies of them for its heads), and the SwiGLU's gate, up, silu and product ``[n, ffn/tp]``
+(unless ``mlp_chunks`` > 1, which keeps only the MLP's input; not inside a checkpointed block). With sequence
+parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the all-gathered inputs of the
+column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing keeps each block's input
+(``n / tp`` tokens under SP) and recomputes one block in the backward; ``selective`` keeps the input and what
+the CP attention keeps, and recomputes either side of it.
 
 The head keeps the final norm's input and the head's matmul input and, with full logits
 (``model.loss_chunk_tokens`` 0), the fp32 softmax ``[n, vocab/tp]``; fused by chunks, two fp32 numbers per token.
@@ -67,12 +67,12 @@ def attention_half(s: Shapes) -> int:
 
 
 def mlp_half(s: Shapes, chunks: int) -> int:
-    """The MLP half: the stream after attention, the norm, the gate/up input (one matmul: one copy under autocast;
-    under FP8 two FP8 copies, the same bytes), and gate, up, silu and product ``[n, ffn/tp]``; chunked
-    (``chunks`` > 1) only the MLP's input."""
+    """The MLP half: the stream after attention, the norm, the gate/up input (one copy per linear under
+    autocast), and gate, up, silu and product ``[n, ffn/tp]``; chunked (``chunks`` > 1) only the MLP's input."""
     if chunks > 1:
         return _stream(s) + norm_kept(s) + s.n * s.hidden * s.residual
-    return _stream(s) + norm_kept(s) + s.n * s.hidden * s.compute + 4 * s.n * s.ffn * s.compute
+    inputs = (2 if s.autocast else 1) * s.n * s.hidden * s.compute
+    return _stream(s) + norm_kept(s) + inputs + 4 * s.n * s.ffn * s.compute
 
 
 def mlp_backward(s: Shapes, chunks: int) -> int:
