@@ -180,7 +180,8 @@ def run(args: argparse.Namespace, kernel: Any = None, keys: DenseKeys | None = N
 
     keys, records = keys or DenseKeys(), []
     warm.ENABLED = not args.no_warm
-    if args.plans_per_shape:  # a CPU kernel counted as if it built plans per shape (to see the warm-up's keys)
+    forced = args.plans_per_shape and not getattr(type(kernel), "plans_per_shape", False)
+    if forced:  # a CPU kernel counted as if it built plans per shape (to see the warm-up's keys)
         type(kernel).plans_per_shape = True
     with CacheWarnings() as cache, keys.recording(type(kernel)):
         threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}", daemon=True) for r in range(world)]
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace, kernel: Any = None, keys: DenseKeys | None = N
             thread.join()
     late = sum(keys.new_by_step(args.steps)[4:])
     warm.ENABLED = True
-    if args.plans_per_shape:
+    if forced:
         del type(kernel).plans_per_shape
     lookups = {name: {"lookups": n, "hit_rate_percent": p} for name, (n, p) in sorted(cache.last.items())}
     summary = {"summary": True, "kernel": kernel.name, "device": device.type, "world": world, "layout": args.layout,

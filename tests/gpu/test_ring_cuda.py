@@ -86,8 +86,8 @@ def test_packed_documents_give_cudnn_only_the_layouts_shapes() -> None:
     """cp 4 zigzag, bf16, lognormal documents: the dense shapes the selected kernel is given (one cuDNN graph
     each, forward and backward apart) are the layout's block shapes, at most 8 over every micro-batch; the steps
     the documents shape are varlen calls."""
+    from bench.cudnn_graphs import lognormal_documents
     from cp_train.parallel.cp.plan.rank_plan import layout_shapes
-    from tests.parallel.test_kernel_shapes import lognormal_documents
 
     world, seqlen = 4, 2048
     kernel = kernels.select_kernel(torch.device("cuda"), torch.bfloat16, 64)

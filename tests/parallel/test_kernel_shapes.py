@@ -8,10 +8,10 @@ its varlen path on CPU (gathers, slices, merges) while the kernel records every 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
+from bench.cudnn_graphs import lognormal_documents
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.plan import varlen_plan
 from cp_train.parallel.cp.plan.rank_plan import layout_shapes, plan_for_documents
@@ -56,17 +56,6 @@ class NativeVarlen:
                         scale: float):
         self.varlen_calls += 1
         return backward_by_segments(self.inner, rows, k, v, segments, causal, scale)
-
-
-def lognormal_documents(seqlen: int, samples: int, seed: int, median: int = 512) -> torch.Tensor:
-    """Document ids ``[samples, seqlen]`` of documents with lognormal lengths (``median``, sigma 1) packed
-    back to back, as the loader cuts them."""
-    rng = np.random.default_rng(seed)
-    lengths = []
-    while sum(lengths) < seqlen * samples:
-        lengths.append(max(1, int(rng.lognormal(np.log(median), 1.0))))
-    ids = np.repeat(np.arange(len(lengths)), lengths)[: seqlen * samples]
-    return torch.from_numpy(ids).view(samples, seqlen)
 
 
 def positions_in_documents(docs: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from cp_train.parallel.cp.ring import warm
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels import cudnn
 from cp_train.parallel.kernels.cudnn import op_view
-from tests.parallel.test_kernel_shapes import NativeVarlen, lognormal_documents
+from tests.parallel.test_kernel_shapes import NativeVarlen
 from tests.parallel.test_kernels_cudnn import GQA, standin_backward, standin_forward
 from tests.ring_threads import run_threaded_ring
 from tests.warmup_cases import new_keys_by_step
@@ -56,7 +56,7 @@ def test_warm_up_leaves_the_results_bitwise(layout: str) -> None:
     gen = torch.Generator().manual_seed(3)
     q, dout = (torch.randn(1, 512, 4, 16, generator=gen) for _ in range(2))
     k, v = (torch.randn(1, 512, 2, 16, generator=gen) for _ in range(2))
-    docs = lognormal_documents(512, 1, seed=4, median=96)
+    docs = cudnn_graphs.lognormal_documents(512, 1, seed=4, median=96)
     results = {}
     for kernel in (NativeVarlen(), WarmedNativeVarlen()):
         spec = AttentionSpec("ring", layout, True, 0.25, kernel, 2, True, varlen=True)
