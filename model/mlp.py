@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cp_train.model.config import ModelConfig, param_seed
+from cp_train.model.swiglu import swiglu
 from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from cp_train.parallel.tp.sequence_parallel import (
@@ -33,7 +34,8 @@ class MLP(nn.Module):
     ``sequence_parallel`` (at tp > 1) this rank's ``[B, n/tp, hidden]``, gathered in and reduce-scattered out.
 
     The parallel layers hold the (sharded, layout-independent) weights; ``forward`` applies them
-    itself so that the all-reduce of ``down`` runs once per call instead of once per slice.
+    itself so that the all-reduce of ``down`` runs once per call instead of once per slice; eager, the SwiGLU is
+    one autograd node that keeps less (``swiglu.py``; not for FP8 layers, whose matmuls are their own).
     """
 
     def __init__(self, config: ModelConfig, layer: int, tp_group: dist.ProcessGroup | None = None,
@@ -58,7 +60,10 @@ class MLP(nn.Module):
     def local_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the output for tokens ``x`` ``[B, m, hidden]`` (no communication)."""
         gate, up, down = self.gate, self.up, self.down  # each layer's local matmul (model.fp8: FP8's)
-        act = F.silu(gate.linear_fn(x, gate.weight)) * up.linear_fn(x, up.weight)
+        if gate.linear_fn is F.linear and up.linear_fn is F.linear and not torch.compiler.is_compiling():
+            act = swiglu(x, gate.weight, up.weight)  # keeps no silu (compiled, Inductor does so itself)
+        else:
+            act = F.silu(gate.linear_fn(x, gate.weight)) * up.linear_fn(x, up.weight)
         return down.linear_fn(act, down.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,11 @@ residual stream's (4 under autocast with fp32 weights, 2 with FSDP's bf16 weight
 
 Per block without activation checkpointing: the residual stream (the block's input and the stream between
 attention and MLP), what each RMSNorm keeps besides its input (on CPU its normalised input; CUDA's fused
-kernels keep only a per-token scale), the inputs of the column-parallel matmuls (under autocast each linear
-casts its own copy), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also keeps its
-sequence-ordered copies of them for its heads), and the SwiGLU's gate, up, silu and product ``[n, ffn/tp]``
-(unless ``mlp_chunks`` > 1, which keeps only the MLP's input; not inside a checkpointed block). With sequence
+kernels keep only a per-token scale), the inputs of the column-parallel matmuls (under autocast each matmul
+casts its own copy; gate and up are one), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also
+keeps its sequence-ordered copies of them for its heads), and the SwiGLU's gate and up and their product ``[n,
+ffn/tp]`` (``model/swiglu.py`` recomputes silu; under FP8 two matmuls, and silu kept) (unless ``mlp_chunks`` > 1,
+which keeps only the MLP's input; not inside a checkpointed block). With sequence
 parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the all-gathered inputs of the
 column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing keeps each block's input
 (``n / tp`` tokens under SP) and recomputes one block in the backward; ``selective`` keeps the input and what
@@ -48,7 +49,7 @@ def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, r
     degree = algorithm.head_degree(cp, ulysses) if cp > 1 else 1
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
                   model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, autocast, cp,
-                  algorithm, degree, tp, sequence_parallel and tp > 1, cuda)
+                  algorithm, degree, tp, sequence_parallel and tp > 1, cuda, model.fp8 == "none")
 
 
 def _stream(s: Shapes) -> int:
@@ -67,12 +68,13 @@ def attention_half(s: Shapes) -> int:
 
 
 def mlp_half(s: Shapes, chunks: int) -> int:
-    """The MLP half: the stream after attention, the norm, the gate/up input (one copy per linear under
-    autocast), and gate, up, silu and product ``[n, ffn/tp]``; chunked (``chunks`` > 1) only the MLP's input."""
+    """The MLP half: the stream after attention, the norm, the gate/up input and gate, up and product ``[n,
+    ffn/tp]`` (``model/swiglu.py``); under FP8 two matmuls (an FP8 copy of the input each, the bytes of one
+    bf16 copy) and silu kept too; chunked (``chunks`` > 1) only the MLP's input."""
     if chunks > 1:
         return _stream(s) + norm_kept(s) + s.n * s.hidden * s.residual
-    inputs = (2 if s.autocast else 1) * s.n * s.hidden * s.compute
-    return _stream(s) + norm_kept(s) + inputs + 4 * s.n * s.ffn * s.compute
+    intermediates = (3 if s.fused_swiglu else 4) * s.n * s.ffn * s.compute
+    return _stream(s) + norm_kept(s) + s.n * s.hidden * s.compute + intermediates
 
 
 def mlp_backward(s: Shapes, chunks: int) -> int:
