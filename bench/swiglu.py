@@ -1,4 +1,4 @@
-"""The SwiGLU's forward and backward: one autograd node (``model/swiglu.py``) against autograd, one process.
+"""The SwiGLU's forward and backward: one autograd node (``model/mlp.py``'s ``swiglu``) against autograd, one process.
 
     python -m bench.swiglu [--tokens 4096 --hidden 1024 --ffn 2816] [--rounds 7] [--dtype fp32|bf16] [--device cpu]
 
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import emit, median  # noqa: E402
-from cp_train.model.swiglu import swiglu  # noqa: E402
+from cp_train.model.mlp import swiglu  # noqa: E402
 
 
 def plain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,10 @@ residual stream's (4 under autocast with fp32 weights, 2 with FSDP's bf16 weight
 
 Per block without activation checkpointing: the residual stream (the block's input and the stream between
 attention and MLP), what each RMSNorm keeps besides its input (on CPU its normalised input; CUDA's fused
-kernels keep only a per-token scale), the inputs of the column-parallel matmuls (under autocast each matmul
-casts its own copy; gate and up are one), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also
-keeps its sequence-ordered copies of them for its heads), and the SwiGLU's gate and up and their product ``[n,
-ffn/tp]`` (``model/swiglu.py`` recomputes silu; under FP8 two matmuls, and silu kept) (unless ``mlp_chunks`` > 1,
+kernels keep only a per-token scale), the inputs of the column-parallel matmuls (under autocast a cast copy each;
+one for gate and up together), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also keeps its
+sequence-ordered copies of them for its heads), and the SwiGLU's gate, up and product ``[n, ffn/tp]`` (silu is
+recomputed: ``swiglu`` in ``model/mlp.py``, or Inductor compiled; FP8 layers keep it too) (unless ``mlp_chunks`` > 1,
 which keeps only the MLP's input; not inside a checkpointed block). With sequence
 parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the all-gathered inputs of the
 column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing keeps each block's input
@@ -69,7 +69,7 @@ def attention_half(s: Shapes) -> int:
 
 def mlp_half(s: Shapes, chunks: int) -> int:
     """The MLP half: the stream after attention, the norm, the gate/up input and gate, up and product ``[n,
-    ffn/tp]`` (``model/swiglu.py``); under FP8 two matmuls (an FP8 copy of the input each, the bytes of one
+    ffn/tp]`` (``model/mlp.py``'s ``swiglu``); under FP8 two matmuls (an FP8 copy of the input each, the bytes of one
     bf16 copy) and silu kept too; chunked (``chunks`` > 1) only the MLP's input."""
     if chunks > 1:
         return _stream(s) + norm_kept(s) + s.n * s.hidden * s.residual

@@ -1,4 +1,4 @@
-"""``model/swiglu.py``: the SwiGLU as one autograd node, silu recomputed in the backward.
+"""``model/mlp.py``'s ``swiglu``: the SwiGLU as one autograd node, silu recomputed in the backward.
 
 Against a float64 reference by relative error; against autograd on the plain expression: the forward and the
 weights' gradients bitwise in fp32 on CPU and under bf16 autocast, ``x``'s gradient (the sum in the second
@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_train.model.mlp import MLP
-from cp_train.model.swiglu import swiglu
+from cp_train.model.mlp import MLP, swiglu
 from tests.model_cases import tiny_config
 from tests.numerics import rel_err
 
