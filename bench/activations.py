@@ -39,7 +39,7 @@ def main() -> None:
         with SpawnedWorld(cp, threads=max(1, args.threads // cp), timeout_s=3600) as world:
             per_rank = world.run(measure_block, config, "zigzag", args.seq, 1, args.repeats)
         measured = median([max(r["added_mb"][i] for r in per_rank) for i in range(args.repeats)])
-        estimate = block_peak(shapes_of(config, args.seq // cp, 1, cp, 4, 4, False), chunks) / 2**20
+        estimate = block_peak(shapes_of(config, args.seq // cp, 1, cp, 4, 4), chunks) / 2**20
         records.append({"cp": cp, "mlp_chunks": chunks, "seq": args.seq, "tokens_per_rank": args.seq // cp,
                         "measured_mb": measured, "estimated_mb": estimate,
                         "estimate_over_measured": estimate / measured})

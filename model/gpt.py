@@ -33,7 +33,12 @@ from cp_train.parallel.cp.plan.layer_plans import LayerPlans, LayerSamplePlanner
 from cp_train.parallel.cp.plan.window_plan import as_window
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 from cp_train.parallel.tp.fused_loss import linear_cross_entropy
-from cp_train.parallel.tp.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from cp_train.parallel.tp.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    compute_dtype,
+    vocab_parallel_cross_entropy,
+)
 from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region
 from cp_train.parallel.tp.sequence_parallel import gather_from_sequence_parallel_region, sequence_parallel_norm
 
@@ -48,12 +53,6 @@ def _embedding(config: ModelConfig, tp_group: dist.ProcessGroup | None, sequence
 def _lm_head(config: ModelConfig, tp_group: dist.ProcessGroup | None, **factory: Any) -> ColumnParallelLinear:
     return ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, group=tp_group,
                                 seed=param_seed(config.seed, "lm_head"), init_std=config.init_std, **factory)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the blocks' projections compute in: autocast's when it is on for ``x``'s device, else ``x``'s."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
 def _is_int(x: torch.Tensor) -> bool:
@@ -198,7 +197,7 @@ class GPTModel(nn.Module):
                                max_position_embeddings=config.max_position_embeddings)
         x = self.embedding(tokens)
         handles = {window: plan_handle(self.parallel.cp, attention_spec(config, self.parallel, x.device,
-                                                                        _compute_dtype(x), batch, p), p)
+                                                                        compute_dtype(x), batch, p), p)
                    for window, p in plans.items()}
         inputs = BlockInputs(cos, sin, handles[None], handles)
         for layer in self.layers:

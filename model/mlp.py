@@ -36,18 +36,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cp_train.model.config import ModelConfig, param_seed
-from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
+from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, compute_dtype
 from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from cp_train.parallel.tp.sequence_parallel import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a linear on ``x`` computes in: autocast's for ``x``'s device when it is on, else ``x``'s."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -40,7 +40,7 @@ from cp_train.model.config import ModelConfig
 from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 
 
-def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, residual: int, autocast: bool,
+def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, residual: int,
               algorithm: CPAlgorithm | None = None, ulysses: int = 1, sequence_parallel: bool = False,
               cuda: bool = False) -> Shapes:
     """``Shapes`` for ``tokens`` per rank of ``model`` at (tp, cp) with the CP ``algorithm`` (None: ring);
@@ -48,7 +48,7 @@ def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, r
     algorithm = algorithm or get_cp_algorithm("ring")
     degree = algorithm.head_degree(cp, ulysses) if cp > 1 else 1
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
-                  model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, autocast, cp,
+                  model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, cp,
                   algorithm, degree, tp, sequence_parallel and tp > 1, cuda, model.fp8 == "none")
 
 

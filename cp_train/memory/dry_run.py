@@ -217,7 +217,7 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None
     fsdp = parallel.fsdp
     tokens = config.train.micro_batch_size * config.data.seq_len // dims.cp
     accumulation = config.train.global_batch_size // (config.train.micro_batch_size * dp)
-    shapes = shapes_of(config.model, tokens, dims.tp, dims.cp, compute, compute if fsdp else 4, bf16 and not fsdp,
+    shapes = shapes_of(config.model, tokens, dims.tp, dims.cp, compute, compute if fsdp else 4,
                        get_cp_algorithm(parallel.cp_algorithm), parallel.ulysses_size,
                        parallel.sequence_parallel_on, cuda=cuda)
     activations = activation_estimate(config.model, shapes)

@@ -49,6 +49,12 @@ LinearFn = Callable[..., torch.Tensor]
 """A layer's local matmul ``(x, weight, bias=None) -> y``, ``F.linear``'s contract (``fp8.py``: FP8's)."""
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear on ``x`` computes in: autocast's when it is on for ``x``'s device, else ``x``'s."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 def init_weight_shard(full_shape: tuple[int, int], partition_dim: int, group: dist.ProcessGroup | None,
                       seed: int, init_method: InitMethod | None = None, init_std: float = 0.02,
                       dtype: torch.dtype | None = None, device: torch.device | str | None = None

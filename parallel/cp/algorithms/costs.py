@@ -37,7 +37,6 @@ class Shapes:
     vocab: int
     compute: int  # bytes per element of the matmul inputs and outputs
     residual: int  # bytes per element of the residual stream
-    autocast: bool  # True: fp32 weights under autocast (each linear keeps its own cast input)
     cp: int = 1
     algorithm: object = None  # a CPAlgorithm (``registry.py``); None: no CP
     ulysses: int = 1  # the Ulysses degree (``CPAlgorithm.head_degree``)
