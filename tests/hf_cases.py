@@ -100,21 +100,23 @@ def full_logits_and_loss(model: GPTModel, tokens: torch.Tensor) -> dict[str, tor
 
 @contextmanager
 def counting_reads() -> Iterator[list[int]]:
-    """Count the weight elements ``WeightFiles.read_block`` copies (``[count]``, updated in place)."""
+    """Count the weight elements ``WeightFiles.read_blocks`` copies (``read_block`` is one of them; ``[count]``,
+    updated in place)."""
     from cp_train.model.hf import weights as hf_weights
 
     read = [0]
-    original = hf_weights.WeightFiles.read_block
+    original = hf_weights.WeightFiles.read_blocks
 
-    def counting(self: Any, name: str, shape: Any, out: torch.Tensor, starts: list[int]) -> None:
-        read[0] += out.numel()
-        original(self, name, shape, out, starts)
+    def counting(self: Any, name: str, shape: Any, blocks: Any) -> None:
+        blocks = list(blocks)
+        read[0] += sum(out.numel() for out, _ in blocks)
+        original(self, name, shape, blocks)
 
-    hf_weights.WeightFiles.read_block = counting  # type: ignore[method-assign]
+    hf_weights.WeightFiles.read_blocks = counting  # type: ignore[method-assign]
     try:
         yield read
     finally:
-        hf_weights.WeightFiles.read_block = original  # type: ignore[method-assign]
+        hf_weights.WeightFiles.read_blocks = original  # type: ignore[method-assign]
 
 
 def logits_on_rank(state: ParallelState, paths: dict[str, str], tokens: torch.Tensor) -> dict[str, Any]:

@@ -51,8 +51,10 @@ from cp_train.checkpoint.files import (  # noqa: F401  (re-exported)
     step_dir_name,
 )
 from cp_train.checkpoint.integrity import MANIFEST, HashingFileSystem, file_digest, write_manifest
+from cp_train.checkpoint.legacy import SplitGateUp, old_param_groups, stored_apart
 from cp_train.checkpoint.rng import capture_rng_state
 from cp_train.errors import InputError, RunFailure, agree, one_line
+from cp_train.model.mlp import gate_up_block
 from cp_train.model.shards import data_shards, full_shape, local_tensor, tensor_parallel_dim
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 
@@ -256,14 +258,21 @@ def load_checkpoint(path: Path, meta: dict[str, Any], sharded: ShardedState, sta
     Returns ``(this rank's saved RNG states, note)``: the states when the layout is unchanged and every
     rank's RNG file is there; else None (the caller re-derives the RNG on every rank) and a note saying why.
     """
-    target = sharded.state_dict()
+    target, reader = sharded.state_dict(), dcp.FileSystemReader(path)
+    # a checkpoint from before gate and up were one weight loads into their row pairs (``legacy.py``)
+    apart = stored_apart(reader.read_metadata().state_dict_metadata)
+    split = SplitGateUp(path, gate_up_block(sharded.model.config.ffn_hidden_size)) if apart else None
+    to_load = target if split is None else agree(lambda: split.view(target))
     try:
-        dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+        dcp.load(to_load, storage_reader=reader)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as error:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
         raise InputError(f"checkpoint {path} does not load into this model ({_root_message(error)}); "
                          f"resume with the model it was saved with") from None
+    if split is not None:
+        split.write_back()
+        target["optimizer"]["param_groups"] = old_param_groups(to_load["optimizer"]["param_groups"])
     sharded.load_state_dict(target)
     saved = ParallelDims.from_layout(meta["layout"])
     if saved != state.dims:

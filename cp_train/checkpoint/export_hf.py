@@ -27,10 +27,12 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from cp_train.checkpoint.dcp import META, find_checkpoint
 from cp_train.checkpoint.files import newest_complete
+from cp_train.checkpoint.legacy import old_names, stored_apart
 from cp_train.errors import InputError, ensure_writable_dir
 from cp_train.model.config import ModelConfig
 from cp_train.model.hf.llama import DEFAULT_SHARD_BYTES, write_hf_model
 from cp_train.model.hf.weights import hf_tensors
+from cp_train.model.mlp import gate_up_block, pair_gate_up
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
@@ -67,20 +69,27 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtyp
     meta = json.loads((path / META).read_text())
     config = checkpoint_model_config(meta)
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    apart = stored_apart(stored)  # saved while gate and up were two weights (``legacy.py``): interleaved here
+    block = gate_up_block(config.ffn_hidden_size)
     shapes = {}
     for entry in hf_tensors(config):
-        key = f"model.{entry.param}"
-        if key not in stored:
-            raise ValueError(f"{path} has no tensor {key}: not a checkpoint of the model its {META} describes")
-        shapes[entry.param] = stored[key]
+        for name in (old_names(entry.param) if apart else None) or (entry.param,):
+            if f"model.{name}" not in stored:
+                raise ValueError(f"{path} has no tensor model.{name}: not a checkpoint of the model its {META} "
+                                 f"describes")
+            shapes[name] = stored[f"model.{name}"]
 
-    def full(name: str) -> torch.Tensor:
+    def stored_tensor(name: str) -> torch.Tensor:
         info = shapes[name]
         tensor = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         with warnings.catch_warnings():  # one process on purpose: DCP's "assuming a single process" note
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": {name: tensor}}, storage_reader=FileSystemReader(path), no_dist=True)
         return tensor
+
+    def full(name: str) -> torch.Tensor:
+        names = old_names(name) if apart else None
+        return stored_tensor(name) if names is None else pair_gate_up(*(stored_tensor(old) for old in names), block)
 
     source = _tokenizer_source(meta, tokenizer_from)
     if source is not None and Path(out).resolve() == source.resolve():

@@ -8,10 +8,10 @@ residual stream's (4 under autocast with fp32 weights, 2 with FSDP's bf16 weight
 Per block without activation checkpointing: the residual stream (the block's input and the stream between
 attention and MLP), what each RMSNorm keeps besides its input (on CPU its normalised input; CUDA's fused
 kernels keep only a per-token scale), the inputs of the column-parallel matmuls (under autocast a cast copy each;
-one for gate and up together), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also keeps its
+gate and up are one matmul), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also keeps its
 sequence-ordered copies of them for its heads), and the SwiGLU's gate, up and product ``[n, ffn/tp]`` (silu is
-recomputed: ``swiglu`` in ``model/mlp.py``, or Inductor compiled; FP8 layers keep it too) (unless ``mlp_chunks`` > 1,
-which keeps only the MLP's input; not inside a checkpointed block). With sequence
+recomputed: ``swiglu`` and ``gated_silu`` in ``model/mlp.py``) (unless ``mlp_chunks`` > 1, which keeps only the
+MLP's input; not inside a checkpointed block). With sequence
 parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the all-gathered inputs of the
 column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing keeps each block's input
 (``n / tp`` tokens under SP) and recomputes one block in the backward; ``selective`` keeps the input and what
@@ -49,7 +49,7 @@ def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, r
     degree = algorithm.head_degree(cp, ulysses) if cp > 1 else 1
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
                   model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, cp,
-                  algorithm, degree, tp, sequence_parallel and tp > 1, cuda, model.fp8 == "none")
+                  algorithm, degree, tp, sequence_parallel and tp > 1, cuda)
 
 
 def _stream(s: Shapes) -> int:
@@ -68,12 +68,12 @@ def attention_half(s: Shapes) -> int:
 
 
 def mlp_half(s: Shapes, chunks: int) -> int:
-    """The MLP half: the stream after attention, the norm, the gate/up input and gate, up and product ``[n,
-    ffn/tp]`` (``model/mlp.py``'s ``swiglu``); under FP8 two matmuls (an FP8 copy of the input each, the bytes of one
-    bf16 copy) and silu kept too; chunked (``chunks`` > 1) only the MLP's input."""
+    """The MLP half: the stream after attention, the norm, the gate/up input (one matmul; under FP8 torchao keeps
+    it in the compute dtype) and gate, up and product ``[n, ffn/tp]`` (``model/mlp.py``'s ``swiglu`` eager,
+    ``gated_silu`` compiled and under FP8: silu recomputed); chunked (``chunks`` > 1) only the MLP's input."""
     if chunks > 1:
         return _stream(s) + norm_kept(s) + s.n * s.hidden * s.residual
-    intermediates = (3 if s.fused_swiglu else 4) * s.n * s.ffn * s.compute
+    intermediates = 3 * s.n * s.ffn * s.compute
     return _stream(s) + norm_kept(s) + s.n * s.hidden * s.compute + intermediates
 
 

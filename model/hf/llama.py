@@ -26,8 +26,9 @@ from torch.distributed.tensor import DTensor
 from cp_train.model.config import ModelConfig
 from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.config import hf_config, model_fields, read_hf_config
-from cp_train.model.hf.weights import HFTensor, WeightFiles, hf_tensors, split_qkv, write_weights
+from cp_train.model.hf.weights import HFTensor, WeightFiles, fused_part, hf_tensors, write_weights
 from cp_train.model.meta import allocate, meta_model
+from cp_train.model.mlp import gate_up_block
 from cp_train.model.shards import local_region, local_tensor, tensor_parallel_dim
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 
@@ -68,7 +69,9 @@ def load_llama_weights(model: GPTModel, path: str | Path) -> None:
                 why = " (config.json says tie_word_embeddings = false)" if entry.name == "lm_head.weight" else ""
                 raise ValueError(f"tensor {entry.name} is missing from the weights in {path}{why}")
         region, out = local_region(param, tp_rank, tp_size), local_tensor(param)
-        if entries[0].part is not None:
+        if entries[0].part in ("gate", "up"):
+            _load_gate_up(files, entries, out, region, gate_up_block(config.ffn_hidden_size))
+        elif entries[0].part is not None:
             _load_qkv(files, entries, out, region, config)
         else:
             files.read_block(entries[0].name, entries[0].shape, out, [s.start for s in region])
@@ -91,6 +94,22 @@ def _load_qkv(files: WeightFiles, entries: list[HFTensor], out: torch.Tensor, re
                 entry = parts[part]
                 files.read_block(entry.name, entry.shape, out[lo - rows.start:hi - rows.start],
                                  [source + lo - first, *columns])
+
+
+def _load_gate_up(files: WeightFiles, entries: list[HFTensor], out: torch.Tensor, region: tuple[slice, ...],
+                  block: int) -> None:
+    """Rows ``region[0]`` (columns ``region[1]``) of the full fused gate/up weight, whose rows alternate ``block``
+    rows of HF's gate_proj and of its up_proj (``model.mlp.gate_up_pairs``); each tensor's file opened once."""
+    rows, column = region[0], region[1].start
+    for entry in entries:
+        part = int(entry.part == "up")
+        reads = []
+        for index in range(rows.start // (2 * block), -(-rows.stop // (2 * block))):
+            first = (2 * index + part) * block  # this part's rows of block pair ``index``
+            lo, hi = max(first, rows.start), min(first + block, rows.stop)
+            if lo < hi:
+                reads.append((out[lo - rows.start:hi - rows.start], [index * block + lo - first, column]))
+        files.read_blocks(entry.name, entry.shape, reads)
 
 
 def load_hf(path: str | Path, parallel: ModelParallel | None = None, dtype: torch.dtype | None = None,
@@ -141,7 +160,7 @@ def hf_tensor_stream(config: ModelConfig, full: FullTensor, dtype: torch.dtype |
                 cached[entry.param] = full(entry.param)
             tensor = cached[entry.param]
             if entry.part is not None:
-                tensor = split_qkv(tensor, config)[entry.part]
+                tensor = fused_part(tensor, config, entry.part)
             yield name, tensor.to(device="cpu", dtype=dtype or tensor.dtype).clone()
     return produce
 

@@ -4,7 +4,9 @@ Mapping (HF -> model): ``model.embed_tokens`` -> ``embedding``; ``input_layernor
 ``post_attention_layernorm`` -> ``attention_norm`` / ``mlp_norm``; ``q_proj``/``k_proj``/``v_proj``
 (weights and biases) -> the fused ``attention.qkv``, laid out per kv head g as its ``heads/kv_heads`` query
 heads, then k_g, then v_g; ``o_proj`` (weight and bias) -> ``attention.proj``; ``q_norm``/``k_norm`` ->
-``attention.q_norm``/``k_norm``; ``sinks`` -> ``attention.sinks``; ``gate/up/down_proj`` -> ``mlp.gate/up/down``;
+``attention.q_norm``/``k_norm``; ``sinks`` -> ``attention.sinks``; ``gate_proj``/``up_proj`` -> the fused
+``mlp.gate_up``, whose rows alternate blocks of gate's and up's rows (``model.mlp.gate_up_pairs``); ``down_proj`` ->
+``mlp.down``;
 ``model.norm`` -> ``norm``; ``lm_head`` -> ``lm_head`` (absent when the embeddings are tied).
 
 ``WeightFiles(dir)`` reads ``model.safetensors`` or the shards named by
@@ -25,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from cp_train.model.config import ModelConfig
+from cp_train.model.mlp import gate_up_block, split_gate_up
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,7 +41,7 @@ class HFTensor:
     name: str
     shape: tuple[int, ...]
     param: str
-    part: str | None = None  # "q", "k" or "v" of the fused attention.qkv
+    part: str | None = None  # "q", "k" or "v" of the fused attention.qkv, "gate" or "up" of mlp.gate_up
 
 
 def _attention_tensors(config: ModelConfig, hf: str, ours: str) -> list[HFTensor]:
@@ -71,8 +74,8 @@ def hf_tensors(config: ModelConfig) -> list[HFTensor]:
         out += [HFTensor(f"{hf}.input_layernorm.weight", (h,), f"{ours}.attention_norm.weight"),
                 *_attention_tensors(config, hf, ours),
                 HFTensor(f"{hf}.post_attention_layernorm.weight", (h,), f"{ours}.mlp_norm.weight"),
-                HFTensor(f"{hf}.mlp.gate_proj.weight", (ffn, h), f"{ours}.mlp.gate.weight"),
-                HFTensor(f"{hf}.mlp.up_proj.weight", (ffn, h), f"{ours}.mlp.up.weight"),
+                *(HFTensor(f"{hf}.mlp.{part}_proj.weight", (ffn, h), f"{ours}.mlp.gate_up.weight", part)
+                  for part in ("gate", "up")),
                 HFTensor(f"{hf}.mlp.down_proj.weight", (h, ffn), f"{ours}.mlp.down.weight")]
     out.append(HFTensor("model.norm.weight", (h,), "norm.weight"))
     if not config.tie_embeddings:
@@ -88,6 +91,14 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]
     grouped = qkv.view(kv, group + 2, d, *rest)
     return {"q": grouped[:, :group].reshape(kv * group * d, *rest), "k": grouped[:, group].reshape(kv * d, *rest),
             "v": grouped[:, group + 1].reshape(kv * d, *rest)}
+
+
+def fused_part(tensor: torch.Tensor, config: ModelConfig, part: str) -> torch.Tensor:
+    """HF's tensor ``part`` of a full fused parameter: q, k or v of ``attention.qkv``, gate or up of
+    ``mlp.gate_up``."""
+    if part in ("gate", "up"):
+        return split_gate_up(tensor, gate_up_block(config.ffn_hidden_size))[part == "up"]
+    return split_qkv(tensor, config)[part]
 
 
 class WeightFiles:
@@ -122,22 +133,27 @@ class WeightFiles:
         """Copy the block of ``tensor[name]`` that starts at ``starts`` (one index per dim) and has ``out``'s shape
         into ``out`` (cast to its dtype), in blocks of rows, checking that the stored tensor has the full
         ``shape``."""
+        self.read_blocks(name, shape, [(out, starts)])
+
+    def read_blocks(self, name: str, shape: tuple[int, ...], blocks: Iterable[tuple[torch.Tensor, list[int]]]) -> None:
+        """``read_block`` for each ``(out, starts)`` of ``blocks``, the file opened once."""
         file = self.file_of(name)
         with safe_open(file, framework="pt") as handle:
             view = handle.get_slice(name)
             stored = tuple(view.get_shape())
             if stored != tuple(shape):
                 raise ValueError(f"tensor {name} in {file} has shape {list(stored)}; the config implies {list(shape)}")
-            if out.numel() == 0:
-                return
-            if out.dim() == 1:
-                out.copy_(view[starts[0]:starts[0] + out.shape[0]])
-                return
-            rows, (row, column), width = out.shape[0], starts, out.shape[1]
-            block = max(1, BLOCK_ELEMENTS // max(1, width))
-            for first in range(0, rows, block):
-                last = min(rows, first + block)
-                out[first:last].copy_(view[row + first:row + last, column:column + width])
+            for out, starts in blocks:
+                if out.numel() == 0:
+                    continue
+                if out.dim() == 1:
+                    out.copy_(view[starts[0]:starts[0] + out.shape[0]])
+                    continue
+                rows, (row, column), width = out.shape[0], starts, out.shape[1]
+                block = max(1, BLOCK_ELEMENTS // max(1, width))
+                for first in range(0, rows, block):
+                    last = min(rows, first + block)
+                    out[first:last].copy_(view[row + first:row + last, column:column + width])
 
 
 def plan_shards(tensors: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:

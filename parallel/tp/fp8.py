@@ -1,7 +1,7 @@
 """FP8 linears (``model.fp8``: none | tensorwise | rowwise) with torchao's float8 training, on the TP layers.
 
 Which linears: the caller passes the blocks (``cp_train.build``: ``model.layers``), whose column- and row-parallel
-layers (attention qkv and proj, MLP gate, up and down) convert; the LM head and the embedding stay in the compute
+layers (attention qkv and proj, MLP gate/up and down) convert; the LM head and the embedding stay in the compute
 dtype, as torchao and Megatron keep them.
 
 How: torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` modules for ``Float8Linear``; the TP layers are

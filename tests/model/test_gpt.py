@@ -131,8 +131,8 @@ def test_mlp_slices_run_twice_per_step(monkeypatch, checkpointing: bool) -> None
 
 
 def test_chunked_mlp_keeps_only_its_input_for_backward() -> None:
-    """Unchunked, the MLP saves its input, the weights and three [tokens, ffn] intermediates (gate and up side by
-    side, their product: ``model/mlp.py``'s ``swiglu``); chunked, only the input slices."""
+    """Unchunked, the MLP saves its input, the weights and three [tokens, ffn] intermediates (the fused gate/up
+    matmul's output, the product: ``model/mlp.py``'s ``swiglu``); chunked, only the input slices."""
     config = tiny_config(ffn_hidden_size=256)
     x = torch.randn(2, 64, 32, requires_grad=True)
     saved = {}

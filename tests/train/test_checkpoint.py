@@ -19,12 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from cp_train.checkpoint.dcp import LATEST, META, find_checkpoint, step_dir_name
+from cp_train.checkpoint.export_hf import export_checkpoint
 from cp_train.checkpoint.rng import capture_rng_state, restore_rng_state
 from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
 from cp_train.parallel.spawn import RankError, SpawnedWorld
-from tests import trainer_cases
+from tests import checkpoint_cases, trainer_cases
 
 STEPS, SAVE_AT, LAYOUT = 8, 4, (1, 2, 1)
 # change -> (target layout, fsdp of the saved run, fsdp of the resumed run)
@@ -203,3 +206,24 @@ def test_rng_state_resumes_every_stream_and_only_this_ranks_cuda_generator(monke
     assert state["cuda"] is device_state
     restore_rng_state(state)
     assert restored == [device_state]
+
+
+def test_a_checkpoint_with_gate_and_up_apart_resumes_and_exports_the_same(spawn_world, saved_fsdp, corpus,
+                                                                           tmp_path) -> None:
+    """A checkpoint saved while gate and up were two weights (``cp_train/checkpoint/legacy.py``) loads into the
+    fused weight's blocks: the same parameters and Adam moments, the uninterrupted losses bitwise; evaluation loads
+    the same weights from it, and its HF export equals the fused checkpoint's."""
+    fused = find_checkpoint(saved_fsdp["checkpoints"])
+    ffn = json.loads((fused / META).read_text())["config"]["model"]["ffn_hidden_size"]
+    apart = checkpoint_cases.with_gate_and_up_apart(fused, tmp_path / "apart", ffn)
+    assert "model.layers.0.mlp.gate.weight" in FileSystemReader(apart).read_metadata().state_dict_metadata
+    answer = run(spawn_world(2), LAYOUT, corpus, tmp_path / "run", want=WANT, fsdp=True,
+                 **{"checkpoint.load": str(tmp_path / "apart")})[0]
+    assert_resumed(answer, saved_fsdp, "gate and up apart", exact=True)
+    evaluated = [spawn_world(2).run(run_with_parallel, LAYOUT, checkpoint_cases.evaluated_weights, str(path))[0]
+                 for path in (fused, apart)]
+    assert_same_tensors(evaluated[1], evaluated[0], "evaluation's weights")
+    exports = [export_checkpoint(path, tmp_path / f"hf-{index}") for index, path in enumerate((fused, apart))]
+    tensors = [load_file(path / "model.safetensors") for path in exports]
+    assert "model.layers.0.mlp.up_proj.weight" in tensors[0]
+    assert_same_tensors(tensors[1], tensors[0], "HF export")

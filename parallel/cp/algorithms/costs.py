@@ -43,7 +43,6 @@ class Shapes:
     tp: int = 1
     sequence_parallel: bool = False  # the residual stream and the norms hold n / tp tokens
     cuda: bool = False  # CUDA: fused RMSNorm (input and a per-token scale kept), GQA-native kernels, 2 head chunks
-    fused_swiglu: bool = True  # silu recomputed, one input cast (``swiglu``, model/mlp.py); False: FP8 layers
 
     @property
     def stream(self) -> int:
