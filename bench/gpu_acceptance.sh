@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 45, 48 and 49 on one lent H100/H200, in the order a short lease is spent:
 #
-#   bash bench/gpu_acceptance.sh                      # setup tests graphs profile offload fp8
+#   bash bench/gpu_acceptance.sh                      # setup tests graphs profile offload fp8 swiglu
 #   bash bench/gpu_acceptance.sh setup fp8            # some parts only
 #
 # Each part runs under its own time limit (seconds, below) and writes its whole log to $OUT/<part>.log
@@ -15,11 +15,13 @@
 #   profile-nofsdp  the same without FSDP
 #   offload  bench.offload at 64k and 128k tokens, with and without activation offload
 #   fp8      bench.fp8: bf16, tensorwise, rowwise, 100 compiled steps of 16,384 tokens each
+#   swiglu   bench.swiglu at the 1B MLP's shape in bf16: gate and up as two weights against the fused weight's one
+#            matmul (eager node, compiled gated_silu)
 set -u
 OUT=${OUT:-runs/gpu-acceptance}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CP_TRAIN_CACHE=/tmp/cp-train-cache
-PARTS=${*:-setup tests graphs profile offload fp8}
+PARTS=${*:-setup tests graphs profile offload fp8 swiglu}
 
 run_part() {  # name limit command...: the command's log in $OUT/name.log, its exit code and seconds on the console
     local name=$1 limit=$2 start=$SECONDS
@@ -75,6 +77,11 @@ for part in $PARTS; do
     fp8)
         run_part fp8 330 python3 -m bench.fp8 --steps 100 --out /tmp/fp8-runs
         tail -6 "$OUT/fp8.log"
+        ;;
+    swiglu)
+        run_part swiglu 120 python3 -m bench.swiglu --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
+            --ffn 8192 --rounds 20 --warmup 3
+        tail -10 "$OUT/swiglu.log"
         ;;
     *) echo "unknown part $part" ;;
     esac
