@@ -27,6 +27,7 @@ from cp_train.model.config import ModelConfig
 from cp_train.model.hf.config import hf_config
 from cp_train.model.hf.llama import load_llama
 from cp_train.model.hf.weights import hf_tensors, write_weights
+from cp_train.parallel.mesh.model_parallel import ModelParallel
 from cp_train.parallel.spawn import SpawnedWorld
 
 LLAMA_1B = {"vocab_size": 128256, "num_layers": 16, "hidden_size": 2048, "num_heads": 32, "num_kv_heads": 8,
@@ -61,7 +62,7 @@ def load_on_rank(path: str, dtype_name: str, repeats: int) -> dict:
         dist.barrier()
         base = reset_peak_memory()
         start = time.perf_counter()
-        model = load_llama(path, tp_group=dist.group.WORLD, dtype=DTYPES[dtype_name])
+        model = load_llama(path, ModelParallel.build(tp_group=dist.group.WORLD), dtype=DTYPES[dtype_name])
         seconds.append(time.perf_counter() - start)
         added.append(peak_memory_mb() - base)
         shard_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20

@@ -28,7 +28,7 @@ from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.config import hf_config, model_fields, read_hf_config
 from cp_train.model.hf.weights import HFTensor, WeightFiles, fused_part, hf_tensors, write_weights
 from cp_train.model.meta import allocate, meta_model
-from cp_train.model.mlp import gate_up_block
+from cp_train.model.mlp import gate_up_block, gate_up_pairs
 from cp_train.model.shards import local_region, local_tensor, tensor_parallel_dim
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 
@@ -101,6 +101,11 @@ def _load_gate_up(files: WeightFiles, entries: list[HFTensor], out: torch.Tensor
     """Rows ``region[0]`` (columns ``region[1]``) of the full fused gate/up weight, whose rows alternate ``block``
     rows of HF's gate_proj and of its up_proj (``model.mlp.gate_up_pairs``); each tensor's file opened once."""
     rows, column = region[0], region[1].start
+    if rows.start % (2 * block) == 0 and rows.stop % (2 * block) == 0:  # whole blocks: one strided read per part
+        ordered = sorted(entries, key=lambda entry: entry.part == "up")  # gate, then up
+        for entry, part in zip(ordered, gate_up_pairs(out, block), strict=True):
+            files.read_blocks(entry.name, entry.shape, [(part, [rows.start // 2, column])])
+        return
     for entry in entries:
         part = int(entry.part == "up")
         reads = []

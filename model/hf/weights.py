@@ -136,7 +136,8 @@ class WeightFiles:
         self.read_blocks(name, shape, [(out, starts)])
 
     def read_blocks(self, name: str, shape: tuple[int, ...], blocks: Iterable[tuple[torch.Tensor, list[int]]]) -> None:
-        """``read_block`` for each ``(out, starts)`` of ``blocks``, the file opened once."""
+        """``read_block`` for each ``(out, starts)`` of ``blocks``, the file opened once. A 3-D ``out`` ``[k, rows,
+        columns]`` (a strided view, say) takes ``k * rows`` consecutive rows."""
         file = self.file_of(name)
         with safe_open(file, framework="pt") as handle:
             view = handle.get_slice(name)
@@ -149,11 +150,13 @@ class WeightFiles:
                 if out.dim() == 1:
                     out.copy_(view[starts[0]:starts[0] + out.shape[0]])
                     continue
-                rows, (row, column), width = out.shape[0], starts, out.shape[1]
-                block = max(1, BLOCK_ELEMENTS // max(1, width))
-                for first in range(0, rows, block):
-                    last = min(rows, first + block)
-                    out[first:last].copy_(view[row + first:row + last, column:column + width])
+                (row, column), width = starts, out.shape[-1]
+                per = out.shape[1] if out.dim() == 3 else 1  # rows per index of out's first dim
+                block = max(1, BLOCK_ELEMENTS // max(1, width * per))
+                for first in range(0, out.shape[0], block):
+                    last = min(out.shape[0], first + block)
+                    rows = view[row + first * per:row + last * per, column:column + width]
+                    out[first:last].copy_(rows.view(out[first:last].shape))
 
 
 def plan_shards(tensors: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:

@@ -12,10 +12,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from cp_train.model.hf.llama import load_llama, save_llama
-from cp_train.model.hf.weights import INDEX_FILE, SINGLE_FILE
+from cp_train.model.hf.llama import _load_gate_up, load_llama, save_llama
+from cp_train.model.hf.weights import INDEX_FILE, SINGLE_FILE, HFTensor, WeightFiles
+from cp_train.model.mlp import gate_up_block, pair_gate_up
 from cp_train.parallel.mesh.state import run_with_parallel
 from tests import hf_cases
 from tests.numerics import rel_err
@@ -128,3 +129,16 @@ def test_transformers_loads_what_save_llama_writes(hf_models, tmp_path) -> None:
         model = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
         got = hf_cases.hf_reference(model, hf_models["tokens"])
         assert rel_err(got["logits"], hf_models["refs"][name]["logits"]) == 0.0, name
+
+
+@pytest.mark.parametrize("rows", [(0, 96), (24, 72), (5, 61), (13, 14), (90, 96)], ids=str)
+def test_gate_up_rows_of_any_region_load_from_hf_tensors(tmp_path, rows: tuple[int, int]) -> None:
+    """Any rows of the fused gate/up weight (whole blocks: one strided read per tensor; FSDP's uneven chunks: block
+    by block) are HF's gate_proj and up_proj rows in alternating blocks (ffn 48, block 6), columns 2-5 of 7."""
+    gate, up = torch.randn(48, 7), torch.randn(48, 7)
+    save_file({"g": gate, "u": up}, tmp_path / SINGLE_FILE)
+    entries = [HFTensor("u", (48, 7), "mlp.gate_up.weight", "up"), HFTensor("g", (48, 7), "mlp.gate_up.weight", "gate")]
+    out = torch.empty(rows[1] - rows[0], 3)
+    _load_gate_up(WeightFiles(tmp_path), entries, out, (slice(*rows), slice(2, 5)), gate_up_block(48))
+    assert gate_up_block(48) == 6
+    assert torch.equal(out, pair_gate_up(gate, up, 6)[rows[0]:rows[1], 2:5])
