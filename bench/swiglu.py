@@ -26,7 +26,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import emit, median  # noqa: E402
-from cp_train.model.mlp import gate_up_block, gate_up_pairs, gated_silu, pair_gate_up, swiglu  # noqa: E402
+from cp_train.model.config import gate_up_block  # noqa: E402
+from cp_train.model.mlp import gate_up_pairs, gated_silu, pair_gate_up, swiglu  # noqa: E402
 
 
 def two_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

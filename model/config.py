@@ -182,6 +182,11 @@ class ModelConfig:
             if value % tp != 0:
                 raise ValueError(f"{name} {value} is not divisible by tp = {tp}; "
                                  f"choose a tp that divides {value} or make {name} a multiple of {tp}")
+        block = gate_up_block(self.ffn_hidden_size)  # the MLP's gate/up blocks (``model/mlp.py``) stay whole
+        if (self.ffn_hidden_size // block) % tp:
+            raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} alternates gate and up in "
+                             f"{self.ffn_hidden_size // block} blocks of {block} rows, not divisible by tp = {tp}; "
+                             f"make ffn_hidden_size a multiple of {512 * tp} or change tp")
         check_layout_name(layout)
         if self.norm not in NORMS:
             raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
@@ -198,6 +203,15 @@ class ModelConfig:
         if seq_len > self.max_position_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.max_position_embeddings}; raise max_position_embeddings")
+
+
+def gate_up_block(ffn: int) -> int:
+    """Rows per block of the fused gate/up weight (``ffn`` the full MLP width): the largest divisor of ``ffn / 8``
+    up to 64, so ``ffn / block`` is a multiple of 8 (every tp up to 8 that divides ffn holds whole blocks); 1 when
+    ffn is no multiple of 8."""
+    if ffn % 8:
+        return 1
+    return max(block for block in range(1, 65) if (ffn // 8) % block == 0)
 
 
 def param_seed(seed: int, name: str) -> int:

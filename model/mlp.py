@@ -39,26 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from cp_train.model.config import ModelConfig, param_seed
+from cp_train.model.config import ModelConfig, gate_up_block, param_seed
 from cp_train.parallel.tp.layers import ColumnParallelLinear, InitMethod, RowParallelLinear, compute_dtype
-from cp_train.parallel.tp.mappings import (
-    copy_to_tensor_parallel_region,
-    group_size_and_rank,
-    reduce_from_tensor_parallel_region,
-)
+from cp_train.parallel.tp.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from cp_train.parallel.tp.sequence_parallel import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-
-
-def gate_up_block(ffn: int) -> int:
-    """Rows per block of the fused gate/up weight (``ffn`` the full MLP width): the largest divisor of ``ffn / 8``
-    up to 64, so ``ffn / block`` is a multiple of 8 (every tp up to 8 that divides ffn holds whole blocks); 1 when
-    ffn is no multiple of 8."""
-    if ffn % 8:
-        return 1
-    return max(block for block in range(1, 65) if (ffn // 8) % block == 0)
 
 
 def gate_up_pairs(tensor: torch.Tensor, block: int, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +76,12 @@ def _paired_init(gate_seed: int, up_seed: int, std: float, block: int) -> InitMe
     return init
 
 
+def _silu_product(out: torch.Tensor, block: int) -> torch.Tensor:
+    """``silu(gate) * up`` ``[..., ffn]`` of the fused matmul's output ``out`` ``[..., 2 * ffn]``."""
+    gate, up = gate_up_pairs(out, block, -1)
+    return (F.silu(gate) * up).flatten(-2)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_gate_up: torch.Tensor, block: int,  # type: ignore[override]
@@ -97,8 +90,7 @@ class _SwiGLU(torch.autograd.Function):
         out = F.linear(x, w_gate_up.to(dtype))
         ctx.save_for_backward(x, w_gate_up, out)
         ctx.block = block
-        gate, up = gate_up_pairs(out, block, -1)
-        return (F.silu(gate) * up).flatten(-2)
+        return _silu_product(out, block)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
@@ -124,8 +116,7 @@ class _GatedSiLU(torch.autograd.Function):
     def forward(ctx, out: torch.Tensor, block: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(out)
         ctx.block = block
-        gate, up = gate_up_pairs(out, block, -1)
-        return (F.silu(gate) * up).flatten(-2)
+        return _silu_product(out, block)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
@@ -172,11 +163,7 @@ class MLP(nn.Module):
         self.checkpoint_chunks = config.activation_checkpointing == "none"
         hidden, ffn, name = config.hidden_size, config.ffn_hidden_size, f"layers.{layer}.mlp"
         common = {"bias": False, "group": tp_group, "dtype": dtype, "device": device}
-        self.block, tp = gate_up_block(ffn), group_size_and_rank(tp_group)[0]  # each TP rank holds whole blocks
-        if (ffn // self.block) % tp:
-            raise ValueError(f"ffn_hidden_size {ffn} alternates gate and up in {ffn // self.block} blocks of "
-                             f"{self.block} rows, not divisible by the tensor-parallel size {tp}; make "
-                             f"ffn_hidden_size a multiple of {512 * tp} or change tp")
+        self.block = gate_up_block(ffn)  # each TP rank holds whole blocks (``ModelConfig.validate`` checks tp)
         init = _paired_init(param_seed(config.seed, f"{name}.gate"), param_seed(config.seed, f"{name}.up"),
                             config.init_std, self.block)
         self.gate_up = ColumnParallelLinear(hidden, 2 * ffn, init_method=init, **common)

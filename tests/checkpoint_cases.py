@@ -19,7 +19,8 @@ from cp_train.checkpoint.files import LATEST, META
 from cp_train.checkpoint.integrity import MANIFEST, file_digest, write_manifest
 from cp_train.checkpoint.legacy import old_names
 from cp_train.eval.load import eval_config, load_model
-from cp_train.model.mlp import gate_up_block, split_gate_up
+from cp_train.model.config import gate_up_block
+from cp_train.model.mlp import split_gate_up
 from cp_train.parallel.mesh.state import ParallelState
 
 

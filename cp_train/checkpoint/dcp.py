@@ -51,10 +51,9 @@ from cp_train.checkpoint.files import (  # noqa: F401  (re-exported)
     step_dir_name,
 )
 from cp_train.checkpoint.integrity import MANIFEST, HashingFileSystem, file_digest, write_manifest
-from cp_train.checkpoint.legacy import SplitGateUp, old_param_groups, stored_apart
+from cp_train.checkpoint.legacy import loading_view, old_param_groups
 from cp_train.checkpoint.rng import capture_rng_state
 from cp_train.errors import InputError, RunFailure, agree, one_line
-from cp_train.model.mlp import gate_up_block
 from cp_train.model.shards import data_shards, full_shape, local_tensor, tensor_parallel_dim
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState
 
@@ -259,10 +258,8 @@ def load_checkpoint(path: Path, meta: dict[str, Any], sharded: ShardedState, sta
     rank's RNG file is there; else None (the caller re-derives the RNG on every rank) and a note saying why.
     """
     target, reader = sharded.state_dict(), dcp.FileSystemReader(path)
-    # a checkpoint from before gate and up were one weight loads into their row pairs (``legacy.py``)
-    apart = stored_apart(reader.read_metadata().state_dict_metadata)
-    split = SplitGateUp(path, gate_up_block(sharded.model.config.ffn_hidden_size)) if apart else None
-    to_load = target if split is None else agree(lambda: split.view(target))
+    # a checkpoint from before gate and up were one weight loads into their blocks (``legacy.py``)
+    to_load, split = loading_view(path, reader, sharded.model.config.ffn_hidden_size, target)
     try:
         dcp.load(to_load, storage_reader=reader)
     except (KeyboardInterrupt, SystemExit):

@@ -29,10 +29,10 @@ from cp_train.checkpoint.dcp import META, find_checkpoint
 from cp_train.checkpoint.files import newest_complete
 from cp_train.checkpoint.legacy import old_names, stored_apart
 from cp_train.errors import InputError, ensure_writable_dir
-from cp_train.model.config import ModelConfig
+from cp_train.model.config import ModelConfig, gate_up_block
 from cp_train.model.hf.llama import DEFAULT_SHARD_BYTES, write_hf_model
 from cp_train.model.hf.weights import hf_tensors
-from cp_train.model.mlp import gate_up_block, pair_gate_up
+from cp_train.model.mlp import pair_gate_up
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")

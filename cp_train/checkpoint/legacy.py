@@ -4,8 +4,9 @@ Such a checkpoint stores ``layers.i.mlp.gate.weight`` and ``layers.i.mlp.up.weig
 AdamW state) where the model now has ``layers.i.mlp.gate_up.weight`` ``[2 * ffn, hidden]``, whose rows alternate
 blocks of gate's and up's rows (``model/mlp.py``'s ``gate_up_pairs``). ``SplitGateUp`` gives DCP gate's and up's rows
 of this rank's blocks as DTensors at the old names and shapes and copies what DCP loaded back into the blocks;
-``stored_apart`` tells such a checkpoint by its metadata; ``old_param_groups`` renames the optimizer's parameter
-lists. The export reads the two tensors and interleaves them (``cp_train/checkpoint/export_hf.py``).
+``stored_apart`` tells such a checkpoint by its metadata, ``loading_view`` gives the loaders (resume, evaluation)
+what DCP loads into; ``old_param_groups`` renames the optimizer's parameter lists. The export reads the two tensors
+and interleaves them (``cp_train/checkpoint/export_hf.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor, Shard
 
-from cp_train.errors import InputError
+from cp_train.errors import InputError, agree
+from cp_train.model.config import gate_up_block
 from cp_train.model.mlp import gate_up_pairs
 from cp_train.model.shards import chunk_start
 
@@ -90,6 +93,17 @@ class SplitGateUp:
             for target, half in zip(gate_up_pairs(local, self.block), halves, strict=True):
                 target.copy_(half.view_as(target))
         self.pending.clear()
+
+
+def loading_view(path: object, reader: FileSystemReader, ffn: int, target: dict[str, Any]
+                 ) -> tuple[dict[str, Any], SplitGateUp | None]:
+    """What DCP loads into for ``target`` (a ``ShardedState.state_dict()``, or its model part) from the checkpoint
+    ``reader`` reads: ``target`` itself, or for a checkpoint storing gate and up apart the ``SplitGateUp`` view (its
+    check agreed on every rank) with the split to ``write_back`` after the load. ``ffn``: the model's MLP width."""
+    if not stored_apart(reader.read_metadata().state_dict_metadata):
+        return target, None
+    split = SplitGateUp(path, gate_up_block(ffn))
+    return agree(lambda: split.view(target)), split
 
 
 def _row_start(value: DTensor) -> int:

@@ -19,12 +19,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from cp_train import build
 from cp_train.checkpoint.dcp import ShardedState
 from cp_train.checkpoint.files import find_checkpoint, read_meta
-from cp_train.checkpoint.legacy import SplitGateUp, stored_apart
+from cp_train.checkpoint.legacy import loading_view
 from cp_train.config.schema import Config
 from cp_train.config.sources import build_config, flatten, parse_override, read_yaml
-from cp_train.errors import InputError, agree
+from cp_train.errors import InputError
 from cp_train.model.gpt import GPTModel
-from cp_train.model.mlp import gate_up_block
 from cp_train.model.shards import local_tensor
 from cp_train.parallel.mesh.state import ParallelState
 
@@ -75,10 +74,9 @@ def load_dcp_weights(model: GPTModel, path: Path, state: ParallelState) -> None:
     sharded = ShardedState(model, None, state)  # type: ignore[arg-type]  # the model part only: no optimizer
     target = {"model": {k: sharded._wrap(k, v) for k, v in get_model_state_dict(model).items()}}
     reader = dcp.FileSystemReader(path)
-    apart = stored_apart(reader.read_metadata().state_dict_metadata)
-    split = SplitGateUp(path, gate_up_block(model.config.ffn_hidden_size)) if apart else None
+    to_load, split = loading_view(path, reader, model.config.ffn_hidden_size, target)  # ``legacy.py``
     try:
-        dcp.load(target if split is None else agree(lambda: split.view(target)), storage_reader=reader)
+        dcp.load(to_load, storage_reader=reader)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as error:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException

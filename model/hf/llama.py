@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from cp_train.model.config import ModelConfig
+from cp_train.model.config import ModelConfig, gate_up_block
 from cp_train.model.gpt import GPTModel
 from cp_train.model.hf.config import hf_config, model_fields, read_hf_config
 from cp_train.model.hf.weights import HFTensor, WeightFiles, fused_part, hf_tensors, write_weights
 from cp_train.model.meta import allocate, meta_model
-from cp_train.model.mlp import gate_up_block, gate_up_pairs
+from cp_train.model.mlp import gate_up_pairs
 from cp_train.model.shards import local_region, local_tensor, tensor_parallel_dim
 from cp_train.parallel.mesh.model_parallel import ModelParallel
 

@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cp_train.model.config import ModelConfig
-from cp_train.model.mlp import gate_up_block, split_gate_up
+from cp_train.model.config import ModelConfig, gate_up_block
+from cp_train.model.mlp import gate_up_pairs
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,7 +97,7 @@ def fused_part(tensor: torch.Tensor, config: ModelConfig, part: str) -> torch.Te
     """HF's tensor ``part`` of a full fused parameter: q, k or v of ``attention.qkv``, gate or up of
     ``mlp.gate_up``."""
     if part in ("gate", "up"):
-        return split_gate_up(tensor, gate_up_block(config.ffn_hidden_size))[part == "up"]
+        return gate_up_pairs(tensor, gate_up_block(config.ffn_hidden_size))[part == "up"].flatten(0, 1)
     return split_qkv(tensor, config)[part]
 
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cp_train.model.config import gate_up_block
 from cp_train.model.hf.llama import _load_gate_up, load_llama, save_llama
 from cp_train.model.hf.weights import INDEX_FILE, SINGLE_FILE, HFTensor, WeightFiles
-from cp_train.model.mlp import gate_up_block, pair_gate_up
+from cp_train.model.mlp import pair_gate_up
 from cp_train.parallel.mesh.state import run_with_parallel
 from tests import hf_cases
 from tests.numerics import rel_err

@@ -14,10 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_train.model.config import param_seed
+from cp_train.model.config import gate_up_block, param_seed
 from cp_train.model.mlp import (
     MLP,
-    gate_up_block,
     gate_up_pairs,
     gated_silu,
     pair_gate_up,
@@ -152,12 +151,13 @@ def test_gate_up_alternates_blocks_and_keeps_the_two_seeded_weights() -> None:
     assert torch.equal(pair_gate_up(gate, up, 8), weight)
 
 
-def test_tp_ranks_hold_whole_blocks_or_the_error_says_what_to_change(monkeypatch) -> None:
-    monkeypatch.setattr("cp_train.model.mlp.group_size_and_rank", lambda group: (16, 0))
+def test_tp_ranks_hold_whole_blocks_or_the_error_says_what_to_change() -> None:
+    config = tiny_config(hidden_size=64, num_heads=16, num_kv_heads=16, vocab_size=256, ffn_hidden_size=96)
+    config.validate(8)  # 8 blocks of 12 rows: whole blocks up to tp 8
     with pytest.raises(ValueError, match=r"^ffn_hidden_size 96 alternates gate and up in 8 blocks of 12 rows, not "
-                                         r"divisible by the tensor-parallel size 16; make ffn_hidden_size a multiple "
-                                         r"of 8192 or change tp$"):
-        MLP(tiny_config(hidden_size=32, ffn_hidden_size=96), 0, tp_group=object())  # type: ignore[arg-type]
+                                         r"divisible by tp = 16; make ffn_hidden_size a multiple of 8192 or change "
+                                         r"tp$"):
+        config.validate(16)  # 96 divides by 16, its 8 blocks do not
 
 
 @pytest.mark.parametrize("case", ["eager", "fp8", "compiled"])
