@@ -6,18 +6,24 @@ world (``tests/conftest.py``), this layer:
 
 - replaces each message's tag by its place in its channel (group, sender, receiver), so gloo pairs the k-th send
   with the k-th receive as NCCL does (a reordered pair that tags would have hidden now crosses over);
-- checks each receive against its send before posting it (the sender names the dtype and shape of its k-th
-  message in the store first): a mismatch is an ``AssertionError`` in the receiving rank, not gloo aborting the
-  process;
-- checks each collective against the group's first member's call at the same place (kind, dtype, sizes), before
-  issuing it;
 - records every rank's collectives and messages (``cp_train.parallel.mesh.trace``) and checks them after the job:
-  the same sequence on every member of a group, every send received (``check``).
+  the same sequence with the same sizes on every member of a group, every send received into a buffer of its
+  dtype and shape (``check``). A receive buffer larger than its send (gloo fills part of it) and a same-sized
+  collective in another order (gloo pairs them silently) fail the job there; a smaller receive buffer or a
+  collective of another size makes gloo abort the rank ("ranks [r] died", gloo's enforce message on stderr).
+
+With ``CP_TRAIN_STRICT_DECLARE=1`` in the ranks' environment it also declares each message and collective in the
+store before issuing it, so those failures become an ``AssertionError`` at the call instead of an abort: each
+receive checked against its send's dtype and shape before it is posted, each collective against the group's
+first member's call at the same place. One store round trip per call costs about 40% of a multi-rank training
+job's time on 2 cores, so the suite's shared worlds leave it off and the layer's own tests turn it on; set it to
+find where a world died.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,6 +34,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from cp_train.parallel.mesh import trace
 
+DECLARE = "CP_TRAIN_STRICT_DECLARE"  # "1": declare every call in the store before it is issued
 WAIT = timedelta(seconds=60)  # how long a receive or a collective waits for its peer's declaration
 _channels: Counter[tuple[str, int, int]] = Counter()  # messages posted per (group, sender, receiver), ever
 _calls: Counter[str] = Counter()  # collectives issued per group
@@ -39,9 +46,24 @@ def _store() -> dist.Store:
     return c10d._get_default_store()
 
 
-def _ordered(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``isend``/``irecv`` with the tag replaced by the message's place in its channel, and the receive checked
-    against the send's declaration before it is posted."""
+def _declare_message(sending: bool, key: str, what: str, place: int, peer: int, name: str) -> None:
+    """A send names its buffer in the store; a receive waits for that and compares it with its own buffer."""
+    if sending:
+        _store().set(key, what)
+        return
+    me = dist.get_rank()
+    try:
+        sent = _store().get(key).decode()  # waits for the key, up to WAIT (the store's timeout, ``install``)
+    except RuntimeError:
+        raise AssertionError(f"rank {me}: receive {place} from rank {peer} on group {name} has no send "
+                             f"{place} from rank {peer} within {WAIT.seconds} s") from None
+    assert sent == what, (f"rank {me}: receive {place} from rank {peer} on group {name} posts a {what} buffer "
+                          f"but send {place} of rank {peer} is {sent} (NCCL pairs them in order, ignoring tags)")
+
+
+def _ordered(kind: str, fn: Callable[..., Any], declare: bool) -> Callable[..., Any]:
+    """``isend``/``irecv`` with the tag replaced by the message's place in its channel; with ``declare`` the
+    receive is checked against the send's declaration before it is posted."""
     sending = kind == "isend"
 
     @functools.wraps(fn)
@@ -52,19 +74,9 @@ def _ordered(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         channel = (name, me, peer) if sending else (name, peer, me)
         _channels[channel] += 1
         place = _channels[channel]
-        key = f"strict/{_job[0]}/p2p/{name}/{channel[1]}/{channel[2]}/{place}"
-        what = trace._describe([tensor])
-        if sending:
-            _store().set(key, what)
-        else:
-            try:
-                sent = _store().get(key).decode()  # waits for the key, up to WAIT (the store's timeout, ``install``)
-            except RuntimeError:
-                raise AssertionError(f"rank {me}: receive {place} from rank {peer} on group {name} has no send "
-                                     f"{place} from rank {peer} within {WAIT.seconds} s") from None
-            assert sent == what, (f"rank {me}: receive {place} from rank {peer} on group {name} posts a {what} buffer "
-                                  f"but send {place} of rank {peer} is {sent} (NCCL pairs them in order, ignoring "
-                                  f"tags)")
+        if declare:
+            key = f"strict/{_job[0]}/p2p/{name}/{channel[1]}/{channel[2]}/{place}"
+            _declare_message(sending, key, trace._describe([tensor]), place, peer, name)
         kwargs = {**kwargs, "tag": place % (1 << 30)}
         names = trace._parameters(fn)
         if "tag" in names and names.index("tag") < len(args):
@@ -116,17 +128,21 @@ def _checked(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Make this process's ``torch.distributed`` strict (idempotent; after ``init_process_group``)."""
+    """Make this process's ``torch.distributed`` strict (idempotent; after ``init_process_group``): NCCL's pairing
+    and the records always, the declarations with ``CP_TRAIN_STRICT_DECLARE=1``."""
     if _installed[0]:
         return
     _installed[0] = True
+    declare = os.environ.get(DECLARE) == "1"
     _store().set_timeout(WAIT)  # a declaration's get waits this long (one round trip: no wait before it)
     trace.record()
     for kind in ("isend", "irecv"):
-        wrapped = _ordered(kind, getattr(dist, kind))
+        wrapped = _ordered(kind, getattr(dist, kind), declare)
         setattr(dist, kind, wrapped)
         setattr(c10d, kind, wrapped)
     dist.batch_isend_irecv = c10d.batch_isend_irecv = _sends_first(c10d.batch_isend_irecv)
+    if not declare:
+        return
     for kind in trace.SYMMETRIC + trace.UNEVEN:
         fn = getattr(dist, kind, None)
         if fn is not None and kind not in ("all_gather_object", "gather_object", "scatter_object_list",

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from cp_train.parallel.spawn import RankError, SpawnedWorld
-from tests.strict_comm import check
+from tests.strict_comm import DECLARE, check
 
 
 def reordered_pair(same_shape: bool) -> list[float]:
@@ -43,6 +43,17 @@ def rank_dependent_order() -> None:
         dist.all_reduce(first)
 
 
+def short_message() -> list[float]:
+    """Rank 0 sends 4 floats where rank 1 receives into 8 (gloo fills half the buffer; NCCL hangs or does the
+    same). Returns what rank 1 received."""
+    if dist.get_rank() == 0:
+        dist.isend(torch.ones(4), 1).wait()
+        return []
+    got = torch.zeros(8)
+    dist.irecv(got, 0).wait()
+    return got.tolist()
+
+
 def ring_in_order() -> float:
     """A correct ring exchange: every rank sends to the next and receives from the previous."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,8 +73,9 @@ def plain():
 
 
 def strict() -> SpawnedWorld:
-    """A fresh strict world whose peers give up quickly once a rank has failed."""
-    return SpawnedWorld(2, timeout_s=5, layer="tests.strict_comm")
+    """A fresh strict world that declares every call before issuing it, whose peers give up quickly once a rank
+    has failed."""
+    return SpawnedWorld(2, timeout_s=5, layer="tests.strict_comm", env={DECLARE: "1"})
 
 
 def test_gloo_hides_a_reordered_pair(plain) -> None:
@@ -78,9 +90,21 @@ def test_a_reordered_pair_fails_under_the_strict_layer() -> None:
         world.run(reordered_pair, False)
 
 
-def test_a_reordered_pair_of_one_shape_crosses_over_as_under_nccl() -> None:
+def test_a_reordered_pair_of_one_shape_crosses_over_as_under_nccl(spawn_world) -> None:
+    """In the suite's shared worlds (no declarations), as in a declaring one."""
+    assert spawn_world(2).run(reordered_pair, True)[1] == [2.0, 1.0]  # A's buffer got B: what NCCL would do
     with strict() as world:
-        assert world.run(reordered_pair, True)[1] == [2.0, 1.0]  # A's buffer got B: what NCCL would do
+        assert world.run(reordered_pair, True)[1] == [2.0, 1.0]
+
+
+def test_a_partly_filled_buffer_fails_the_job_in_the_shared_worlds(spawn_world) -> None:
+    """Without declarations gloo fills half the buffer and returns; the after-job check fails the job."""
+    world = spawn_world(2)
+    with pytest.raises(RankError, match=r"short_message: point-to-point message 1 from rank 0 to rank 1 on group "
+                                        r"\S+ does not pair: rank 0 sent float32\[4\], rank 1 received into "
+                                        r"float32\[8\]"):
+        world.run(short_message)
+    assert not world.broken and world.run(ring_in_order) == [1.0, 1.0]  # the next job runs
 
 
 def test_a_mismatched_collective_fails_before_it_is_issued() -> None:
