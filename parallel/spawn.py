@@ -20,10 +20,12 @@ communication layer, ``tests/strict_comm.py``).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -55,6 +57,8 @@ def _rank_main(rank: int, world: int, port: int, threads: int, timeout_s: float,
     hooks = importlib.import_module(layer) if layer else None
     if hooks is not None:
         hooks.install()
+    gc.collect()
+    gc.freeze()  # the imports are never scanned again: a job's full collection scans what the jobs made
     try:
         while True:
             job = jobs.get()
@@ -69,6 +73,9 @@ def _rank_main(rank: int, world: int, port: int, threads: int, timeout_s: float,
             results.put((rank, ok, value, payload))
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # every answer was taken: skip the interpreter's teardown of a large heap (seconds for a world)
 
 
 def _secondary(tb: str) -> bool:
@@ -146,13 +153,17 @@ class SpawnedWorld:
                     why = f"ranks {dead} died" if dead else f"no answer within {self.timeout_s + 30:.0f} s"
                     raise RankError(f"{name}: {why}") from None
 
-    def close(self) -> None:
-        """Stop every rank (idempotent)."""
+    def stop(self) -> None:
+        """Ask every rank to stop without waiting (``close`` waits): several worlds stop side by side."""
         for jobs in self._jobs:
             try:
                 jobs.put(None)
             except (ValueError, OSError):
                 pass
+
+    def close(self) -> None:
+        """Stop every rank and wait for it (idempotent)."""
+        self.stop()
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():

@@ -37,4 +37,6 @@ def spawn_world() -> Iterator[Callable[[int], SpawnedWorld]]:
 
     yield get
     for world in worlds.values():
+        world.stop()
+    for world in worlds.values():
         world.close()

@@ -4,7 +4,9 @@ Left automatic, the cyclic collector pauses each rank when its own allocation co
 moments on different ranks, and every collective then waits for the slowest rank's pause. Here automatic
 collection is off for the run, the objects alive after the first step (the model, the optimizer, the
 compiled code) are frozen out of every later scan (``gc.freeze``), and every ``interval`` steps each rank
-collects the young generations at the same step. Interval 0 leaves the collector as it was.
+collects the young generations at the same step. Interval 0 leaves the collector as it was. A process that froze
+objects before the run (a spawned test rank freezes its imports) keeps its freeze: the run neither freezes nor
+unfreezes then (``gc.unfreeze`` would thaw the process's objects with the run's).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ class ScheduledCollection:
     def __init__(self, interval: int) -> None:
         self.interval = interval
         self._was_enabled = True
-        self._frozen = False
+        self._frozen = self._froze = False  # objects frozen before the first step; by this run
 
     def __enter__(self) -> ScheduledCollection:
         self._was_enabled = gc.isenabled()
+        self._frozen = gc.get_freeze_count() > 0  # frozen by the process before the run: left as it is
+        self._froze = False
         if self.interval:
             gc.collect()  # what the build left behind, before automatic collection stops
             gc.disable()
@@ -35,13 +39,13 @@ class ScheduledCollection:
             return
         if first and not self._frozen:
             gc.freeze()
-            self._frozen = True
+            self._frozen = self._froze = True
         elif step % self.interval == 0:
             gc.collect(1)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        if self._frozen:
+        if self._froze:
             gc.unfreeze()
         if self.interval and self._was_enabled:
             gc.enable()

@@ -8,6 +8,7 @@ The algorithm it names is a ``CPAlgorithm`` (``algorithms/``); the groups it run
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,15 @@ def _many_small_calls(plan: CPPlan | None) -> bool:
     return plan is not None and plan.max_calls > 4
 
 
-@torch.compiler.assume_constant_result
+def constant_to_compile(fn: Callable[[], int]) -> Callable[[], int]:
+    """``torch.compiler.assume_constant_result`` without importing Dynamo (about half a second of every start,
+    compiled or not): that decorator marks ``fn`` and returns it, and this sets the same mark (a test compares
+    them)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@constant_to_compile
 def _cpu_threads() -> int:
     """The intra-op thread count; a constant to ``torch.compile`` (it sizes head chunks: speed, not results)."""
     return torch.get_num_threads()

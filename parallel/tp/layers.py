@@ -68,7 +68,9 @@ def init_weight_shard(full_shape: tuple[int, int], partition_dim: int, group: di
     check_divisible(f"weight dim {partition_dim} of {tuple(full_shape)}", full_shape[partition_dim], size)
     generator = torch.Generator().manual_seed(seed)
     full = torch.empty(full_shape, dtype=torch.float32)
-    if init_method is None:
+    if full.is_meta:  # a meta build (``model/meta.py``) has no values to draw: ``materialize`` draws them later
+        pass
+    elif init_method is None:
         full.normal_(0.0, init_std, generator=generator)
     else:
         init_method(full, generator)

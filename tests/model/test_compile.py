@@ -53,3 +53,20 @@ def test_compiled_training_equals_eager(spawn_world, corpus, tmp_path, name: str
         assert eager["graphs"][-1] == 0
         if rank == 0:  # the setup record (rank 0 writes the metrics) says what was compiled
             assert eager["compiled"] == ["nothing"] and compiled["compiled"] == ["blocks 0-1, head+loss"]
+
+
+def test_the_constant_mark_is_torchs_own() -> None:
+    """``constant_to_compile`` (which spares every start the Dynamo import) marks a function exactly as
+    ``torch.compiler.assume_constant_result`` does."""
+    import torch
+
+    from cp_train.parallel.cp.spec import constant_to_compile
+
+    def ours() -> int:
+        return 1
+
+    def theirs() -> int:
+        return 1
+
+    assert constant_to_compile(ours) is ours
+    assert torch.compiler.assume_constant_result(theirs) is theirs and vars(ours) == vars(theirs) != {}

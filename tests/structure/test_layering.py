@@ -176,6 +176,15 @@ def test_mesh_does_not_load_the_kernels_at_run_time() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_the_commands_start_without_dynamo() -> None:
+    """``train.py``'s config and input errors, ``--help`` and evaluation's start do not pay for Dynamo (half a
+    second of every start: ``constant_to_compile``); the optimizer and ``--compile`` load it when they run."""
+    code = "import sys, cp_train.cli.train, cp_train.eval; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 def test_the_library_imports_modules_not_its_public_faces() -> None:
     inside = [name for name in GRAPH if name not in FACES and not _under(name, "cp_train.cli")
               and name != "cp_train.__main__"]

@@ -25,6 +25,21 @@ def test_collection_runs_on_the_schedule_and_is_restored(monkeypatch) -> None:
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_a_process_that_froze_objects_keeps_its_freeze() -> None:
+    """A spawned rank freezes its imports: the run neither freezes more nor thaws them at its end."""
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with ScheduledCollection(2) as collection:
+            kept = [[] for _ in range(100)]  # new objects the first step leaves alive
+            collection.after_step(1, first=True)
+            assert gc.get_freeze_count() == frozen and not gc.isenabled()
+            collection.after_step(2, first=False)
+        assert gc.get_freeze_count() == frozen and gc.isenabled() and kept
+    finally:
+        gc.unfreeze()
+
+
 def test_interval_zero_leaves_the_collector_alone(monkeypatch) -> None:
     collected = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation))
