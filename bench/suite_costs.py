@@ -1,0 +1,97 @@
+"""What the test suite pays per job and per process: the strict communication layer on a training job, and a
+command's start.
+
+    python -m bench.suite_costs [--rounds 3] [--layout 1,4,1] [--steps 12]
+
+``job``: the suite's tiny fp32 training run (``tests/trainer_cases.train_layout``: 12 steps, documents, two
+evaluations) at (tp, cp, dp) ``--layout`` in three spawned gloo worlds kept alive side by side: ``plain`` (no
+layer), ``strict`` (``tests/strict_comm.py`` as the suite's shared worlds run it: NCCL's pairing by order and the
+after-job check) and ``declare`` (the same with ``CP_TRAIN_STRICT_DECLARE=1``: a store round trip per message and
+per collective). The worlds take turns round by round, so drift on a shared machine hits each alike; one warm-up
+job each first. ``start``: ``python train.py`` stopped by an input error (a missing data prefix: the config parsed
+and checked, nothing built) against ``python -c "import torch"``, alternating. Prints JSON lines, then a table
+(medians; ``vs`` is the ratio to the first row of its kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `python bench/suite_costs.py` from anywhere
+
+from bench.common import emit  # noqa: E402
+from cp_train.config.schema import dump_yaml  # noqa: E402
+from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel  # noqa: E402
+from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
+from tests import trainer_cases  # noqa: E402
+from tests.strict_comm import DECLARE  # noqa: E402
+
+WORLDS = {"plain": {}, "strict": {"layer": "tests.strict_comm"},
+          "declare": {"layer": "tests.strict_comm", "env": {DECLARE: "1"}}}
+
+
+def timed_job(state, corpus: str, run_dir: str, steps: int) -> float:  # noqa: ANN001 - a ParallelState
+    start = time.perf_counter()
+    trainer_cases.train_layout(state, corpus, run_dir, {"train.steps": steps})
+    return time.perf_counter() - start
+
+
+def jobs(layout: tuple[int, int, int], rounds: int, steps: int, root: Path) -> list[dict]:
+    corpus = trainer_cases.write_corpus(root / "docs")
+    world_size = layout[0] * layout[1] * layout[2]
+    worlds = {name: SpawnedWorld(world_size, **kwargs) for name, kwargs in WORLDS.items()}
+    times: dict[str, list[float]] = {name: [] for name in worlds}
+    try:
+        for round_ in range(rounds + 1):  # round 0 warms each world up
+            for name, world in worlds.items():
+                seconds = max(world.run(run_with_parallel, layout, timed_job, corpus,
+                                        str(root / f"{name}-{round_}"), steps))
+                if round_:
+                    times[name].append(seconds)
+    finally:
+        for world in worlds.values():
+            world.close()
+    base = statistics.median(times["plain"])
+    return [{"kind": "job", "case": name, "layout": "x".join(map(str, layout)), "seconds": statistics.median(t),
+             "vs": statistics.median(t) / base, "runs": t} for name, t in times.items()]
+
+
+def starts(rounds: int, root: Path) -> list[dict]:
+    config = root / "start.yaml"
+    config.write_text(dump_yaml(trainer_cases.tiny_config(str(root / "missing"), str(root / "start"),
+                                                          ParallelDims())))
+    commands = {"import torch": [sys.executable, "-c", "import torch"],
+                "train.py, input error": [sys.executable, str(ROOT / "train.py"), "--config", str(config)]}
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(rounds):
+        for name, command in commands.items():
+            start = time.perf_counter()
+            subprocess.run(command, cwd=ROOT, capture_output=True, check=name == "import torch")
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["import torch"])
+    return [{"kind": "start", "case": name, "seconds": statistics.median(t), "vs": statistics.median(t) / base,
+             "runs": t} for name, t in times.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layout", default="1,4,1", help="tp,cp,dp of the training job")
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    layout = tuple(int(part) for part in args.layout.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        records = jobs(layout, args.rounds, args.steps, Path(tmp)) + starts(2 * args.rounds, Path(tmp))
+    emit(records, [("kind", "kind", str), ("case", "case", str), ("seconds", "median s", lambda v: f"{v:.2f}"),
+                   ("vs", "vs", lambda v: f"{v:.2f}")])
+
+
+if __name__ == "__main__":
+    main()
