@@ -42,14 +42,25 @@ from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorit
 
 def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, residual: int,
               algorithm: CPAlgorithm | None = None, ulysses: int = 1, sequence_parallel: bool = False,
-              cuda: bool = False) -> Shapes:
+              cuda: bool = False, compiled: bool = False) -> Shapes:
     """``Shapes`` for ``tokens`` per rank of ``model`` at (tp, cp) with the CP ``algorithm`` (None: ring);
-    ``ulysses``: hybrid's ulysses_size."""
+    ``ulysses``: hybrid's ulysses_size; ``compiled``: ``train.compile``."""
     algorithm = algorithm or get_cp_algorithm("ring")
     degree = algorithm.head_degree(cp, ulysses) if cp > 1 else 1
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
                   model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, cp,
-                  algorithm, degree, tp, sequence_parallel and tp > 1, cuda)
+                  algorithm, degree, tp, sequence_parallel and tp > 1, cuda,
+                  swiglu_temporaries(model.fp8 != "none", compiled))
+
+
+def swiglu_temporaries(fp8: bool, compiled: bool) -> int:
+    """The ``[n, ffn/tp]`` tensors the SwiGLU's backward holds beside what it keeps and its incoming gradient
+    (``model/mlp.py``): eager, the ``swiglu`` node writes both gradients over its saved output with one temporary
+    (1); compiled, ``gated_silu``'s one kernel writes the two gradients side by side (2); FP8 eager,
+    ``gated_silu``'s operations one by one (grad * up, both gradients, then their stack: 4)."""
+    if compiled:
+        return 2
+    return 4 if fp8 else 1
 
 
 def _stream(s: Shapes) -> int:
@@ -78,10 +89,11 @@ def mlp_half(s: Shapes, chunks: int) -> int:
 
 
 def mlp_backward(s: Shapes, chunks: int) -> int:
-    """The MLP's backward on top of what it keeps (freed as its nodes run): two ``[n, ffn/tp]`` gradients at once;
-    chunked, one slice's recompute and gradients."""
+    """The MLP's backward on top of what it keeps (freed as its nodes run): the SwiGLU backward's temporaries
+    ``[n, ffn/tp]`` (``swiglu_temporaries``; the down projection's input is freed as its gradient comes);
+    chunked, one slice's recompute (gate, up and product) and temporaries."""
     slice_tokens = -(-s.n // max(chunks, 1))
-    return ((4 if chunks > 1 else 0) + 2) * slice_tokens * s.ffn * s.compute
+    return ((3 if chunks > 1 else 0) + s.swiglu_temps) * slice_tokens * s.ffn * s.compute
 
 
 def block_backward(s: Shapes, chunks: int, recomputed: int) -> int:

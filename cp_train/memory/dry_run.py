@@ -219,7 +219,7 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None
     accumulation = config.train.global_batch_size // (config.train.micro_batch_size * dp)
     shapes = shapes_of(config.model, tokens, dims.tp, dims.cp, compute, compute if fsdp else 4,
                        get_cp_algorithm(parallel.cp_algorithm), parallel.ulysses_size,
-                       parallel.sequence_parallel_on, cuda=cuda)
+                       parallel.sequence_parallel_on, cuda=cuda, compiled=config.train.compile)
     activations = activation_estimate(config.model, shapes)
     optimizer = config.optimizer
     foreach = adamw_implementation(optimizer, "cuda" if cuda else "cpu") == "foreach"  # apex: neither torch kernel

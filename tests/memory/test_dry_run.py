@@ -121,3 +121,35 @@ def test_the_hints_name_micro_batches_the_fsdp_reduction_checkpointing_and_seque
 def test_rank_memory_totals() -> None:
     memory = RankMemory(0, 1, 2, 3, 4, 5, "block")
     assert (memory.state_bytes, memory.total_bytes) == (6, 15)
+
+
+@pytest.mark.parametrize(("chunks", "gated"), [(1, False), (1, True), (2, False)])
+def test_the_mlp_backward_term_is_the_measured_one(chunks: int, gated: bool) -> None:
+    """What an MLP's backward holds on top of what its forward kept (live tensor bytes, 512 tokens, ffn 256 against
+    hidden 16, so the ``[n, ffn]`` tensors are all that count): the eager ``swiglu`` node one ``[n, ffn]``
+    temporary, ``gated_silu`` run eager (FP8's path) four, a checkpointed slice its recompute and one."""
+    import torch.nn.functional as F
+
+    from cp_train.memory.activations import mlp_backward, swiglu_temporaries
+    from cp_train.model.config import ModelConfig
+    from cp_train.model.mlp import MLP
+    from cp_train.parallel.cp.algorithms.costs import Shapes
+
+    config = ModelConfig(vocab_size=64, num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2, ffn_hidden_size=256,
+                         max_position_embeddings=512, mlp_chunks=chunks)
+    mlp = MLP(config, 0)
+    if gated:  # a layer matmul other than F.linear (FP8's) takes gated_silu
+        mlp.gate_up.linear_fn = lambda x, w, bias=None: F.linear(x, w, bias)
+    x = torch.randn(1, 512, 16, requires_grad=True)
+    tracker = LiveTensorBytes()
+    tracker.track([*mlp.parameters(), x])
+    with tracker:
+        y = mlp(x)
+        grad = torch.ones_like(y)
+        tracker.new_phase("backward")
+        kept = tracker.current
+        y.backward(grad)
+        tracker.new_phase("end")
+    shapes = Shapes(512, 16, 2, 2, 8, 256, 64, 4, 4, swiglu_temps=swiglu_temporaries(gated, compiled=False))
+    ratio = (tracker.peaks["backward"] - kept) / mlp_backward(shapes, chunks)
+    assert 1.0 <= ratio <= 1.1, ratio

@@ -43,6 +43,7 @@ class Shapes:
     tp: int = 1
     sequence_parallel: bool = False  # the residual stream and the norms hold n / tp tokens
     cuda: bool = False  # CUDA: fused RMSNorm (input and a per-token scale kept), GQA-native kernels, 2 head chunks
+    swiglu_temps: int = 1  # [n, ffn] temporaries of the SwiGLU's backward (``memory/activations.py``)
 
     @property
     def stream(self) -> int:
