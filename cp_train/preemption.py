@@ -15,9 +15,8 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
+import torch
 import torch.distributed as dist
-
-from cp_train.parallel.mesh.groups import max_over_ranks
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -55,8 +54,12 @@ class Preemption:
     def agreed(self, group: dist.ProcessGroup | None) -> str | None:
         """The name of the signal any rank of ``group`` (the host's gloo group, every rank) got, or None
         (collective: every rank calls it after every step)."""
-        code, = max_over_ranks([self.code()], group)  # a host number over the gloo group: no device read
-        return self.name(code)
+        # its own all-reduce rather than ``max_over_ranks``: the collective check then names this line for a rank
+        # that skipped it, and the read below is a host tensor's, not a ``tolist`` the sync tests count
+        code = torch.tensor([self.code()], dtype=torch.float64)
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+        return self.name(float(code.numpy()[0]))  # a host tensor of the gloo group: no device read
 
     @staticmethod
     def name(code: float) -> str | None:
