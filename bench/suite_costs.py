@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))  # `python bench/suite_costs.py` from anywhere
 
 from bench.common import emit  # noqa: E402
 from cp_train.config.schema import dump_yaml  # noqa: E402
-from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel  # noqa: E402
+from cp_train.parallel.mesh.state import ParallelDims, ParallelState, run_with_parallel  # noqa: E402
 from cp_train.parallel.spawn import SpawnedWorld  # noqa: E402
 from tests import trainer_cases  # noqa: E402
 from tests.strict_comm import DECLARE  # noqa: E402
@@ -37,7 +37,7 @@ WORLDS = {"plain": {}, "strict": {"layer": "tests.strict_comm"},
           "declare": {"layer": "tests.strict_comm", "env": {DECLARE: "1"}}}
 
 
-def timed_job(state, corpus: str, run_dir: str, steps: int) -> float:  # noqa: ANN001 - a ParallelState
+def timed_job(state: ParallelState, corpus: str, run_dir: str, steps: int) -> float:
     start = time.perf_counter()
     trainer_cases.train_layout(state, corpus, run_dir, {"train.steps": steps})
     return time.perf_counter() - start

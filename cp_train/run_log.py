@@ -13,12 +13,12 @@ from cp_train.metrics.throughput import (
     FP8_PEAK_RATIO,
     IntervalMeter,
     device_memory_gib,
+    max_over_ranks,
     peak_memory_gib,
     peak_memory_reserved_gib,
 )
 from cp_train.metrics.window_bytes import kv_bytes_per_layer
 from cp_train.parallel.kernels.select import chosen_backends
-from cp_train.parallel.mesh.groups import max_over_ranks
 from cp_train.parallel.mesh.rank_groups import compute_rank_groups, crossing_nodes
 from cp_train.parallel.tp.fp8 import fp8_layers
 from cp_train.results import StepResult

@@ -15,9 +15,9 @@ world (``tests/conftest.py``), this layer:
 With ``CP_TRAIN_STRICT_DECLARE=1`` in the ranks' environment it also declares each message and collective in the
 store before issuing it, so those failures become an ``AssertionError`` at the call instead of an abort: each
 receive checked against its send's dtype and shape before it is posted, each collective against the group's
-first member's call at the same place. One store round trip per call costs about 40% of a multi-rank training
-job's time on 2 cores, so the suite's shared worlds leave it off and the layer's own tests turn it on; set it to
-find where a world died.
+first member's call at the same place. One store round trip per call makes a 4-rank training job about 30% slower
+on 2 cores (``python -m bench.suite_costs``), so the suite's shared worlds leave it off and the layer's own tests
+turn it on; set it to find where a world died.
 """
 
 from __future__ import annotations
@@ -134,7 +134,6 @@ def install() -> None:
         return
     _installed[0] = True
     declare = os.environ.get(DECLARE) == "1"
-    _store().set_timeout(WAIT)  # a declaration's get waits this long (one round trip: no wait before it)
     trace.record()
     for kind in ("isend", "irecv"):
         wrapped = _ordered(kind, getattr(dist, kind), declare)
@@ -143,6 +142,7 @@ def install() -> None:
     dist.batch_isend_irecv = c10d.batch_isend_irecv = _sends_first(c10d.batch_isend_irecv)
     if not declare:
         return
+    _store().set_timeout(WAIT)  # a declaration's get waits this long (one round trip: no wait before it)
     for kind in trace.SYMMETRIC + trace.UNEVEN:
         fn = getattr(dist, kind, None)
         if fn is not None and kind not in ("all_gather_object", "gather_object", "scatter_object_list",

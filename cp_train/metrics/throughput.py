@@ -8,9 +8,8 @@
 - ``mfu_dense`` / ``tflops_per_device_dense``: the same with attention counted in full (every key visible to
   every query, torchtitan's convention), where ``mfu`` counts what the causal (and document) mask leaves
   (NVIDIA's and Megatron's convention: causal attention at half).
-- step time and peak memory: also the max over all ranks (``max_over_ranks`` of ``parallel/mesh/groups.py``),
-  memory as a percentage of the device's (``device_memory_gib``: CUDA's total memory, or the machine's
-  ``MemTotal`` on CPU).
+- step time and peak memory: also the max over all ranks (``max_over_ranks``), memory as a percentage of
+  the device's (``device_memory_gib``: CUDA's total memory, or the machine's ``MemTotal`` on CPU).
 - MFU: TFLOP/s per device over the device's peak: ``logging.peak_tflops`` if set, else the dense
   bf16 tensor-core peak of the GPU found in ``GPUS`` by name, else ``logging.cpu_peak_tflops`` on CPU.
   A GPU missing from the table has no known peak: MFU is NaN (one warning names ``logging.peak_tflops``).
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cp_train.model.config import ModelConfig
 from cp_train.model.family import attention_flops, get_model_family, matmul_params, model_flops_per_token
@@ -132,6 +132,17 @@ def device_memory_gib(device: torch.device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2**30
     return _proc_gib("/proc/meminfo", "MemTotal")
+
+
+def max_over_ranks(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """``values`` (host numbers) maxed element-wise over every rank of ``group``, a gloo group
+    (``ParallelState.host_group``): a CPU collective that neither waits for the GPU nor queues on its stream
+    (collective; the values themselves in a world of one)."""
+    if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -29,7 +29,7 @@ from cp_train.config.schema import Config
 from cp_train.data.loader import StepLoader
 from cp_train.errors import RunFailure
 from cp_train.loss import masked_loss_sum
-from cp_train.parallel.mesh.groups import max_over_ranks
+from cp_train.metrics.throughput import max_over_ranks
 from cp_train.parallel.mesh.state import ParallelState
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}

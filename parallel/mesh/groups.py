@@ -205,17 +205,6 @@ def _host_group(backend: str, timeout: timedelta) -> dist.ProcessGroup:
     return dist.new_group(timeout=timeout, backend="gloo")
 
 
-def max_over_ranks(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
-    """``values`` (host numbers) maxed element-wise over every rank of ``group``, a gloo group (``host_group``):
-    a CPU collective that neither waits for the GPU nor queues on its stream (collective; the values themselves
-    in a world of one)."""
-    if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()
-
-
 def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:
     if ulysses == 1:
         return {}
