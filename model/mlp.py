@@ -23,7 +23,9 @@ layer, and one ``[.., hidden]`` less under autocast. Its output and gradients ar
 bitwise (the same kernels); ``x``'s and the weight's gradients are one matmul each.
 
 Eager only: compiled, and under FP8 (whose matmul is the layer's own), the MLP runs the layer's matmul and then
-``gated_silu``, which keeps the matmul's output alone and whose backward Inductor compiles to one kernel. The
+``gated_silu``, which keeps the matmul's output alone and whose backward Inductor compiles to one kernel; compiled
+inside an activation checkpoint, the plain expression (torch 2.11's compile keeps an autograd Function's output
+there, one ``[.., ffn]`` per block, where it recomputes the expression; 2.13 recomputes both). The
 compute dtype is autocast's when autocast is on for ``x``'s device, else ``x``'s; gradients come back in the inputs'
 dtypes (the engine casts them). ``x`` ``[..., hidden]``, weight ``[2 * ffn, hidden]`` (this TP rank's blocks), result
 ``[..., ffn]``.
@@ -161,6 +163,7 @@ class MLP(nn.Module):
         # inside a checkpointed block the block's recompute already bounds what the slices keep: checkpointing
         # them again would only run each slice's forward a third time
         self.checkpoint_chunks = config.activation_checkpointing == "none"
+        self.recomputed = not self.checkpoint_chunks  # runs inside the block's activation checkpoint
         hidden, ffn, name = config.hidden_size, config.ffn_hidden_size, f"layers.{layer}.mlp"
         common = {"bias": False, "group": tp_group, "dtype": dtype, "device": device}
         self.block = gate_up_block(ffn)  # each TP rank holds whole blocks (``ModelConfig.validate`` checks tp)
@@ -171,11 +174,15 @@ class MLP(nn.Module):
                                       seed=param_seed(config.seed, f"{name}.down"),
                                       init_std=config.init_std / math.sqrt(2 * config.num_layers), **common)
 
-    def local_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the output for tokens ``x`` ``[B, m, hidden]`` (no communication)."""
+    def local_mlp(self, x: torch.Tensor, recomputed: bool | None = None) -> torch.Tensor:
+        """This rank's partial sum of the output for tokens ``x`` ``[B, m, hidden]`` (no communication);
+        ``recomputed``: whether this runs inside an activation checkpoint (default: the block's)."""
         gate_up, down = self.gate_up, self.down  # each layer's local matmul (model.fp8: FP8's)
-        if gate_up.linear_fn is F.linear and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if gate_up.linear_fn is F.linear and not compiling:
             act = swiglu(x, gate_up.weight, self.block)  # keeps no silu (compiled, Inductor does so itself)
+        elif compiling and (self.recomputed if recomputed is None else recomputed):
+            act = _silu_product(gate_up.linear_fn(x, gate_up.weight), self.block)  # see the module docstring
         else:
             act = gated_silu(gate_up.linear_fn(x, gate_up.weight), self.block)
         return down.linear_fn(act, down.weight)
@@ -191,7 +198,7 @@ class MLP(nn.Module):
         elif not (torch.is_grad_enabled() and self.checkpoint_chunks):
             partial = torch.cat([self.local_mlp(piece) for piece in x.tensor_split(chunks, dim=1)], dim=1)
         else:
-            partial = torch.cat([checkpoint(self.local_mlp, piece, use_reentrant=False)
+            partial = torch.cat([checkpoint(self.local_mlp, piece, True, use_reentrant=False)
                                  for piece in x.tensor_split(chunks, dim=1)], dim=1)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)

@@ -14,9 +14,10 @@ block's saved tensors alike. Tensors saved twice in one layer (the block input u
 Left where they are (packed as themselves): parameters (any tensor sharing a parameter's storage: FSDP2's
 gathered weights, their views; autocast's casts of them), the ``shared`` tensors of every layer (the RoPE
 tables), tensor subclasses (DTensor, float8), scalars (the attention's ticket: its identity names its saved
-state), tensors under ``MIN_OFFLOAD_BYTES``, tensors off the compute device, and everything the last ``keep_last``
-blocks save: the backward needs them at once. What the CP attention keeps inside its operator beyond q, k, v, out
-and lse (Ulysses' sequence-ordered copies) is not a saved tensor and stays on the device.
+state), empty tensors (torch 2.11's checkpoint saves one per call), tensors under ``MIN_OFFLOAD_BYTES``, tensors
+off the compute device, and everything the last ``keep_last`` blocks save: the backward needs them at once. What
+the CP attention keeps inside its operator beyond q, k, v, out and lse (Ulysses' sequence-ordered copies) is not
+a saved tensor and stays on the device.
 
 Copies. CUDA: into pinned host memory (``torch.empty_like(..., pin_memory=True)``; PyTorch's caching host
 allocator rounds each block up to a power of two and keeps the blocks for the next step) with ``non_blocking``
@@ -192,7 +193,7 @@ class ActivationOffload:
 
     def _movable(self, t: torch.Tensor, keep: set[int]) -> bool:
         return (type(t) is torch.Tensor and t.layout == torch.strided and t.device == self.device and t.dim() > 0
-                and t.numel() * t.element_size() >= self.min_bytes and _storage(t) not in keep
+                and t.numel() > 0 and t.numel() * t.element_size() >= self.min_bytes and _storage(t) not in keep
                 and not _cast_of_parameter(t))
 
     def _copy_out(self, layer: int, t: torch.Tensor) -> _Copy:

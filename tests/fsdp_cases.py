@@ -16,20 +16,22 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+from cp_train.parallel.compat import ALL_GATHER_NAME, REDUCE_SCATTER_NAME
 from cp_train.parallel.cp.op import handle_contents
 from cp_train.parallel.dp import ddp as data_parallel
 from cp_train.parallel.mesh.state import ParallelState
 from cp_train.trainer import Trainer
 from tests.trainer_cases import GLOBAL_BATCH, tiny_config
 
-COUNTED = ("reduce_scatter_single", "all_gather_single")  # FSDP2's collectives (torch.distributed names)
+# FSDP2's collectives, counted by their torch 2.13 names: torch.distributed's names for them in this torch
+COUNTED = {"reduce_scatter_single": REDUCE_SCATTER_NAME, "all_gather_single": ALL_GATHER_NAME}
 
 
 @contextmanager
 def counting(counts: Counter, group: dist.ProcessGroup) -> Iterator[None]:
     """Count FSDP2's reduce-scatters and all-gathers on ``group`` (DP x CP; the CP plans gather on the
     CP group) and DDP's gradient all-reduces (its comm hook) in ``counts``."""
-    originals: dict[str, Callable[..., Any]] = {name: getattr(dist, name) for name in COUNTED}
+    originals: dict[str, Callable[..., Any]] = {name: getattr(dist, attribute) for name, attribute in COUNTED.items()}
     hook = data_parallel._sum_all_reduce
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -40,7 +42,7 @@ def counting(counts: Counter, group: dist.ProcessGroup) -> Iterator[None]:
         return counted
 
     for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
+        setattr(dist, COUNTED[name], wrap(name, fn))
     def counted_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the hook's parameter names
         counts["ddp_all_reduce"] += 1
         return hook(state, bucket)
@@ -50,7 +52,7 @@ def counting(counts: Counter, group: dist.ProcessGroup) -> Iterator[None]:
         yield
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            setattr(dist, COUNTED[name], fn)
         data_parallel._sum_all_reduce = hook
 
 
@@ -102,7 +104,7 @@ def reduce_scatters_overlap(state: ParallelState, prefix: str, run_dir: str) -> 
     own synchronous reduce-scatter bitwise."""
     grads: dict[bool, list[torch.Tensor]] = {}
     issued: Counter = Counter()
-    original = dist.reduce_scatter_single
+    original = getattr(dist, REDUCE_SCATTER_NAME)
 
     def traced(*args: Any, **kwargs: Any) -> Any:
         issued["async" if kwargs.get("async_op") else "sync"] += 1
@@ -117,7 +119,7 @@ def reduce_scatters_overlap(state: ParallelState, prefix: str, run_dir: str) -> 
                 if isinstance(module, FSDPModule):
                     module.set_custom_reduce_scatter(DefaultReduceScatter())
         micro_batches = trainer._to_device(next(iter(trainer.loader)))
-        dist.reduce_scatter_single = traced
+        setattr(dist, REDUCE_SCATTER_NAME, traced)
         try:
             trainer.forward_backward(micro_batches)
             if overlapped:
@@ -130,7 +132,7 @@ def reduce_scatters_overlap(state: ParallelState, prefix: str, run_dir: str) -> 
             if overlapped:
                 result["onto_grads"] = dict(issued)
         finally:
-            dist.reduce_scatter_single = original
+            setattr(dist, REDUCE_SCATTER_NAME, original)
         grads[overlapped] += [p.grad.full_tensor() for p in trainer.model.parameters()]
     result["exact"] = all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
     return result

@@ -56,7 +56,8 @@ def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, r
 def swiglu_temporaries(fp8: bool, compiled: bool) -> int:
     """The ``[n, ffn/tp]`` tensors the SwiGLU's backward holds beside what it keeps and its incoming gradient
     (``model/mlp.py``): eager, the ``swiglu`` node writes both gradients over its saved output with one temporary
-    (1); compiled, ``gated_silu``'s one kernel writes the two gradients side by side (2); FP8 eager,
+    (1); compiled, ``gated_silu``'s one kernel writes the two gradients side by side (2; inside a checkpoint the
+    plain expression, whose backward Inductor fuses alike); FP8 eager,
     ``gated_silu``'s operations one by one (grad * up, both gradients, then their stack: 4)."""
     if compiled:
         return 2

@@ -123,7 +123,7 @@ def test_mlp_slices_run_twice_per_step(monkeypatch, checkpointing: bool) -> None
     or, inside a checkpointed block, the block's (nested checkpoints ran 11)."""
     calls = []
     original = MLP.local_mlp
-    monkeypatch.setattr(MLP, "local_mlp", lambda self, x: calls.append(1) or original(self, x))
+    monkeypatch.setattr(MLP, "local_mlp", lambda self, x, *rest: calls.append(1) or original(self, x, *rest))
     model = GPTModel(tiny_config(num_layers=1, mlp_chunks=4, activation_checkpointing=checkpointing))
     data = global_batch(model.config)
     model(data["tokens"], labels=data["labels"]).sum().backward()

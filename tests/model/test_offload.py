@@ -73,7 +73,7 @@ def test_the_forward_keeps_host_copies_and_the_backward_at_most_two_blocks(every
     plain_forward = Block.forward
 
     def counting_forward(self: Block, x: torch.Tensor, inputs) -> torch.Tensor:  # noqa: ANN001
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: counted.append(1) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: counted.append(t.numel() > 0) or t, lambda t: t):
             return plain_forward(self, x, inputs)
 
     monkeypatch.setattr(Block, "forward", counting_forward)
@@ -96,9 +96,10 @@ def test_the_forward_keeps_host_copies_and_the_backward_at_most_two_blocks(every
     with offload.observe() as seen:
         losses = model(data["tokens"], labels=data["labels"])
         stats = seen[0]
-        assert stats.packed == len(counted) == 11 * LAYERS, (stats, len(counted))
+        empty = len(counted) - sum(counted)  # torch 2.11's checkpoint saves an empty tensor per call: kept
+        assert stats.packed == len(counted) and sum(counted) == 11 * LAYERS, (stats, counted)
         assert stats.offloaded == len(copies) == 6 * (LAYERS - 1), stats
-        assert stats.kept == 3 * (LAYERS - 1) + 11, stats  # cos, sin and the ticket; the last block's 11
+        assert stats.kept == 3 * (LAYERS - 1) + 11 + empty, stats  # cos, sin and the ticket; the last block's 11
         assert all(copy.device is None and copy.host is not None for copy in copies)
         assert all(source() is None for source, _ in sources), "an offloaded tensor is still alive on the device"
         assert stats.fetched == 0

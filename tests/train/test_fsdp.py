@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 from cp_train.config.schema import ConfigError
 from cp_train.config.sources import load_config
@@ -52,6 +53,8 @@ def test_reduce_scatters_overlap_the_backward_on_cpu(spawn_world, corpus, tmp_pa
     """gloo: FSDP2 would reduce-scatter synchronously; ours are asynchronous, all complete when the backward
     returns, a backward onto sharded gradients already there reduces in place, and the gradients are bitwise
     those of FSDP2's own synchronous reduce-scatter."""
+    if "_fsdp_param_groups" not in vars(FSDPState()):  # torch 2.11: ``reduces_plainly`` is False, FSDP2's own runs
+        pytest.skip("this torch's FSDP2 has one parameter group per module: its own reduce-scatter runs")
     for result in spawn_world(2).run(run_with_parallel, LAYOUT, fsdp_cases.reduce_scatters_overlap, corpus,
                                      str(tmp_path)):
         assert result["comm"] == "OverlappedReduceScatter", result
