@@ -6,7 +6,8 @@
 #
 # Each part runs under its own time limit (seconds, below) and writes its whole log to $OUT/<part>.log
 # (default runs/gpu-acceptance); the console gets each part's key lines. torchao comes from .whl/ when
-# that folder holds its wheel (the lent machines have no registry); the project installs in place.
+# that folder holds its wheel (the lent machines have no registry), and setuptools, the editable install's build
+# backend, from there too when it holds one; the project installs in place.
 #   tests    python -m pytest tests/gpu
 #   graphs   bench.cudnn_graphs: cp 4 zigzag thread ranks, 16,384 tokens of packed documents, 12 steps,
 #            without and with the ring's warm-up (new cuDNN graph keys per step)
@@ -38,8 +39,12 @@ for part in $PARTS; do
         if ls .whl/torchao-*.whl > /dev/null 2>&1; then
             python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl
         fi
-        python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+        if ls .whl/setuptools-*.whl > /dev/null 2>&1; then  # the build backend, for a python3 without setuptools
+            python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/build-site .whl/setuptools-*.whl
+        fi
+        PYTHONPATH=/tmp/build-site python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
         export PYTHONPATH=/tmp/site
+        python3 -c "import cp_train.model" || echo "SETUP FAILED: cp_train.model does not import (see above)"
         python3 -c "import torch, cp_train; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())"
         python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
         ;;
