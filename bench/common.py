@@ -57,6 +57,13 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def progress(record: dict) -> dict:
+    """Print ``record`` at once as ``DONE {json}`` (flushed), so a time-boxed run that is stopped keeps the cases it
+    finished; returns it."""
+    print("DONE " + json.dumps(record), flush=True)
+    return record
+
+
 def emit(records: list[dict], columns: Sequence[tuple[str, str, Callable[[object], str]]]) -> None:
     """Print one JSON line per record, then an aligned table of ``columns`` (key, header, formatter)."""
     for record in records:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/fp
 
 import torch  # noqa: E402
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, progress  # noqa: E402
 from cp_train.config.schema import Config  # noqa: E402
 from cp_train.config.sources import build_config, flatten, read_yaml  # noqa: E402
 from cp_train.metrics.writers import METRICS_FILE  # noqa: E402
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.tiny:
         args.steps, args.seq, args.interval, args.eager = 3, 128, 1, True
     with world_of_one():
-        records = [run_variant(args, variant) for variant in args.variants]
+        records = [progress(run_variant(args, variant)) for variant in args.variants]
     compare(records)
     percent = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     emit(records, [("variant", "model.fp8", str), ("step_time_s", "step s", lambda v: f"{v:.3g}"),

@@ -77,10 +77,12 @@ for part in $PARTS; do
         ;;
     offload)
         run_part offload 150 python3 -m bench.offload --seq 65536 --warmup 1 --repeats 1
+        grep "^DONE" "$OUT/offload.log" | cut -c1-300  # each case as it finished (all four: the table below)
         tail -8 "$OUT/offload.log"
         ;;
     fp8)
         run_part fp8 330 python3 -m bench.fp8 --steps 100 --out /tmp/fp8-runs
+        grep "^DONE" "$OUT/fp8.log" | cut -c1-400  # each variant as it finished (all three: the table below)
         tail -6 "$OUT/fp8.log"
         ;;
     swiglu)

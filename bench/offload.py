@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from bench.common import emit
+from bench.common import emit, progress
 from bench.gpu import time_call
 from cp_train.config.sources import load_config
 from cp_train.model import GPTModel
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.tiny:
         args.seq, args.warmup, args.repeats = args.seq or 64, 1, 1
     seq = args.seq or longest_without_offload(args, device)
-    records = [measure(args, seq, "none", device), measure(args, seq, args.offload, device),
-               measure(args, 2 * seq, "none", device), measure(args, 2 * seq, args.offload, device)]
+    records = [progress(measure(args, length, mode, device))
+               for length in (seq, 2 * seq) for mode in ("none", args.offload)]
     baseline = {r["seq"]: r for r in records if r["offload"] == "none" and not r["oom"]}
     for record in records:
         same = baseline.get(record["seq"])

@@ -54,8 +54,8 @@ class Preemption:
     def agreed(self, group: dist.ProcessGroup | None) -> str | None:
         """The name of the signal any rank of ``group`` (the host's gloo group, every rank) got, or None
         (collective: every rank calls it after every step)."""
-        # its own all-reduce rather than ``max_over_ranks``: the collective check then names this line for a rank
-        # that skipped it, and the read below is a host tensor's, not a ``tolist`` the sync tests count
+        # its own all-reduce rather than ``max_over_ranks``: the read below is a host tensor's, not a ``tolist`` the
+        # sync tests count between log steps
         code = torch.tensor([self.code()], dtype=torch.float64)
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)

@@ -20,6 +20,7 @@ import torch.distributed._functional_collectives as funcol
 
 ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 REDUCE_SCATTER_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+COLLECTIVE_HELPERS = ("all_gather_single", "reduce_scatter_single")  # the collective trace names their callers
 
 
 def all_gather_single(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:  # noqa: A002

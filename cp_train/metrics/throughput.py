@@ -39,6 +39,8 @@ from cp_train.model.config import ModelConfig
 from cp_train.model.family import attention_flops, get_model_family, matmul_params, model_flops_per_token
 from cp_train.results import StepResult
 
+COLLECTIVE_HELPERS = ("max_over_ranks",)  # the collective trace (parallel/mesh/trace.py) names its callers
+
 # Per device name: the dense bf16 tensor-core peak TFLOP/s (no sparsity, the vendors' data sheets) and the planner's
 # hardware profile of that device where it has one (cp_train/perf/inputs/profiles; the profile's bf16_tflops is this
 # peak). The one table of GPU names: the MFU's peak and the planner's run check both read it.

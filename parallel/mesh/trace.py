@@ -101,8 +101,12 @@ _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
 
 def _site() -> str:
+    """The caller's ``folder/file.py:line``: past torch's and this layer's frames, and past the thin wrappers a
+    module names in its ``COLLECTIVE_HELPERS`` (``parallel/compat.py``'s renames, ``max_over_ranks``)."""
     frame = sys._getframe(2)
-    while frame is not None and any(part in frame.f_code.co_filename.replace("\\", "/") for part in _SKIP_FRAMES):
+    while frame is not None and (
+            any(part in frame.f_code.co_filename.replace("\\", "/") for part in _SKIP_FRAMES)
+            or frame.f_code.co_name in frame.f_globals.get("COLLECTIVE_HELPERS", ())):
         frame = frame.f_back
     if frame is None:
         return "?"

@@ -3,6 +3,8 @@ gloo's tags hide fails under it, as it would under NCCL."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,6 +66,19 @@ def ring_in_order() -> float:
         work.wait()
     dist.all_reduce(got)
     return got[0].item()
+
+
+def through_helpers() -> list[int]:
+    """An all-gather through ``parallel/compat.py``'s rename and a max through ``max_over_ranks``; returns the lines
+    that issue them."""
+    from cp_train.metrics.throughput import max_over_ranks
+    from cp_train.parallel.compat import all_gather_single
+
+    every = torch.zeros(2 * dist.get_world_size())
+    first = sys._getframe().f_lineno + 1
+    all_gather_single(every, torch.ones(2), group=dist.group.WORLD)
+    max_over_ranks([float(dist.get_rank())], dist.group.WORLD)
+    return [first, first + 1]
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +146,14 @@ def test_the_suite_cp_attention_runs_under_the_layer(spawn_world) -> None:
     assert max(world.run(document_cases.check_cases, [("zigzag", True, 4, 2, "random")], 64)[0]) < 1e-5
     sent = sum(len(what) for (_, src, _, side), what in world.payloads[0]["messages"].items() if side == "send")
     assert sent >= 2 and any(world.payloads[1]["calls"].values())  # ring hops; the documents' all-gather
+
+
+def test_the_trace_names_the_line_that_called_a_collective_helper(spawn_world) -> None:
+    """Past the thin wrappers a module lists in ``COLLECTIVE_HELPERS``: the job's own lines, not the helpers'."""
+    world = spawn_world(2)
+    lines = world.run(through_helpers)[0]
+    sites = [call.site for calls in world.payloads[0]["calls"].values() for call in calls]
+    assert sites == [f"parallel/test_strict_comm.py:{line}" for line in lines], sites
 
 
 def test_the_after_job_check_names_an_unpaired_message() -> None:
