@@ -163,7 +163,6 @@ class MLP(nn.Module):
         # inside a checkpointed block the block's recompute already bounds what the slices keep: checkpointing
         # them again would only run each slice's forward a third time
         self.checkpoint_chunks = config.activation_checkpointing == "none"
-        self.recomputed = not self.checkpoint_chunks  # runs inside the block's activation checkpoint
         hidden, ffn, name = config.hidden_size, config.ffn_hidden_size, f"layers.{layer}.mlp"
         common = {"bias": False, "group": tp_group, "dtype": dtype, "device": device}
         self.block = gate_up_block(ffn)  # each TP rank holds whole blocks (``ModelConfig.validate`` checks tp)
@@ -181,7 +180,7 @@ class MLP(nn.Module):
         compiling = torch.compiler.is_compiling()
         if gate_up.linear_fn is F.linear and not compiling:
             act = swiglu(x, gate_up.weight, self.block)  # keeps no silu (compiled, Inductor does so itself)
-        elif compiling and (self.recomputed if recomputed is None else recomputed):
+        elif compiling and (not self.checkpoint_chunks if recomputed is None else recomputed):
             act = _silu_product(gate_up.linear_fn(x, gate_up.weight), self.block)  # see the module docstring
         else:
             act = gated_silu(gate_up.linear_fn(x, gate_up.weight), self.block)
