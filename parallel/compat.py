@@ -1,7 +1,5 @@
 """torch.distributed names that changed between the supported torch releases (chosen once, at import).
 
-``ReduceScatterBase``: FSDP2's interface for a custom reduce-scatter (``object`` where torch lacks it).
-
 torch 2.13 renames ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
 ``reduce_scatter_single`` (same arguments) and warns on the old names; torch 2.9-2.11 have only the old ones
 (FSDP2 calls those there); ``ALL_GATHER_NAME`` / ``REDUCE_SCATTER_NAME`` are the ones this torch has.
@@ -34,9 +32,3 @@ def reduce_scatter_single(output: Any, input: Any, group: Any = None, async_op: 
 
 functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 functional_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
-try:  # FSDP2's pluggable reduce-scatter (a private module); without it FSDP2 keeps its own
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
-except ImportError:  # pragma: no cover - a torch without FSDP2's comm interfaces
-    ReduceScatterBase = object

@@ -16,6 +16,11 @@ first failing rank's traceback.
 ``after_job()`` after each job (what it returns travels to the parent), and the parent's ``check(payloads)``
 gets them in rank order and returns None or one line, which fails the job (the test suite's strict
 communication layer, ``tests/strict_comm.py``).
+
+``preload`` names modules to import once in a fork server: the ranks then fork from it instead of starting
+a fresh interpreter (a world of 8 starts in 0.7 s instead of 6 s, torch and the named modules already
+imported). The first world that asks starts the server; its list holds for the rest of the process. Each rank
+still gets the parent's environment as it was when its world started, as a spawned rank would.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +55,7 @@ def free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, threads: int, timeout_s: float,
                env: dict[str, str], layer: str | None, jobs: Any, results: Any) -> None:
+    os.environ.clear()  # a forked rank holds the fork server's environment: take the parent's, as spawn would
     os.environ.update(env)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -78,6 +84,15 @@ def _rank_main(rank: int, world: int, port: int, threads: int, timeout_s: float,
     os._exit(0)  # every answer was taken: skip the interpreter's teardown of a large heap (seconds for a world)
 
 
+def _context(preload: Sequence[str]) -> Any:
+    """spawn, or with ``preload`` a fork server that imported those modules (and torch) once."""
+    if not preload:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, *preload])
+    return ctx
+
+
 def _secondary(tb: str) -> bool:
     """Whether a rank's traceback is a consequence of another rank's failure (a timeout, a lost peer)."""
     last = tb.strip().splitlines()[-1].lower() if tb.strip() else ""
@@ -94,7 +109,7 @@ class SpawnedWorld:
     """
 
     def __init__(self, world: int, threads: int | None = None, timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None, layer: str | None = None) -> None:
+                 env: dict[str, str] | None = None, layer: str | None = None, preload: Sequence[str] = ()) -> None:
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
         self.world = world
@@ -102,14 +117,14 @@ class SpawnedWorld:
         self.payloads: list[Any] = [None] * world
         self.timeout_s = timeout_s
         self.threads = threads or max(1, (os.cpu_count() or 1) // world)
-        ctx = mp.get_context("spawn")
+        ctx = _context(preload)
         self._jobs = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
         port = free_port()
         self._procs = [
             ctx.Process(target=_rank_main, daemon=True,
-                        args=(r, world, port, self.threads, timeout_s, env or {}, layer, self._jobs[r],
-                              self._results))
+                        args=(r, world, port, self.threads, timeout_s, {**os.environ, **(env or {})}, layer,
+                              self._jobs[r], self._results))
             for r in range(world)
         ]
         for proc in self._procs:

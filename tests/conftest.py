@@ -9,6 +9,7 @@ import pytest
 from cp_train.parallel.spawn import SpawnedWorld
 
 STRICT = "tests.strict_comm"  # every spawned world runs under it
+PRELOAD = (STRICT, "cp_train.trainer", "tests.trainer_cases")  # imported once; the ranks fork with them loaded
 _MAX_ALIVE = 5  # worlds kept alive at once: every size the suite uses (1, 2, 3, 4, 8; a rank holds 0.35-0.45 GB)
 
 
@@ -32,7 +33,7 @@ def spawn_world() -> Iterator[Callable[[int], SpawnedWorld]]:
         while len(worlds) >= _MAX_ALIVE:
             oldest = next(iter(worlds))
             worlds.pop(oldest).close()
-        worlds[n] = SpawnedWorld(n, layer=STRICT)
+        worlds[n] = SpawnedWorld(n, layer=STRICT, preload=PRELOAD)
         return worlds[n]
 
     yield get

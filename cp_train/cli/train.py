@@ -27,7 +27,6 @@ from cp_train.config.validate import check_input_files, check_schedule, validate
 from cp_train.errors import run_entry_point, this_rank
 from cp_train.parallel.mesh.collectives import explain_collective_failure, trace_collectives
 from cp_train.parallel.mesh.state import parallel_context, world_of_one
-from cp_train.trainer import run_training
 
 DEFAULT_CPU_CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "cpu-tiny.yaml"
 
@@ -92,6 +91,8 @@ def train(argv: list[str]) -> int:
     check_schedule(config)
     config = with_accumulation(config, world)
     dp = validate(config, world)
+    from cp_train.trainer import run_training  # the model, FSDP and DCP: after the config holds (fast errors)
+
     parallel = config.parallel
     with world_of_one(), parallel_context(parallel.tp, parallel.cp, dp, parallel.backend,  # plain `python train.py`
                                           parallel.timeout_minutes, parallel.ulysses_size,

@@ -10,7 +10,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from cp_train.parallel.compat import ReduceScatterBase, reduce_scatter_single
+from cp_train.parallel.compat import reduce_scatter_single
+
+try:  # FSDP2's pluggable reduce-scatter (a private module); without it FSDP2 keeps its own
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
+except ImportError:  # pragma: no cover - a torch without FSDP2's comm interfaces
+    ReduceScatterBase = object
 
 
 def reduces_plainly(module: FSDPModule) -> bool:
