@@ -1,7 +1,7 @@
-"""What the test suite pays per job and per process: the strict communication layer on a training job, and a
-command's start.
+"""What the test suite pays per job and per process: the strict communication layer on a training job, a
+spawned world's start, and a command's start.
 
-    python -m bench.suite_costs [--rounds 3] [--layout 1,4,1] [--steps 12]
+    python -m bench.suite_costs [--rounds 3] [--layout 1,4,1] [--steps 12] [--world 8]
 
 ``job``: the suite's tiny fp32 training run (``tests/trainer_cases.train_layout``: 12 steps, documents, two
 evaluations) at (tp, cp, dp) ``--layout`` in three spawned gloo worlds kept alive side by side: ``plain`` (no
@@ -9,8 +9,11 @@ layer), ``strict`` (``tests/strict_comm.py`` as the suite's shared worlds run it
 after-job check) and ``declare`` (the same with ``CP_TRAIN_STRICT_DECLARE=1``: a store round trip per message and
 per collective). The worlds take turns round by round, so drift on a shared machine hits each alike; one warm-up
 job each first. ``start``: ``python train.py`` stopped by an input error (a missing data prefix: the config parsed
-and checked, nothing built) against ``python -c "import torch"``, alternating. Prints JSON lines, then a table
-(medians; ``vs`` is the ratio to the first row of its kind).
+and checked, nothing built) against ``python -c "import torch"``, alternating. ``world``: a ``SpawnedWorld`` of
+``--world`` ranks under the strict layer started, its first job run (importing the trainer's test cases) and
+closed, spawned (a fresh interpreter per rank) against forked from a server that preloaded them (the suite's
+``tests/conftest.py``; the server's own start, once per process, is the warm-up round and not counted),
+alternating. Prints JSON lines, then a table (medians; ``vs`` is the ratio to the first row of its kind).
 """
 
 from __future__ import annotations
@@ -63,6 +66,27 @@ def jobs(layout: tuple[int, int, int], rounds: int, steps: int, root: Path) -> l
              "vs": statistics.median(t) / base, "runs": t} for name, t in times.items()]
 
 
+def first_job() -> bool:
+    import tests.trainer_cases  # noqa: F401 - what a world's first training job imports
+
+    return True
+
+
+def world_starts(size: int, rounds: int) -> list[dict]:
+    preloads = {"spawn": (), "forkserver preload": ("tests.strict_comm", "cp_train.trainer", "tests.trainer_cases")}
+    times: dict[str, list[float]] = {name: [] for name in preloads}
+    for round_ in range(rounds + 1):  # round 0 starts the fork server
+        for name, preload in preloads.items():
+            start = time.perf_counter()
+            with SpawnedWorld(size, layer="tests.strict_comm", preload=preload) as world:
+                world.run(first_job)
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["spawn"])
+    return [{"kind": "world", "case": f"{name}, {size} ranks", "seconds": statistics.median(t),
+             "vs": statistics.median(t) / base, "runs": t} for name, t in times.items()]
+
+
 def starts(rounds: int, root: Path) -> list[dict]:
     config = root / "start.yaml"
     config.write_text(dump_yaml(trainer_cases.tiny_config(str(root / "missing"), str(root / "start"),
@@ -85,10 +109,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layout", default="1,4,1", help="tp,cp,dp of the training job")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--world", type=int, default=8, help="ranks of the world whose start is timed")
     args = parser.parse_args()
     layout = tuple(int(part) for part in args.layout.split(","))
     with tempfile.TemporaryDirectory() as tmp:
-        records = jobs(layout, args.rounds, args.steps, Path(tmp)) + starts(2 * args.rounds, Path(tmp))
+        records = (jobs(layout, args.rounds, args.steps, Path(tmp)) + world_starts(args.world, args.rounds)
+                   + starts(2 * args.rounds, Path(tmp)))
     emit(records, [("kind", "kind", str), ("case", "case", str), ("seconds", "median s", lambda v: f"{v:.2f}"),
                    ("vs", "vs", lambda v: f"{v:.2f}")])
 
