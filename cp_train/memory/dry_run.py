@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cp_train.config.schema import Config, ConfigError
+from cp_train.config.schema import Config, ConfigError, OptimizerConfig
 from cp_train.config.validate import validate
 from cp_train.data.default_corpus import DEFAULT_VOCAB_SIZE
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
@@ -80,10 +80,6 @@ def reserve_gib(device_gib: float, fixed: float = RESERVE_GIB, fraction: float =
     return fixed + fraction * device_gib
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: bool, replicas: int = 1
                  ) -> tuple[torch.Size, torch.Size]:
     """``(held, stored)`` shapes of ``rank``'s shard of the full parameter ``full`` (a meta parameter with the TP
@@ -122,21 +118,41 @@ def _meta_parameters(model: ModelConfig) -> dict[str, torch.nn.Parameter]:
 
 def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, rank: int
                ) -> tuple[int, int, int]:
-    """``(parameter, gradient, optimizer)`` bytes of ``rank``, from meta tensors of its shapes."""
+    """``(parameter, gradient, optimizer)`` bytes of ``rank``, from the shapes of its shards (fp32 parameters)."""
     fsdp = config.parallel.fsdp
     held, stored = [], []
     for param in full.values():
         shape, padded = local_shapes(param, dims, rank, fsdp, config.parallel.dp_replicate)
-        held.append(torch.nn.Parameter(torch.empty(shape, device="meta")))
-        stored.append(torch.empty(padded, device="meta"))
-    module = torch.nn.ParameterList(held)
-    for param in held:
-        param.grad = torch.empty_like(param)
-    optimizer = build_optimizer(module, replace(config.optimizer, implementation="foreach"),
+        held.append(shape)
+        stored.append(padded.numel() * 4)
+    return sum(stored), sum(stored), optimizer_state_bytes(config.optimizer, held)
+
+
+def optimizer_state_bytes(optimizer: OptimizerConfig, shapes: list[torch.Size]) -> int:
+    """The bytes of the state AdamW (``build_optimizer``) keeps for fp32 parameters of ``shapes`` (moments and
+    step counts), without running it on them: from one step on a small probe per number of dims."""
+    key = dataclasses.astuple(optimizer)
+    return sum(nbytes // 3 ** len(shape) * shape.numel() if scales else nbytes
+               for shape in shapes for scales, nbytes in _state_layout(optimizer, key, len(shape)))
+
+
+_LAYOUTS: dict[tuple, tuple[tuple[bool, int], ...]] = {}  # state per parameter, by (optimizer, dims)
+
+
+def _state_layout(optimizer: OptimizerConfig, key: tuple, dims: int) -> tuple[tuple[bool, int], ...]:
+    """The state AdamW (``optimizer``, ``key`` its values) keeps for an fp32 parameter of ``dims`` dims, as
+    ``(scales, bytes)`` per state tensor: what one step of the real optimizer makes for a meta probe of that many
+    dims (3 x ... x 3), each state tensor either of the parameter's shape (``scales``: ``bytes`` is the probe's)
+    or of its own size (the step count)."""
+    if (key, dims) not in _LAYOUTS:
+        probe = torch.nn.Parameter(torch.empty((3,) * dims, device="meta"))
+        probe.grad = torch.empty_like(probe)
+        adamw = build_optimizer(torch.nn.ParameterList([probe]), replace(optimizer, implementation="foreach"),
                                 torch.device("meta"))  # the same state as fused, which meta tensors refuse
-    optimizer.step()  # AdamW creates its state (on the meta device, the step counts on the CPU)
-    moments = [value for entry in optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
-    return _nbytes(stored), _nbytes(stored), _nbytes(moments)
+        adamw.step()  # AdamW creates its state (on the meta device, the step count on the CPU)
+        _LAYOUTS[key, dims] = tuple((value.shape == probe.shape and dims > 0, value.numel() * value.element_size())
+                                    for value in adamw.state[probe].values() if torch.is_tensor(value))
+    return _LAYOUTS[key, dims]
 
 
 def _reduces_per_step(config: Config) -> bool:
@@ -152,8 +168,13 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
     the rank's parameter and gradient bytes."""
     tp_local = {name: p.numel() // (dims.tp if tensor_parallel_dim(p) is not None else 1) for name, p in full.items()}
     layers = config.model.num_layers
-    blocks = [sum(n for name, n in tp_local.items() if name.startswith(f"layers.{i}.")) for i in range(layers)]
-    root, every = sum(n for name, n in tp_local.items() if not name.startswith("layers.")), sum(tp_local.values())
+    blocks, root = [0] * layers, 0  # each block's parameters ("layers.{i}.*") and the rest's
+    for name, n in tp_local.items():
+        if name.startswith("layers."):
+            blocks[int(name.split(".", 2)[1])] += n
+        else:
+            root += n
+    every = root + sum(blocks)
     head_weight = config.model.vocab_size // dims.tp * config.model.hidden_size
     accumulating = accumulation > 1
     if config.parallel.fsdp:

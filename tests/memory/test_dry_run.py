@@ -12,9 +12,12 @@ import torch
 
 from bench import dry_run_check
 from bench.tensor_bytes import LiveTensorBytes
+from cp_train.config.schema import OptimizerConfig
 from cp_train.config.sources import load_config
+from cp_train.memory import dry_run
 from cp_train.memory.dry_run import GIB, RankMemory, memory_plan, resolve_fsdp_reduce, with_reduce
 from cp_train.memory.dry_run_report import report, shrink_hint
+from cp_train.optim import build_optimizer
 from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
 from tests import dry_run_cases, trainer_cases
 
@@ -116,6 +119,22 @@ def test_the_hints_name_micro_batches_the_fsdp_reduction_checkpointing_and_seque
     assert "model.activation_checkpointing=selective" in hint, hint
     assert "train.micro_batch_size=1 (activations scale with it)" in hint, hint
     assert "parallel.sequence_parallel" not in shrink_hint(_8b("parallel.tp=2"), activations)  # on by default
+
+
+@pytest.mark.parametrize("implementation", ["auto", "foreach"])
+def test_the_optimizer_state_is_what_adamw_makes(implementation: str) -> None:
+    """The dry run's optimizer bytes (from a probe per number of dims) are the bytes of the state torch's AdamW
+    makes on CPU for parameters of every kind the runs hold: matrices, vectors, empty FSDP shards, a scalar."""
+    shapes = [torch.Size(s) for s in [(4, 6), (6,), (0, 6), (0,), (), (2, 3, 5), (7, 1)]]
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    config = OptimizerConfig(implementation=implementation)
+    adamw = build_optimizer(torch.nn.ParameterList(params), config, torch.device("cpu"))
+    adamw.step()
+    made = sum(value.numel() * value.element_size() for state in adamw.state.values() for value in state.values()
+               if torch.is_tensor(value))
+    assert made == dry_run.optimizer_state_bytes(config, shapes) == 8 * sum(s.numel() for s in shapes) + 4 * len(shapes)
 
 
 def test_rank_memory_totals() -> None:
