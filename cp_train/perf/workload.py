@@ -11,6 +11,7 @@ rank's tokens per sample (``seq_len / cp``), ``batch`` the micro-batch's samples
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cp_train.config.schema import Config
@@ -87,7 +88,7 @@ def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int,
     # places zigzag's chunks (parallel/cp/balanced_layout.py)
     layout = "zigzag" if parallel.cp_layout == "balanced" and not documents else parallel.cp_layout
 
-    def plans(ulysses: int) -> tuple[list, int, int]:
+    def plans(ulysses: int) -> tuple[Sequence, int, int]:
         if documents:
             return rank_plans(algorithm, layout, cp, ulysses, documents, n * cp), 1, n
         small = PLAN_ROWS if n % PLAN_ROWS == 0 else n  # a static layout's plan scales with n

@@ -15,6 +15,7 @@ the fit boundary inside the space) is predicted; then:
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 from collections import defaultdict
 
@@ -126,8 +127,11 @@ def test_progress_lines_and_the_time_limit(capsys) -> None:
     base, rates, peak, device, reserve, _ = _setting(args)
     seen = []
     result = search(base, GPUS, rates, peak, device, reserve, choices_of(args), progress=lambda r: seen.append(
-        r.progress_line()), progress_every_s=0.0, max_seconds=0.0)
+        (r.progress_line(), gc.isenabled())), progress_every_s=0.0, max_seconds=0.0)
     assert result.stopped and 0 < result.evaluated < result.total and len(seen) == 1
+    (line, collecting), = seen
+    assert not collecting and gc.isenabled(), "the search runs without the cyclic collector and restores it"
+    seen = [line]
     assert re.fullmatch(rf"searched {result.evaluated}/{result.total} layouts in \d+ s; (none fits yet|best so far "
                         r"[\d,]+ tokens/s per GPU \(tp \d .*\))", seen[0]), seen
     assert plan_main([*ARGV, "--max-seconds", "0", "--top", "2"]) == 0

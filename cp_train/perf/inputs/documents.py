@@ -8,6 +8,7 @@ plans each rank's tokens with ``plan_from_gathered`` in the layout, the very pla
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -84,10 +85,12 @@ def consecutive_samples(lengths: tuple[int, ...], seq_len: int, count: int) -> l
     return samples
 
 
+@lru_cache(maxsize=512)
 def rank_plans(algorithm: CPAlgorithm, layout: str, cp: int, ulysses: int, lengths: tuple[int, ...], seq_len: int
-               ) -> list[CPPlan]:
-    """Every CP rank's plan of the sample packed from ``lengths`` (rank order)."""
+               ) -> tuple[CPPlan, ...]:
+    """Every CP rank's plan of the sample packed from ``lengths`` (rank order). Cached: a search asks for the same
+    plans under every TP, DP, sharding and checkpointing choice, which leave them alone."""
     docs = packed_document_ids(lengths, seq_len)
     index = rank_positions(docs, cp, layout)  # [cp, 1, seq_len // cp], as the loader slices
     every_docs = torch.gather(docs.expand(cp, 1, seq_len), 2, index)
-    return [plan_from_gathered(algorithm, cp, rank, ulysses, True, every_docs, index) for rank in range(cp)]
+    return tuple(plan_from_gathered(algorithm, cp, rank, ulysses, True, every_docs, index) for rank in range(cp))
