@@ -17,7 +17,7 @@ first failing rank's traceback.
 gets them in rank order and returns None or one line, which fails the job (the test suite's strict
 communication layer, ``tests/strict_comm.py``).
 
-``preload`` names modules to import once in a fork server: the ranks then fork from it instead of starting
+``preload`` names modules to import once in a fork server (Linux): the ranks then fork from it instead of starting
 a fresh interpreter (a world of 8 starts in 0.7 s instead of 6 s, torch and the named modules already
 imported). The first world that asks starts the server; its list holds for the rest of the process. Each rank
 still gets the parent's environment as it was when its world started, as a spawned rank would.
@@ -85,8 +85,9 @@ def _rank_main(rank: int, world: int, port: int, threads: int, timeout_s: float,
 
 
 def _context(preload: Sequence[str]) -> Any:
-    """spawn, or with ``preload`` a fork server that imported those modules (and torch) once."""
-    if not preload:
+    """spawn, or with ``preload`` on Linux a fork server that imported those modules (and torch) once (elsewhere
+    spawn: macOS frameworks are not safe to fork after their first use, and Windows has no fork)."""
+    if not preload or sys.platform != "linux":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, *preload])
