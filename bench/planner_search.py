@@ -5,8 +5,9 @@
 Each case runs the search of ``cp-train-plan MODEL --seq-len 131072 --gpus N [--document-lengths 4096]`` in a
 fresh process (no plan cached from another case), timing the search alone. ``baseline`` undoes, in that process:
 the optimizer state from a probe (``dry_run.optimizer_state_bytes``; the baseline runs AdamW over meta tensors of
-every parameter of the rank, as before), the cached plans of packed samples (``documents.rank_plans``) and the
-search without the cyclic collector (``search.search``). Both must print the same layouts; ``speedup`` is the
+every parameter of the rank, as before), the cached plans of packed samples (``documents.search_rank_plans``) and the
+search without the cyclic collector (``search.search``); both keep the cuDNN shape count's planning of each distinct
+sample once (``host.new_shapes_per_micro_batch``). Both must print the same layouts; ``speedup`` is the
 baseline's seconds over now's. Prints JSON lines, then a table.
 """
 
@@ -49,13 +50,13 @@ def run_case(name: str, baseline: bool) -> dict:
     """In this process: the case's search (undone to the baseline when asked), timed."""
     from cp_train.cli import plan
     from cp_train.memory import dry_run
-    from cp_train.perf import host, workload
     from cp_train.perf import search as search_module
+    from cp_train.perf import workload
     from cp_train.perf.inputs import documents as documents_module
 
     if baseline:
         dry_run.optimizer_state_bytes = _optimizer_bytes_by_stepping
-        workload.rank_plans = host.rank_plans = documents_module.rank_plans.__wrapped__
+        workload.search_rank_plans = documents_module.rank_plans
         search_module.search = search_module.search.__wrapped__
     args = plan.build_parser().parse_args([*CASES[name], "--seq-len", "131072"])
     hardware = plan.load_hardware(args.hardware)

@@ -18,7 +18,7 @@ gets them in rank order and returns None or one line, which fails the job (the t
 communication layer, ``tests/strict_comm.py``).
 
 ``preload`` names modules to import once in a fork server (Linux): the ranks then fork from it instead of starting
-a fresh interpreter (a world of 8 starts in 0.7 s instead of 6 s, torch and the named modules already
+a fresh interpreter (a world of 8 starts in 0.8 s instead of 9 s, torch and the named modules already
 imported). The first world that asks starts the server; its list holds for the rest of the process. Each rank
 still gets the parent's environment as it was when its world started, as a spawned rank would.
 """

@@ -61,7 +61,7 @@ def new_shapes_per_micro_batch(algorithm: CPAlgorithm, layout: str, cp: int, uly
     static = _dense_shapes(rank_plans(algorithm, layout, cp, ulysses, (seq_len,), seq_len))
     bounded = {(rows, keys) for rows, keys in layout_shapes(seq_len // cp)}
     per_rank = [set() for _ in range(cp)]
-    for pieces in samples:
+    for pieces in dict.fromkeys(samples):  # each distinct sample once (documents of one length give one)
         for rank, shapes in enumerate(_dense_shapes(rank_plans(algorithm, layout, cp, ulysses, pieces, seq_len))):
             per_rank[rank] |= {s for s in shapes - static[rank] if s[:2] not in bounded}
     return max(len(shapes) for shapes in per_rank) / len(samples)

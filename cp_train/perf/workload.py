@@ -26,7 +26,7 @@ from cp_train.parallel.cp.algorithms.costs import (
 )
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.cp.plan.batch_plan import layout_plan
-from cp_train.perf.inputs.documents import document_pieces, rank_plans
+from cp_train.perf.inputs.documents import document_pieces, search_rank_plans
 
 __all__ = ["ATTENTION_BACKWARD", "AttentionStep", "Collective", "Gemm", "KernelCall", "Workload", "build_workload"]
 
@@ -90,7 +90,7 @@ def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int,
 
     def plans(ulysses: int) -> tuple[Sequence, int, int]:
         if documents:
-            return rank_plans(algorithm, layout, cp, ulysses, documents, n * cp), 1, n
+            return search_rank_plans(algorithm, layout, cp, ulysses, documents, n * cp), 1, n
         small = PLAN_ROWS if n % PLAN_ROWS == 0 else n  # a static layout's plan scales with n
         return [layout_plan(algorithm, layout, cp, rank, small, ulysses) for rank in range(cp)], n // small, small
 

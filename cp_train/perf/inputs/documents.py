@@ -85,12 +85,18 @@ def consecutive_samples(lengths: tuple[int, ...], seq_len: int, count: int) -> l
     return samples
 
 
-@lru_cache(maxsize=512)
 def rank_plans(algorithm: CPAlgorithm, layout: str, cp: int, ulysses: int, lengths: tuple[int, ...], seq_len: int
-               ) -> tuple[CPPlan, ...]:
-    """Every CP rank's plan of the sample packed from ``lengths`` (rank order). Cached: a search asks for the same
-    plans under every TP, DP, sharding and checkpointing choice, which leave them alone."""
+               ) -> list[CPPlan]:
+    """Every CP rank's plan of the sample packed from ``lengths`` (rank order)."""
     docs = packed_document_ids(lengths, seq_len)
     index = rank_positions(docs, cp, layout)  # [cp, 1, seq_len // cp], as the loader slices
     every_docs = torch.gather(docs.expand(cp, 1, seq_len), 2, index)
-    return tuple(plan_from_gathered(algorithm, cp, rank, ulysses, True, every_docs, index) for rank in range(cp))
+    return [plan_from_gathered(algorithm, cp, rank, ulysses, True, every_docs, index) for rank in range(cp)]
+
+
+@lru_cache(maxsize=64)
+def search_rank_plans(algorithm: CPAlgorithm, layout: str, cp: int, ulysses: int, lengths: tuple[int, ...],
+                      seq_len: int) -> tuple[CPPlan, ...]:
+    """``rank_plans``, kept for a search: it asks for the same plans under every TP, DP, sharding and checkpointing
+    choice, which leave them alone (a few dozen algorithm, layout and cp pairs per search)."""
+    return tuple(rank_plans(algorithm, layout, cp, ulysses, lengths, seq_len))
