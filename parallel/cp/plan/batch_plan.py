@@ -26,7 +26,7 @@ from cp_train.parallel.cp.layout import STATIC_LAYOUTS, sequence_positions
 from cp_train.parallel.cp.plan.device import CPU, Apply, MovedOnce, plan_device
 from cp_train.parallel.cp.plan.documents import gather_mask_inputs
 from cp_train.parallel.cp.plan.rank_plan import RankPlan, build_plan, gathered_plan, pair_segments
-from cp_train.parallel.cp.plan.segments import Window, pack_keys, runs, visible_intervals, window_pairs
+from cp_train.parallel.cp.plan.segments import Window, dense_call_count, pack_keys, visible_intervals, window_pairs
 from cp_train.parallel.cp.plan.ulysses_plan import UlyssesDocuments
 from cp_train.parallel.cp.plan.window_plan import halo_is_cheaper
 from cp_train.parallel.mesh.model_parallel import CPGroups
@@ -135,7 +135,7 @@ def work(tokens: Tokens, everyone: torch.Tensor, causal: bool,
         start, stop = visible_intervals(tokens.keys[rank], tokens.docs[rank], everyone, tokens.span, causal,
                                         window)
         areas.append(int((stop - start).clamp_min(0).sum()))
-        calls = max(calls, sum(len(segment.dense_calls()) for segment in runs(start, stop)))
+        calls = max(calls, dense_call_count(start, stop))
     return tuple(areas), calls
 
 

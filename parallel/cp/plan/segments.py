@@ -129,44 +129,72 @@ def visible_intervals(q_keys: torch.Tensor, q_docs: torch.Tensor, kv_keys: torch
 
 
 def runs(start: torch.Tensor, stop: torch.Tensor) -> list[Segment]:
-    """Cut query rows into runs (see the module docstring) and return one ``Segment`` per run.
+    """Cut query rows into runs (see the module docstring) and return one ``Segment`` per run."""
+    start_np, stop_np = start.numpy(), stop.numpy()
+    return [Segment((first, last + 1), (int(start_np[first]), int(stop_np[last])),
+                    kind in (DIAG, SLIDE) and last > first, kind in (SLIDE, SHRINK) and last > first)
+            for first, last, kind in _run_rows(start_np, stop_np).tolist()]
+
+
+def dense_call_count(start: torch.Tensor, stop: torch.Tensor) -> int:
+    """``sum(len(s.dense_calls()) for s in runs(start, stop))`` without building the segments: a row alone or a
+    full rectangle is one call, a causal rectangle wider than tall two; only bands and inverted triangles (few)
+    are cut one by one. Layouts that interleave ranks (stripe) against a gathered sequence make one run per row."""
+    start_np, stop_np = start.numpy(), stop.numpy()
+    first, last, kind = _run_rows(start_np, stop_np).T
+    several = last > first
+    causal = several & ((kind == DIAG) | (kind == SLIDE))
+    slide = several & ((kind == SLIDE) | (kind == SHRINK))
+    wide = causal & ~slide & (stop_np[last] - start_np[first] != last - first + 1)
+    count = int((~slide).sum() + wide.sum())
+    for i in np.flatnonzero(slide).tolist():
+        segment = Segment((int(first[i]), int(last[i]) + 1), (int(start_np[first[i]]), int(stop_np[last[i]])),
+                          bool(causal[i]), True)
+        count += len(segment.dense_calls())
+    return count
+
+
+def _run_rows(start_np: np.ndarray, stop_np: np.ndarray) -> np.ndarray:
+    """The runs as ``[runs, 3]`` int64 rows ``(first row, last row, kind)``, in row order.
 
     ``link[j]`` says how row j+1 continues row j (same interval, one key more, or neither); the loop
-    visits stretches of equal links, not rows, so its cost follows the number of runs.
+    visits stretches of equal links, not rows, so its cost follows the number of stretches (rows that stand
+    alone come as one array per stretch).
     """
-    start_np, stop_np = start.numpy(), stop.numpy()
     valid = stop_np > start_np
     if not valid.any():
-        return []
+        return np.zeros((0, 3), dtype=np.int64)
     both = valid[1:] & valid[:-1]
     d_start, d_stop = start_np[1:] - start_np[:-1], stop_np[1:] - stop_np[:-1]
     link = np.full(len(both), NONE, dtype=np.int64)
     for kind, (a, b) in STEPS.items():
         link[both & (d_start == a) & (d_stop == b)] = kind
-    found: list[tuple[int, int, int]] = []  # (first row, last row, kind) of each closed run
+    found: list[np.ndarray] = []  # closed runs, in row order
     current = (0, 0, NONE) if valid[0] else None  # the run holding the last row visited
     edges = np.flatnonzero(np.diff(link)) + 1
-    for lo, hi in zip(np.concatenate(([0], edges)), np.concatenate((edges, [len(link)])), strict=True):
-        lo, hi = int(lo), int(hi)  # links lo..hi-1 join rows lo..hi
-        kind = int(link[lo]) if hi > lo else NONE
-        if hi == lo:
+    for lo, hi in zip(np.concatenate(([0], edges)).tolist(), np.concatenate((edges, [len(link)])).tolist(),
+                      strict=True):
+        if hi == lo:  # links lo..hi-1 join rows lo..hi
             continue
+        kind = int(link[lo])
         if kind == NONE:  # rows lo+1..hi each stand alone
             if current is not None:
-                found.append(current)
-            found.extend((int(r), int(r), NONE) for r in np.flatnonzero(valid[lo + 1: hi + 1]) + lo + 1)
-            current = found.pop() if found and found[-1][0] == hi else None
+                found.append(np.array([current], dtype=np.int64))
+            alone = np.flatnonzero(valid[lo + 1: hi + 1]) + lo + 1
+            current = (hi, hi, NONE) if len(alone) and alone[-1] == hi else None
+            if current is not None:
+                alone = alone[:-1]
+            if len(alone):
+                found.append(np.stack([alone, alone, np.full_like(alone, NONE)], axis=1))
         elif current is not None and current[2] in (NONE, kind):
             current = (current[0], hi, kind)
         else:
             if current is not None:
-                found.append(current)
+                found.append(np.array([current], dtype=np.int64))
             current = (lo + 1, hi, kind if hi > lo + 1 else NONE)
     if current is not None:
-        found.append(current)
-    return [Segment((first, last + 1), (int(start_np[first]), int(stop_np[last])),
-                    kind in (DIAG, SLIDE) and last > first, kind in (SLIDE, SHRINK) and last > first)
-            for first, last, kind in found]
+        found.append(np.array([current], dtype=np.int64))
+    return np.concatenate(found) if found else np.zeros((0, 3), dtype=np.int64)
 
 
 def window_pairs(rows: int, causal: bool, window: Window | None = None) -> int:
