@@ -30,7 +30,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 DEBUG_ENV = "CP_TRAIN_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -166,10 +166,10 @@ def run_entry_point(prog: str, main: Callable[[list[str]], int | None], argv: Se
         return code
 
 
-def agree(check: Callable[[], T]) -> T:
+def agree(check: Callable[[], T], group: Any = None) -> T:
     """Run ``check()`` on this rank, then raise on every rank the first ``CpTrainError`` any rank raised
-    (lowest rank first), so that a check made on some ranks stops all of them alike. Collective over the
-    default process group (when one is initialised); returns ``check()``'s value."""
+    (lowest rank first), so that a check made on some ranks stops all of them alike. Collective over
+    ``group`` (default: the default process group, when one is initialised); returns ``check()``'s value."""
     import torch.distributed as dist
 
     value, failure = None, None
@@ -178,9 +178,9 @@ def agree(check: Callable[[], T]) -> T:
     except CpTrainError as error:
         failure = (type(error), str(error))
     failures = [failure]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        failures = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, failure)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        failures = [None] * dist.get_world_size(group)
+        dist.all_gather_object(failures, failure, group=group)
     for found in failures:
         if found is not None:
             kind, message = found

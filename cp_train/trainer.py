@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from cp_train import run_log, run_parts
-from cp_train.checkpoint.dcp import read_meta, save_checkpoint
+from cp_train.checkpoint.async_save import saver_for
+from cp_train.checkpoint.dcp import read_meta
 from cp_train.config.validate import with_accumulation
 from cp_train.data.loader import CP_PLAN
 from cp_train.eval.periodic import PeriodicEval
@@ -84,6 +85,7 @@ class Trainer:
         self.grad_callback: Callable[[int], None] | None = None  # called after the gradient sum (tests)
         self._unread = UnreadSteps()  # steps whose scalars are still on the device
         self._last_saved = self.step if self.env.resumed_from is not None else -1
+        self.saver = saver_for(state, config.checkpoint, config.parallel.timeout_minutes)  # async_save.py
         self.resumed_meta = read_meta(self.env.resumed_from) if self.env.resumed_from is not None else None
         self._wandb: dict[str, str] | None = None  # the wandb run's id and group (rank 0), saved in checkpoints
         self.long_eval = PeriodicEval(config)  # eval.every: long-context tasks (cp_train/eval)
@@ -202,10 +204,9 @@ class Trainer:
         if not ckpt.save or self._last_saved == self.step:
             return
         self.read_steps()  # a diverged model is not saved
-        meta = run_log.checkpoint_meta(self)
-        path = save_checkpoint(ckpt.save, self.step, self.sharded, meta, self.state, keep=ckpt.keep)
+        for line in self.saver.save(ckpt.save, self.step, self.sharded, run_log.checkpoint_meta(self), ckpt.keep):
+            self._note(line)
         self._last_saved = self.step
-        self._note(f"saved checkpoint {path}")
 
     # ------------------------------------------------------------------------------------ loop
     def train(self, until_step: int | None = None) -> TrainResult:
@@ -280,12 +281,16 @@ class Trainer:
             if self.step == first:
                 writers.log(run_log.setup_record(self, sizes, first))
             self.save()
+            for line in self.saver.wait():  # the checkpoint is complete before the run ends
+                self._note(line)
             for line in check.summary():
                 self._note(line)
             if halted:  # the last line
                 self._note(Preemption.stopped(halted, self.step, bool(config.checkpoint.save)))
             self._flush(writers)
         finally:
+            with contextlib.suppress(Exception):  # a failed run still completes the save in flight
+                self.saver.close()
             writers.close(quiet=halted is not None)  # a signal's stop: its line is the last
             if self.collectives is not None:
                 self.collectives.close()

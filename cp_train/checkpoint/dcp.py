@@ -195,6 +195,14 @@ def save_checkpoint(root: str | os.PathLike, step: int, sharded: ShardedState, m
     """Save on every rank (collective); ``latest`` moves to this checkpoint only once all of it is written,
     then only the newest ``keep`` complete checkpoints are kept (0: all). ``RunFailure`` on every rank when
     any rank fails to write its part."""
+    return write_checkpoint(root, step, sharded.state_dict(), capture_rng_state(), meta, state, keep)
+
+
+def write_checkpoint(root: str | os.PathLike, step: int, state_dict: dict[str, Any], rng: dict[str, Any],
+                     meta: dict[str, Any], state: ParallelState, keep: int = 0,
+                     group: dist.ProcessGroup | None = None) -> Path:
+    """``save_checkpoint`` of a ``ShardedState.state_dict()`` (or its host copy) and this rank's RNG states
+    ``rng``, every collective on ``group`` (default: the default group; ``async_save.py`` passes its own)."""
     root = Path(root)
     target = root / step_dir_name(step)
     previous = latest_name(root)
@@ -205,7 +213,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, sharded: ShardedState, m
                 work()
             except Exception as error:  # noqa: BLE001 - reported as a failed save naming the directory
                 raise save_failure(error, target, previous) from None
-        agree(check)
+        agree(check, group)
 
     def prepare() -> None:
         if state.rank == 0:
@@ -220,7 +228,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, sharded: ShardedState, m
     def write_rng() -> None:
         name = f"rng/rank_{state.rank:05d}.pt"
         with open(target / name, "wb") as handle:
-            torch.save(capture_rng_state(), handle)
+            torch.save(rng, handle)
         digests.update({name: file_digest(target / name), **hashing.digests})
 
     def publish() -> None:
@@ -233,20 +241,20 @@ def save_checkpoint(root: str | os.PathLike, step: int, sharded: ShardedState, m
 
     on_every_rank(prepare)
     try:
-        dcp.save(sharded.state_dict(), storage_writer=writer)
+        dcp.save(state_dict, storage_writer=writer, process_group=group)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as error:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
         raise save_failure(error, target, previous) from None
     on_every_rank(write_rng)
     every_rank: list[dict[str, tuple[int, str]]] = [digests]
-    if dist.get_world_size() > 1:
-        every_rank = [{}] * dist.get_world_size()
-        dist.all_gather_object(every_rank, digests)
+    if dist.get_world_size(group) > 1:
+        every_rank = [{}] * dist.get_world_size(group)
+        dist.all_gather_object(every_rank, digests, group=group)
     on_every_rank(publish)
     if state.rank == 0:
         prune(root, keep)
-    dist.barrier()
+    dist.barrier(group=group)
     return target
 
 

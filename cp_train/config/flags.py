@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-BOOLEAN_FLAGS = {"--fsdp": "parallel.fsdp", "--compile": "train.compile"}  # with --no-... forms
+BOOLEAN_FLAGS = {"--fsdp": "parallel.fsdp", "--compile": "train.compile",  # with --no-... forms
+                 "--async-save": "checkpoint.async_save"}  # Megatron-LM's name
 BOOLEAN_FLAGS_SPEC = {flag: (key,) for flag, key in BOOLEAN_FLAGS.items()}
 # options of the command itself
 NOT_CONFIG = ("config", "overrides", "debug", "dry_run", "device_memory_gib", "reserve_gib", "reserve_fraction")

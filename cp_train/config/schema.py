@@ -128,6 +128,7 @@ class CheckpointConfig:
     auto_resume: bool = True  # with no load, resume from save's `latest` when there is one
     init_from_hf: str | None = None  # HF Llama directory: model shape from its config.json, weights unless resuming
     keep: int = 2  # complete checkpoints kept in `save` (older ones are deleted); 0: keep all
+    async_save: bool = False  # write behind training: the step waits only for the copy to host memory
     # keys whose change since the checkpoint a resume may accept (resume.py; e.g. [train.global_batch_size])
     allow_changes: list[str] = field(default_factory=list)
 

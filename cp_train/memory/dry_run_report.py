@@ -22,6 +22,7 @@ from cp_train.memory.offload import (
     PREFETCH_LAYERS,
     HostMemory,
     OffloadPlan,
+    checkpoint_copy_bytes,
     host_hint,
     ranks_per_node,
 )
@@ -67,9 +68,11 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
                  f"({gib('block_backward' if head else 'head_backward')} in {'a block' if head else 'the head'}'s): "
                  f"peak {sig3(worst.activation_bytes / GIB)} GiB at {PHASES[worst.phase]}")
     plan, host_fits = assumed["offload"], True
-    if plan is not None:
-        offload, host_fits = offload_lines(plan, host, host.ranks_per_node if host else ranks_per_node(world))
-        lines += offload
+    staging = checkpoint_copy_bytes(config, worst.parameter_bytes, worst.optimizer_bytes)
+    if plan is not None or staging:
+        held, host_fits = host_lines(plan, staging, assumed["device"] == "cuda", host,
+                                     host.ranks_per_node if host else ranks_per_node(world))
+        lines += held
     header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
     rows = [header] + [(str(r.rank), *(sig3(b / GIB) for b in (
         r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes, r.state_bytes, r.gathered_bytes,
@@ -89,28 +92,39 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     if not fits:
         lines.append(f"to fit: {shrink_hint(config, worst, assumed['accumulation'])}")
     elif not host_fits:
-        need = plan.host_per_node(host.ranks_per_node) / GIB
-        lines.append(f"does NOT fit the host: the offloaded activations need {sig3(need)} GiB per node of "
-                     f"{sig3(host.usable_gib)} GiB usable ({host.source})")
-        lines.append(f"to fit: {host_hint(model)}")
+        need = host.ranks_per_node * ((plan.host_bytes if plan else 0) + staging) / GIB
+        lines.append(f"does NOT fit the host: {'the offloaded activations' if plan else ''}"
+                     f"{' and ' if plan and staging else ''}{'the checkpoint copy' if staging else ''} need "
+                     f"{sig3(need)} GiB per node of {sig3(host.usable_gib)} GiB usable ({host.source})")
+        hints = [host_hint(model)] if plan else []
+        lines.append(f"to fit: {'; '.join(hints + (['checkpoint.async_save=false'] if staging else []))}")
     return DryRunReport("\n".join(lines), fits and host_fits)
 
 
-def offload_lines(plan: OffloadPlan, host: HostMemory | None, ranks_per_node: int) -> tuple[list[str], bool]:
-    """The report's lines about ``plan`` and whether the host memory holds it (True without ``host``)."""
+def host_lines(plan: OffloadPlan | None, staging: int, cuda: bool, host: HostMemory | None,
+               ranks_per_node: int) -> tuple[list[str], bool]:
+    """The report's lines about what a rank keeps in host memory (``plan``'s offloaded activations, ``staging``
+    bytes of checkpoint copy) and whether a node's host memory holds it (True without ``host``)."""
     g = lambda b: sig3(b / GIB)  # noqa: E731
-    what = {"full": "the block input", "selective": "the block input and the CP attention's q, k, v, output, lse",
-            "none": "every saved activation"}[plan.checkpointing]
-    node = plan.host_per_node(ranks_per_node)
-    lines = [f"activation offload {plan.mode}: {plan.layers} blocks move {g(plan.per_layer)} GiB each ({what}) to "
-             f"{'pinned ' if plan.cuda else ''}host memory and back, {g(plan.traffic_bytes)} GiB each way per "
-             f"micro-batch; on the device the last block's and a prefetch window of {1 + PREFETCH_LAYERS} blocks"]
-    if not plan.cuda:
-        lines[0] += " (on CPU host and device are one memory: nothing is saved)"
+    lines = []
+    if plan is not None:
+        what = {"full": "the block input", "selective": "the block input and the CP attention's q, k, v, output, lse",
+                "none": "every saved activation"}[plan.checkpointing]
+        lines.append(f"activation offload {plan.mode}: {plan.layers} blocks move {g(plan.per_layer)} GiB each ({what}) "
+                     f"to {'pinned ' if plan.cuda else ''}host memory and back, {g(plan.traffic_bytes)} GiB each way "
+                     f"per micro-batch; on the device the last block's and a prefetch window of "
+                     f"{1 + PREFETCH_LAYERS} blocks")
+        if not plan.cuda:
+            lines[0] += " (on CPU host and device are one memory: nothing is saved)"
+    if staging:
+        lines.append(f"checkpoint.async_save: a {'pinned ' if cuda else ''}host copy of the rank's parameters and "
+                     f"optimizer state, {g(staging)} GiB per rank, kept for the run")
+    per_rank = (plan.host_bytes if plan is not None else 0) + staging
+    node = ranks_per_node * per_rank
     fits = host is None or node <= host.usable_gib * GIB
     where = (f" of {sig3(host.usable_gib)} GiB usable ({100 * HOST_USABLE_FRACTION:.0f}% of {host.gib_per_node:g} GiB, "
              f"{host.source})" if host else "")
-    lines.append(f"host memory: {g(plan.host_bytes)} GiB per rank, {g(node)} GiB per node of {ranks_per_node} "
+    lines.append(f"host memory: {g(per_rank)} GiB per rank, {g(node)} GiB per node of {ranks_per_node} "
                  f"rank(s){where}{'' if fits else ': does NOT fit the host'}")
     return lines, fits
 

@@ -13,18 +13,22 @@ block's backward that block's fetched tensors and those of the ``PREFETCH_LAYERS
 block's are freed by then: one block more than at the head's backward). The host holds every moved tensor in
 pinned memory, each rounded up to a power of two (PyTorch's caching host allocator), from the forward until its
 block's backward. On CPU host and device are one memory: nothing is saved, and the prefetched block is a second
-copy of it there.
+copy of it there. With ``checkpoint.async_save`` the host also keeps a copy of each rank's parameters and
+optimizer state for the run (``checkpoint_copy_bytes``), counted with the offload against a node's host memory.
 """
 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from cp_train.memory.attention_memory import Shapes
 from cp_train.model.config import ModelConfig
 from cp_train.parallel.cp.algorithms.costs import ACC
 from cp_train.parallel.offload import KEEP_LAST_LAYERS, PREFETCH_LAYERS
+
+if TYPE_CHECKING:
+    from cp_train.config.schema import Config
 
 GIB = 2.0**30
 # the share of a node's host memory the offload may fill: the rest for the OS, the data loader's workers, the CUDA
@@ -70,6 +74,13 @@ class OffloadPlan(NamedTuple):
 
     def host_per_node(self, ranks_per_node: int) -> int:
         return ranks_per_node * self.host_bytes
+
+
+def checkpoint_copy_bytes(config: Config, parameter_bytes: int, optimizer_bytes: int) -> int:
+    """Host bytes per rank of ``checkpoint.async_save``'s copy (``checkpoint/async_save.py``): the rank's parameters
+    and optimizer state, page-locked in place on CUDA (not rounded up); 0 without it."""
+    ckpt = config.checkpoint
+    return parameter_bytes + optimizer_bytes if ckpt.async_save and ckpt.save else 0
 
 
 def ranks_per_node(world: int, gpus_per_node: int = 8) -> int:

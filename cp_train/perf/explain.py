@@ -63,8 +63,8 @@ def explain(prediction: Prediction, hardware: Hardware) -> str:
                  f"({'fits' if prediction.fits else 'does NOT fit'}): parameters {memory['parameters']:.3g}, "
                  f"gradients {memory['gradients']:.3g}, optimizer {memory['optimizer']:.3g}, gathered "
                  f"{memory['gathered']:.3g}, activations {memory['activations']:.3g}.")
-    if "host" in memory:  # activation offload
-        lines.append(f"host memory (activation offload): {memory['host']:.3g} GiB per GPU, "
+    if "host" in memory:  # activation offload, checkpoint.async_save's copy of the state
+        lines.append(f"host memory (activation offload, checkpoint copy): {memory['host']:.3g} GiB per GPU, "
                      f"{memory['host_per_node']:.3g} per node of {prediction.host_usable_gib:.3g} usable.")
     if record["cp"] > 1:  # the in-run CP check's forward of a whole sample (every 1000 steps unless set)
         every = prediction.config.train.check_cp_every or SUGGESTED_CHECK_EVERY

@@ -8,7 +8,7 @@ from typing import Any
 
 from cp_train.config.schema import Config
 from cp_train.memory.dry_run import GIB, memory_plan, with_vocab
-from cp_train.memory.offload import HOST_USABLE_FRACTION, ranks_per_node
+from cp_train.memory.offload import HOST_USABLE_FRACTION, checkpoint_copy_bytes, ranks_per_node
 from cp_train.model.family import attention_flops, matmul_params, model_flops_per_token
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.perf.host import host_seconds
@@ -193,8 +193,10 @@ def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, 
               "activations": worst.activation_bytes / GIB, "total": worst.total_bytes / GIB}
     hardware = rates.hardware
     node = ranks_per_node(world, hardware.gpus_per_node)
-    if assumed["offload"] is not None:  # host memory per rank and per node (activation offload)
-        host = assumed["offload"].host_bytes / GIB
+    offloaded = assumed["offload"].host_bytes if assumed["offload"] is not None else 0
+    copy = checkpoint_copy_bytes(config, worst.parameter_bytes, worst.optimizer_bytes)  # checkpoint.async_save
+    host = (offloaded + copy) / GIB
+    if host:
         memory.update(host=host, host_per_node=node * host)
     seq = config.data.seq_len
     flops = {"causal_half": model_flops_per_token(config.model, seq, causal=True),

@@ -1,4 +1,5 @@
-"""``train.py`` on one GPU: bf16 autocast, a checkpoint, and a resume whose losses equal the uninterrupted run's."""
+"""``train.py`` on one GPU: bf16 autocast, a checkpoint (saved in the step, or written behind training from its
+page-locked host copy with ``--async-save``), and a resume whose losses equal the uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from cp_train.parallel.spawn import free_port
 
@@ -31,9 +34,11 @@ def _train(tmp_path: Path, name: str, *flags: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
 
 
-def test_train_save_and_exact_resume_on_one_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("save", ["in the step", "async"])
+def test_train_save_and_exact_resume_on_one_gpu(tmp_path: Path, save: str) -> None:
     checkpoints = tmp_path / "checkpoints"
-    full = _train(tmp_path, "full", "--save", str(checkpoints), "--save-interval", str(SAVE_AT))
+    full = _train(tmp_path, "full", "--save", str(checkpoints), "--save-interval", str(SAVE_AT),
+                  *(["--async-save"] if save == "async" else []))
     assert full[STEPS] < full[1] - 0.5, full
     resumed = _train(tmp_path, "resumed", "--load", str(checkpoints / f"step_{SAVE_AT:08d}"))
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))

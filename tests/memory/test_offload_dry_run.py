@@ -146,3 +146,30 @@ def test_a_slow_host_link_shows_in_the_planned_step(tmp_path, capsys) -> None:
 
 def _without_offload(config: Config) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, activation_offload="none"))
+
+
+def test_async_checkpoints_add_a_host_copy_of_the_state_to_the_host_check(tmp_path, capsys) -> None:
+    """``checkpoint.async_save`` keeps each rank's parameters and optimizer state in host memory for the run: the
+    dry run and the planner count them with the offload, and a host that cannot hold both says so."""
+    argv = [*DRY_RUN, "--set", "checkpoint.async_save=true"]
+    assert train_main(argv) == 0
+    lines = _lines(capsys)
+    copy = next(line for line in lines if line.startswith("checkpoint.async_save:"))
+    config = load_config(RECIPE)
+    config.checkpoint.async_save = True
+    _, ranks, _, _ = memory_plan(config, 8)
+    state = ranks[0].parameter_bytes + ranks[0].optimizer_bytes
+    assert f"state, {state / GIB:.3g} GiB per rank, kept for the run" in copy, copy
+    host = next(line for line in lines if line.startswith("host memory:"))
+    assert host.startswith(f"host memory: {(109.0 * GIB + state) / GIB:.3g} GiB per rank"), host  # 109 offloaded
+    profile = yaml.safe_load((PROFILES_DIR / "h100-sxm.yaml").read_text())
+    profile.update(name="h100-1tb", host_memory_gib=1100.0)  # 880 usable: the offload's 872 GiB per node fit alone
+    (tmp_path / "h100-1tb.yaml").write_text(yaml.safe_dump(profile))
+    assert train_main([*argv, "--set", f"logging.hardware_profile={tmp_path / 'h100-1tb.yaml'}"]) == 1
+    lines = _lines(capsys)
+    assert lines[-2].startswith("does NOT fit the host: the offloaded activations and the checkpoint copy need "), lines
+    assert lines[-1].endswith("; checkpoint.async_save=false"), lines[-1]
+    config.logging.hardware_profile = str(tmp_path / "h100-1tb.yaml")  # the planner's verdict alike
+    assert run_prediction(config, 8, torch.device("cpu"))[0]["fits"] is False
+    config.checkpoint.async_save = False
+    assert run_prediction(config, 8, torch.device("cpu"))[0]["fits"] is True
