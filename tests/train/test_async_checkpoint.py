@@ -60,14 +60,17 @@ def test_a_checkpoint_written_while_later_steps_ran_resumes_bitwise(spawn_world,
     assert resumed["losses"] == {step: saved["losses"][step] for step in range(3, STEPS + 1)}
 
 
-def test_a_write_that_fails_behind_training_stops_the_run_at_the_next_save(spawn_world, corpus,
-                                                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize("failing, stopped_at", [(4, 6), (STEPS, STEPS)])
+def test_a_write_that_fails_behind_training_stops_the_run_at_the_next_save_or_its_end(spawn_world, corpus,
+                                                                                        tmp_path: Path, failing: int,
+                                                                                        stopped_at: int) -> None:
+    """The failure is raised where the run next waits for the save: the next save's step, or the run's end."""
     checkpoints = tmp_path / "ckpt"
     ranks = spawn_world(2).run(run_with_parallel, LAYOUT, async_checkpoint_cases.failing_behind, corpus,
-                               str(tmp_path / "run"), {**BEHIND, "checkpoint.save": str(checkpoints)}, 4, 1)
-    target = checkpoints / step_dir_name(4)
+                               str(tmp_path / "run"), {**BEHIND, "checkpoint.save": str(checkpoints)}, failing, 1)
+    target, previous = checkpoints / step_dir_name(failing), step_dir_name(failing - 2)
     expected = (f"RunFailure: saving checkpoint {target} failed (OSError: simulated failure of rank 1 writing "
-                f"{step_dir_name(4)}); {checkpoints / LATEST} still names {step_dir_name(2)}")
+                f"{step_dir_name(failing)}); {checkpoints / LATEST} still names {previous}")
     assert [rank["error"] for rank in ranks] == [expected, expected]
-    assert [rank["step"] for rank in ranks] == [6, 6]  # raised where the save of step 6 waited for it
-    assert (checkpoints / LATEST).read_text().strip() == step_dir_name(2)
+    assert [rank["step"] for rank in ranks] == [stopped_at, stopped_at]
+    assert (checkpoints / LATEST).read_text().strip() == previous

@@ -1,6 +1,7 @@
 """Preemption on a real 2-rank run (cp = 2, through ``cp_train.cli.launch``): SIGUSR1 to one rank saves a
 checkpoint and stops the run with exit code 0; rerunning the same command resumes it with the uninterrupted run's
-losses, bitwise, in the same wandb run. The records carry the max over ranks and both MFUs."""
+losses, bitwise, in the same wandb run. The records carry the max over ranks and both MFUs. The SIGUSR1 run saves
+every step behind training (``--async-save``): the stop waits for the save in flight and for its own."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_sigusr1_saves_and_exits_0_and_the_rerun_resumes_bitwise_in_the_same_wan
     corpus = trainer_cases.write_corpus(tmp_path / "docs")
     config = write_config(tmp_path / "run.yaml", corpus, tmp_path / "run", cp=2,
                           **{"train.steps": STEPS, "logging.wandb": True, "logging.wandb_mode": "offline"})
-    args = ["--config", str(config), "--save", str(tmp_path / "ckpt")]
+    args = ["--config", str(config), "--save", str(tmp_path / "ckpt"), "--async-save", "--save-interval", "1"]
     with ThreadPoolExecutor(1) as pool:  # the reference runs beside the interrupted run
         reference = pool.submit(run, ["--config", str(config), "--run-dir", str(tmp_path / "reference"), "--set",
                                       "logging.wandb=false"], world=2, launcher="launch")
