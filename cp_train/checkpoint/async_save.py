@@ -20,7 +20,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from torch.distributed.checkpoint.staging import StateDictStager
 from cp_train.checkpoint.dcp import ShardedState, save_checkpoint, write_checkpoint
 from cp_train.checkpoint.rng import capture_rng_state
 from cp_train.parallel.mesh.state import ParallelState
+
+if TYPE_CHECKING:
+    from cp_train.config.schema import CheckpointConfig
 
 
 class CheckpointSaver:
@@ -55,9 +58,7 @@ class CheckpointSaver:
             self.stager = StateDictStager(pin_memory=torch.cuda.is_available(), share_memory=False)
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         started = time.perf_counter()
-        staged = self.stager.stage(sharded.state_dict())  # type: ignore[union-attr]
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        staged = self.stager.stage(sharded.state_dict())  # type: ignore[union-attr]  # blocking copies
         rng, self.waited_s = capture_rng_state(), time.perf_counter() - started
         self.pending = self.executor.submit(self._write, root, step, staged, rng, meta, keep)  # type: ignore[union-attr]
         return done
@@ -86,7 +87,7 @@ class CheckpointSaver:
                 self.executor = self.stager = None
 
 
-def saver_for(state: ParallelState, checkpoint: Any, timeout_minutes: float) -> CheckpointSaver:
+def saver_for(state: ParallelState, checkpoint: CheckpointConfig, timeout_minutes: float) -> CheckpointSaver:
     """The run's saver: in the background with ``checkpoint.async_save`` and a ``checkpoint.save`` directory."""
     return CheckpointSaver(state, bool(checkpoint.async_save and checkpoint.save), timedelta(minutes=timeout_minutes))
 

@@ -67,11 +67,11 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
                  f"{gib('head_backward' if head else 'block_backward')} GiB in {'the head' if head else 'a block'}'s "
                  f"({gib('block_backward' if head else 'head_backward')} in {'a block' if head else 'the head'}'s): "
                  f"peak {sig3(worst.activation_bytes / GIB)} GiB at {PHASES[worst.phase]}")
-    plan, host_fits = assumed["offload"], True
+    plan, host_fits, host_need = assumed["offload"], True, 0
     staging = checkpoint_copy_bytes(config, worst.parameter_bytes, worst.optimizer_bytes)
     if plan is not None or staging:
-        held, host_fits = host_lines(plan, staging, assumed["device"] == "cuda", host,
-                                     host.ranks_per_node if host else ranks_per_node(world))
+        held, host_fits, host_need = host_lines(plan, staging, assumed["device"] == "cuda", host,
+                                                host.ranks_per_node if host else ranks_per_node(world))
         lines += held
     header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
     rows = [header] + [(str(r.rank), *(sig3(b / GIB) for b in (
@@ -92,19 +92,18 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     if not fits:
         lines.append(f"to fit: {shrink_hint(config, worst, assumed['accumulation'])}")
     elif not host_fits:
-        need = host.ranks_per_node * ((plan.host_bytes if plan else 0) + staging) / GIB
         lines.append(f"does NOT fit the host: {'the offloaded activations' if plan else ''}"
                      f"{' and ' if plan and staging else ''}{'the checkpoint copy' if staging else ''} need "
-                     f"{sig3(need)} GiB per node of {sig3(host.usable_gib)} GiB usable ({host.source})")
+                     f"{sig3(host_need / GIB)} GiB per node of {sig3(host.usable_gib)} GiB usable ({host.source})")
         hints = [host_hint(model)] if plan else []
         lines.append(f"to fit: {'; '.join(hints + (['checkpoint.async_save=false'] if staging else []))}")
     return DryRunReport("\n".join(lines), fits and host_fits)
 
 
 def host_lines(plan: OffloadPlan | None, staging: int, cuda: bool, host: HostMemory | None,
-               ranks_per_node: int) -> tuple[list[str], bool]:
+               ranks_per_node: int) -> tuple[list[str], bool, int]:
     """The report's lines about what a rank keeps in host memory (``plan``'s offloaded activations, ``staging``
-    bytes of checkpoint copy) and whether a node's host memory holds it (True without ``host``)."""
+    bytes of checkpoint copy), whether a node's host memory holds it (True without ``host``) and a node's bytes."""
     g = lambda b: sig3(b / GIB)  # noqa: E731
     lines = []
     if plan is not None:
@@ -126,7 +125,7 @@ def host_lines(plan: OffloadPlan | None, staging: int, cuda: bool, host: HostMem
              f"{host.source})" if host else "")
     lines.append(f"host memory: {g(per_rank)} GiB per rank, {g(node)} GiB per node of {ranks_per_node} "
                  f"rank(s){where}{'' if fits else ': does NOT fit the host'}")
-    return lines, fits
+    return lines, fits, node
 
 
 def shrink_hint(config: Config, worst: RankMemory, accumulation: int = 1) -> str:

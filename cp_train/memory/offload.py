@@ -72,9 +72,6 @@ class OffloadPlan(NamedTuple):
         """Bytes over the host link per micro-batch each way."""
         return self.layers * self.per_layer
 
-    def host_per_node(self, ranks_per_node: int) -> int:
-        return ranks_per_node * self.host_bytes
-
 
 def checkpoint_copy_bytes(config: Config, parameter_bytes: int, optimizer_bytes: int) -> int:
     """Host bytes per rank of ``checkpoint.async_save``'s copy (``checkpoint/async_save.py``): the rank's parameters
