@@ -203,3 +203,9 @@ def start_line(env: RunEnvironment, state: ParallelState, sizes: dict[str, int],
     return (f"run {env.run_name}: {sizes['parameters']:,} parameters ({sizes['parameters_per_rank']:,} per "
             f"rank, {sharding}), world {state.world_size} = tp {state.tp.size} x cp {state.cp.size} x dp "
             f"{state.dp.size}, device {env.device}, run dir {env.run_dir}; peak {peak}")
+
+
+def part_attributes(group: str, *names: str) -> tuple[property, ...]:
+    """Read-only ``Trainer`` attributes ``names``: those of its part ``group`` (``env``, ``training``, ``data``)."""
+    return tuple(property(lambda self, name=name: getattr(getattr(self, group), name), doc=f"``{group}.{name}``")
+                 for name in names)

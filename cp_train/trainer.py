@@ -29,7 +29,7 @@ from cp_train.config.validate import with_accumulation
 from cp_train.data.loader import CP_PLAN
 from cp_train.eval.periodic import PeriodicEval
 from cp_train.loss import device_sums, global_loss_tokens, masked_loss_sum, reduce_loss
-from cp_train.memory.dry_run import fsdp_reduce_for_run
+from cp_train.memory.fsdp_reduce import fsdp_reduce_for_run
 from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
 from cp_train.metrics.throughput import IntervalMeter, peak_tflops, reset_peak_memory
 from cp_train.optim import clip_gradients, global_grad_norm
@@ -49,11 +49,6 @@ if TYPE_CHECKING:
     from cp_train.metrics.writers import MetricWriters
     from cp_train.parallel.cp.plan.batch_plan import CPPlan
     from cp_train.parallel.mesh.state import ParallelState
-
-def _parts(group: str, *names: str) -> tuple[property, ...]:
-    """Read-only ``Trainer`` attributes ``names``: those of its part ``group`` (``env``, ``training``, ``data``)."""
-    return tuple(property(lambda self, name=name: getattr(getattr(self, group), name), doc=f"``{group}.{name}``")
-                 for name in names)
 
 
 class Trainer:
@@ -94,11 +89,12 @@ class Trainer:
         self.last_batch: DeviceBatch | None = None  # the last step's (forward_backward)
 
     # the parts' attributes under their own names
-    dp, device, autocast_dtype, sources, run_name, run_dir = _parts(
+    dp, device, autocast_dtype, sources, run_name, run_dir = run_parts.part_attributes(
         "env", "dp", "device", "autocast_dtype", "sources", "run_name", "run_dir")
-    model, module, params, optimizer, schedule, sharded = _parts(
+    model, module, params, optimizer, schedule, sharded = run_parts.part_attributes(
         "training", "model", "module", "params", "optimizer", "schedule", "sharded")
-    train_data, valid_data, planner, loader = _parts("data", "train_data", "valid_data", "planner", "loader")
+    train_data, valid_data, planner, loader = run_parts.part_attributes(
+        "data", "train_data", "valid_data", "planner", "loader")
 
     def _note(self, text: str) -> None:
         self.result.messages.append(text)

@@ -12,11 +12,10 @@ from cp_train.memory.dry_run import (
     PHASES,
     RankMemory,
     memory_plan,
-    resolve_fsdp_reduce,
     sig3,
-    with_reduce,
     with_vocab,
 )
+from cp_train.memory.fsdp_reduce import resolve_fsdp_reduce, with_reduce
 from cp_train.memory.offload import (
     HOST_USABLE_FRACTION,
     PREFETCH_LAYERS,

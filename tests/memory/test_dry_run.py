@@ -15,8 +15,9 @@ from bench.tensor_bytes import LiveTensorBytes
 from cp_train.config.schema import OptimizerConfig
 from cp_train.config.sources import load_config
 from cp_train.memory import dry_run
-from cp_train.memory.dry_run import GIB, RankMemory, memory_plan, resolve_fsdp_reduce, with_reduce
+from cp_train.memory.dry_run import GIB, RankMemory, memory_plan
 from cp_train.memory.dry_run_report import report, shrink_hint
+from cp_train.memory.fsdp_reduce import resolve_fsdp_reduce, with_reduce
 from cp_train.optim import build_optimizer
 from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
 from tests import dry_run_cases, trainer_cases
