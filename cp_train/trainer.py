@@ -285,8 +285,11 @@ class Trainer:
                 self._note(Preemption.stopped(halted, self.step, bool(config.checkpoint.save)))
             self._flush(writers)
         finally:
-            with contextlib.suppress(Exception):  # a failed run still completes the save in flight
+            try:  # a failed run still completes the save in flight; the run's error stays the one raised
                 self.saver.close()
+            except Exception as error:  # noqa: BLE001 - reported beside the run's error, never lost
+                self._note(f"the checkpoint written behind training failed as well: {error}")
+                self._flush(writers)
             writers.close(quiet=halted is not None)  # a signal's stop: its line is the last
             if self.collectives is not None:
                 self.collectives.close()

@@ -65,3 +65,19 @@ def failing_behind(state: ParallelState, prefix: str, run_dir: str, overrides: d
         return go_on()
 
     return train_with_patched_writes(state, prefix, run_dir, overrides, 0, write)
+
+
+def failing_beside_the_run(state: ParallelState, prefix: str, run_dir: str, overrides: dict[str, Any],
+                           fail_step: int) -> dict[str, Any]:
+    """Rank 1 fails to write step ``fail_step``'s checkpoint behind training, and the next step fails on every
+    rank for a reason of its own (the run's error)."""
+    def write(step: int, go_on: Any) -> Any:
+        if step == fail_step and state.rank == 1:
+            raise OSError(f"simulated failure of rank {state.rank} writing {step_dir_name(step)}")
+        return go_on()
+
+    def fail_next_step(done: int) -> None:
+        if done == fail_step + 1:
+            raise RuntimeError(f"simulated failure of step {done}")
+
+    return train_with_patched_writes(state, prefix, run_dir, overrides, 0, write, grad_callback=fail_next_step)

@@ -74,3 +74,17 @@ def test_a_write_that_fails_behind_training_stops_the_run_at_the_next_save_or_it
     assert [rank["error"] for rank in ranks] == [expected, expected]
     assert [rank["step"] for rank in ranks] == [stopped_at, stopped_at]
     assert (checkpoints / LATEST).read_text().strip() == previous
+
+
+def test_a_write_failing_while_the_run_fails_is_reported_beside_the_runs_error(spawn_world, corpus,
+                                                                               tmp_path: Path) -> None:
+    """The run stops with its own error; the save in flight is still completed, and its failure is a message."""
+    checkpoints = tmp_path / "ckpt"
+    ranks = spawn_world(2).run(run_with_parallel, LAYOUT, async_checkpoint_cases.failing_beside_the_run, corpus,
+                               str(tmp_path / "run"), {**BEHIND, "checkpoint.save": str(checkpoints)}, 4)
+    assert [rank["error"] for rank in ranks] == ["RuntimeError: simulated failure of step 5"] * 2
+    expected = (f"the checkpoint written behind training failed as well: saving checkpoint "
+                f"{checkpoints / step_dir_name(4)} failed (OSError: simulated failure of rank 1 writing "
+                f"{step_dir_name(4)}); {checkpoints / LATEST} still names {step_dir_name(2)}")
+    assert [rank["messages"][-1] for rank in ranks] == [expected, expected]
+    assert (checkpoints / LATEST).read_text().strip() == step_dir_name(2)
