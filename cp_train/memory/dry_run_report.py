@@ -91,11 +91,11 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
     if not fits:
         lines.append(f"to fit: {shrink_hint(config, worst, assumed['accumulation'])}")
     elif not host_fits:
-        lines.append(f"does NOT fit the host: {'the offloaded activations' if plan else ''}"
-                     f"{' and ' if plan and staging else ''}{'the checkpoint copy' if staging else ''} need "
+        held = [("the offloaded activations", host_hint(model))] if plan else []  # what the host holds, the fix
+        held += [("the checkpoint copy", "checkpoint.async_save=false")] if staging else []
+        lines.append(f"does NOT fit the host: {' and '.join(name for name, _ in held)} need "
                      f"{sig3(host_need / GIB)} GiB per node of {sig3(host.usable_gib)} GiB usable ({host.source})")
-        hints = [host_hint(model)] if plan else []
-        lines.append(f"to fit: {'; '.join(hints + (['checkpoint.async_save=false'] if staging else []))}")
+        lines.append(f"to fit: {'; '.join(hint for _, hint in held)}")
     return DryRunReport("\n".join(lines), fits and host_fits)
 
 

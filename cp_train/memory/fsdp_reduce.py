@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from cp_train.config.schema import Config
 from cp_train.config.validate import validate
@@ -45,8 +46,6 @@ def with_reduce(config: Config, mode: str) -> Config:
 def fsdp_reduce_for_run(config: Config, world: int, device: torch.device) -> tuple[str, str]:
     """``resolve_fsdp_reduce`` for a run on ``device``: on CUDA against the device's total memory less the
     default reserve (every rank's choice gathered: per_microbatch if any rank needs it), else without a limit."""
-    import torch.distributed as dist
-
     if config.parallel.fsdp_reduce != "auto" or device.type != "cuda":
         return resolve_fsdp_reduce(config, world, None)
     device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
