@@ -1,14 +1,17 @@
 """cuDNN's fused attention (PyTorch's cuDNN SDPA ops) behind the kernel contract (``contract.py``).
 
 - forward: ``aten::_scaled_dot_product_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp,
-  dropout_p, is_causal, return_debug_mask, *, scale)`` -> (output, logsumexp ``[B, H, Sq, 1]`` fp32, ...);
+  dropout_p, is_causal, return_debug_mask, *, scale)`` -> (output, logsumexp ``[B, H, Sq, 1]`` fp32, ...)
+  (some releases allocate it ``[B, H, Sq]``: both are viewed as ``[B, H, Sq]``, anything else raises);
 - backward: ``aten::_scaled_dot_product_cudnn_attention_backward(grad_out, query, key, value, out, logsumexp,
   philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)``.
 
 Both take ``[B, H, S, D]``: the contract's ``[B, S, H, D]`` tensors go in as ``.transpose(1, 2)`` views. With
 GQA the K/V heads go in as they are where this cuDNN build takes them (``native_gqa``, decided by
 ``trial.native_gqa_agrees`` on the device; the op's meta kernels take fewer K/V heads and return dK/dV in them),
-else they are expanded by copy and the gradients summed back. fp16/bf16,
+else they are expanded by a packed copy (never a stride-0 view) and the gradients summed back. The backward is
+given out and dout packed: PyTorch keys its cuDNN backward graphs on the q/k/v sizes and strides only, so the
+out/dout strides of a key's first call would be assumed for every later one. fp16/bf16,
 head_dim a multiple of 8 up to 128, sm80 or newer; whether a given cuDNN build runs a shape is only
 known by calling it, so ``select_kernel`` admits this backend after a trial call. The backward's
 dropout RNG tensors are never read at ``dropout_p = 0``; its ``attn_bias``/``cum_seq_q``/``cum_seq_k``
@@ -109,8 +112,11 @@ class CudnnAttention(VarlenBySegments):
         return self.varlen_kernel is not None
 
     def _kv(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        """K or V ``[B, S, Hk, D]`` as the op takes it (``[B, Hk or H, S, D]``)."""
-        return op_view(x if self.native_gqa else expand_kv(x, heads))
+        """K or V ``[B, S, Hk, D]`` as the op takes it (``[B, Hk or H, S, D]``). Expanded heads are a packed copy:
+        ``expand_kv``'s stride-0 view of one K/V head would hand cuDNN's graph a zero stride."""
+        if not self.native_gqa and x.shape[2] != heads:
+            x = expand_kv(x, heads).contiguous()
+        return op_view(x)
 
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
                        causal: bool, scale: float) -> OutLse:
@@ -131,7 +137,7 @@ class CudnnAttention(VarlenBySegments):
             return one_key_forward(q, k, v, scale)
         out, lse = FORWARD(op_view(q), self._kv(k, heads), self._kv(v, heads), None, True, 0.0, causal, False,
                            scale=scale)[:2]
-        return out.transpose(1, 2), lse[..., 0]
+        return out.transpose(1, 2), lse.view(q.shape[0], heads, q.shape[1])  # [B, H, Sq, 1]; raises if not so
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> QKVGrads:
@@ -141,6 +147,9 @@ class CudnnAttention(VarlenBySegments):
         if q.shape[1] == k.shape[1] == 1:
             return one_key_backward(rows, k, v, scale)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read
+        # PyTorch keys its backward graphs on q/k/v alone and bakes in the first call's out/dout strides: packed,
+        # they are the same for every call of a key (a copy only of a row slice or head chunk of a batch)
+        dout, out = dout.contiguous(), out.contiguous()
         dq, dk, dv = BACKWARD(
             op_view(dout), op_view(q), self._kv(k, heads), self._kv(v, heads), op_view(out),
             lse.contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0, causal,

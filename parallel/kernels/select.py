@@ -20,7 +20,8 @@ CPU always runs ``torch``; CUDA float64 has no fused kernel: it runs on ``math``
 packages are imported when a backend is first chosen; an install that fails to import (a wheel built
 against another torch raises "undefined symbol") is skipped with one warning naming the error.
 Importing is not enough on CUDA: every fused backend is admitted only after a trial call (a tiny
-causal forward and backward, GQA, on the device; once per (device, dtype, head_dim, backend)). In the
+causal forward and backward, GQA, on the device, its results checked against ``math``'s; once per
+(device, dtype, head_dim, backend)). In the
 automatic order a failed trial (a wheel without kernels for this GPU, a cuDNN build without this
 shape) skips the backend with one warning naming it and the error; a backend asked for by name that
 fails its trial raises ``KernelUnavailable``. ``chosen_backends()`` names the kernels chosen so far.
@@ -42,9 +43,9 @@ import torch
 from cp_train.parallel.kernels import cudnn
 from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
-from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient, expand_kv, reduce_kv_grad
+from cp_train.parallel.kernels.reference import MathKernel, _math_scores  # noqa: F401 - _math_scores: the tests' path
+from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient
 from cp_train.parallel.kernels.trial import native_gqa_agrees, trial_call
-from cp_train.parallel.kernels.varlen import VarlenBySegments
 
 BACKENDS: tuple[str, ...] = ("fa3", "cudnn", "flash_attn", "torch", "torch_efficient", "math")
 HALF = (torch.float16, torch.bfloat16)
@@ -53,46 +54,6 @@ _TRIALS: dict[TrialKey, str | None] = {}  # each trial call's outcome: None (pas
 _CHOSEN: dict[str, None] = {}  # the names of the kernels select_kernel returned, in order (a set)
 _trial = trial_call  # the admission trial (tests replace it)
 _gqa_probe = native_gqa_agrees  # whether cuDNN takes GQA as it is (tests replace it)
-
-
-class MathKernel(VarlenBySegments):
-    """float64 attention that materialises the scores (the tests' reference; any device)."""
-
-    name = "math"
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> OutLse:
-        scores = _math_scores(q, k, causal, scale)
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-        out = torch.einsum("bhqk,bkhd->bqhd", probs, expand_kv(v, q.shape[2]).double())
-        return out, lse.masked_fill(torch.isinf(lse), 0.0)
-
-    def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> QKVGrads:
-        """The contract's backward in float64: this block's share of the gradient of the softmax whose final
-        ``rows.out`` and ``rows.lse`` are given (they span every block of the rows' keys, as in a ring step);
-        None for both: this block holds all the keys (its own forward supplies them)."""
-        if rows.out is None or rows.lse is None:
-            rows = rows._replace(**dict(zip(("out", "lse"), self.forward(rows.q, k, v, causal, scale), strict=True)))
-        dout, q, out, lse = (t.double() for t in rows)
-        heads = q.shape[2]
-        k64, v64 = expand_kv(k, heads).double(), expand_kv(v, heads).double()
-        probs = torch.exp(_math_scores(q, k, causal, scale) - lse[..., None])  # [B, H, Sq, Sk]
-        delta = (dout * out).sum(-1).transpose(1, 2)  # [B, H, Sq]
-        dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout, v64) - delta[..., None])
-        dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k64) * scale
-        dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q) * scale
-        dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout)
-        return dq, reduce_kv_grad(dk, k.shape[2]), reduce_kv_grad(dv, k.shape[2])
-
-
-def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """float64 scores [B, H, Sq, Sk] with the causal mask aligned top-left (query i sees keys j <= i)."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), expand_kv(k, q.shape[2]).double()) * scale
-    if causal:
-        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores
 
 
 class KernelUnavailable(ValueError):

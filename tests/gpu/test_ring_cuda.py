@@ -58,14 +58,20 @@ def test_bf16_ring_on_cuda_within_twice_the_local_kernel(world: int, layout: str
         assert ring_error <= 2 * local_error + 1e-4, f"{name}: ring {ring_error:.2e} vs local {local_error:.2e}"
 
 
-@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (4, "stripe"), (4, "contiguous")])
+@pytest.mark.parametrize("world,layout,uniform", [(2, "zigzag", False), (4, "stripe", False),
+                                                  (4, "contiguous", False), (4, "zigzag", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_documents_ring_on_cuda_with_varlen_steps(world: int, layout: str, dtype: torch.dtype) -> None:
-    """Packed documents: every step with several segments runs as varlen calls on the GPU kernels."""
+def test_documents_ring_on_cuda_with_varlen_steps(world: int, layout: str, uniform: bool, dtype: torch.dtype) -> None:
+    """Packed documents: every step with several segments runs as varlen calls on the GPU kernels. ``uniform``: both
+    samples share one long document between two short ones (an unpacked plan; a local block inside the long one is
+    one dense call whose lse, [B, H, S] underneath, starts the running lse a later varlen step writes into)."""
     q, k, v, dout = _full(128 * world, dtype)
     gen = torch.Generator().manual_seed(world)
     starts = torch.rand(2, 128 * world, generator=gen) < 0.05
     starts[:, 0] = False
+    if uniform:
+        starts.zero_()
+        starts[:, 4] = starts[:, -4] = True
     docs = torch.cumsum(starts.long(), 1)
     kernel = kernels.select_kernel(q.device, q.dtype, 64)
     spec = AttentionSpec("ring", layout, True, 0.125, kernel, 2, True, varlen=True)

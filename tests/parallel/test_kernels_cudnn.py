@@ -62,10 +62,16 @@ def _like(operand: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 GQA = {"native": False}  # whether the stand-ins take fewer K/V heads (a cuDNN build with GQA) or refuse them
 
 
+def _no_zero_stride(*tensors: torch.Tensor) -> bool:
+    """Whether no dim of more than one element has stride 0 (cuDNN's graphs may refuse such a tensor)."""
+    return all(stride or size == 1 for t in tensors for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
 def standin_forward(*args, **kwargs) -> tuple:
     a = bind(REAL_FORWARD, args, kwargs)
     q, k, v = (a[name] for name in ("query", "key", "value"))
     assert GQA["native"] or q.shape[1] == k.shape[1] == v.shape[1], "the dense op is given equal heads"
+    assert _no_zero_stride(q, k, v), "cuDNN is given no zero stride"
     assert a["attn_bias"] is None and a["compute_log_sumexp"] and a["dropout_p"] == 0.0
     assert not a["return_debug_mask"] and a["scale"] is not None
     out, lse = MATH.forward(_bshd(q), _bshd(k), _bshd(v), a["is_causal"], a["scale"])
@@ -78,6 +84,7 @@ def standin_backward(*args, **kwargs) -> tuple:
     a = bind(REAL_BACKWARD, args, kwargs)
     q, k, v = (_bshd(a[name]) for name in ("query", "key", "value"))
     assert GQA["native"] or q.shape[2] == k.shape[2] == v.shape[2], "the dense op is given equal heads"
+    assert _no_zero_stride(q, k, v), "cuDNN is given no zero stride"
     assert a["logsumexp"].shape == (*a["query"].shape[:3], 1), "lse goes back as [B, H, Sq, 1]"
     assert a["attn_bias"] is None and a["cum_seq_q"] is None and a["cum_seq_k"] is None
     assert (a["max_q"], a["max_k"]) == (q.shape[1], k.shape[1]) and a["dropout_p"] == 0.0
@@ -183,6 +190,55 @@ def test_a_one_by_one_block_is_exact_without_the_op(monkeypatch, dtype: torch.dt
     for got, ref in zip(grads, refs, strict=True):
         assert got.shape == ref.shape and got.dtype == dtype and rel_err(got, ref) < 10 * tol
     assert grads[0].abs().max() > 0  # not the lone key's zero dq: the row's other keys give it a gradient
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_one_kv_head_goes_in_packed_and_out_dout_packed(standin_ops, monkeypatch, native: bool) -> None:
+    """One K/V head (MQA): expanded by a packed copy, not expand_kv's stride-0 view (the stand-ins refuse zero
+    strides). The backward gets out and dout packed whatever views it is given (two samples' row slice of a head
+    chunk here): PyTorch's cuDNN backward graphs assume the out/dout strides of a key's first call."""
+    GQA["native"] = native
+    given = []
+
+    def recording(*args, **kwargs):
+        a = bind(REAL_BACKWARD, args, kwargs)
+        given.append(all(_bshd(a[name]).is_contiguous() for name in ("out", "grad_out")))
+        return standin_backward(*args, **kwargs)
+
+    monkeypatch.setattr(cudnn, "BACKWARD", recording)
+    gen = torch.Generator().manual_seed(4)
+    q, dout = (torch.randn(2, 24, 6, 16, generator=gen)[:, 4:16, 1:5] for _ in range(2))  # [2, 12, 4, 16] views
+    k, v = (torch.randn(2, 12, 1, 16, generator=gen) for _ in range(2))
+    kernel = cudnn.CudnnAttention(native_gqa=native)
+    out, lse = kernel.forward(q, k, v, True, 0.25)
+    ref_out, ref_lse = MATH.forward(q, k, v, True, 0.25)
+    assert rel_err(out, ref_out) < 1e-6 and rel_err(lse, ref_lse) < 1e-6
+    chunk = torch.cat([out, out], dim=2)[:, :, 4:]  # out as a head chunk of a wider buffer (a strided view)
+    grads = kernel.backward(BackwardRows(dout, q, chunk, lse), k, v, True, 0.25)
+    refs = MATH.backward(BackwardRows(dout, q, None, None), k, v, True, 0.25)
+    for got, ref in zip(grads, refs, strict=True):
+        assert got.shape == ref.shape and rel_err(got, ref) < 1e-5
+    assert given == [True]
+
+
+def test_a_three_dim_lse_is_taken_and_a_wrong_one_raises(standin_ops, monkeypatch) -> None:
+    """A release that returns the lse ``[B, H, Sq]`` gives the same results; an lse of another shape raises
+    (``lse[..., 0]`` would have taken a [B, H, Sq] lse's first row silently)."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, _ = _blocks(gen, 12, 12, torch.float32)
+    want = cudnn.CudnnAttention().forward(q, k, v, True, 0.25)
+    for reshape, ok in ((lambda lse: lse[..., 0], True), (lambda lse: lse[:, :, :-1], False)):
+        def forward(*args, reshape=reshape, **kwargs):
+            result = standin_forward(*args, **kwargs)
+            return (result[0], reshape(result[1]), *result[2:])
+
+        monkeypatch.setattr(cudnn, "FORWARD", forward)
+        if ok:
+            got = cudnn.CudnnAttention().forward(q, k, v, True, 0.25)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        else:
+            with pytest.raises(RuntimeError):
+                cudnn.CudnnAttention().forward(q, k, v, True, 0.25)
 
 
 def test_the_binding_check_catches_a_wrong_call() -> None:

@@ -35,9 +35,10 @@ from cp_train.parallel.cp.ring.forward import (
     one_call,
     pass_kv,
     plan_rows,
+    running,
     uses_varlen,
 )
-from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
+from cp_train.parallel.cp.ring.varlen_steps import flat_view, varlen_calls
 from cp_train.parallel.cp.ring.varlen_steps import whole_call as varlen_whole
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels.contract import BackwardRows, QKVGrads, accumulator_dtype
@@ -49,7 +50,7 @@ def add_grad(total: torch.Tensor, part: torch.Tensor, target: Interval | torch.T
     if isinstance(target, tuple):
         total[:, target[0]:target[1]] += part
     else:
-        total.flatten(0, 1).index_add_(0, target, part.to(total.dtype))
+        flat_view(total).index_add_(0, target, part.to(total.dtype))
 
 
 def _covers(target: Interval | torch.Tensor, rows: int) -> bool:
@@ -114,24 +115,25 @@ def local_grads(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], dq_c:
 
 
 def local_step(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], spec: AttentionSpec) -> QKVGrads:
-    """The local step over every head: new dq, dk, dv accumulators (``rows`` and ``held`` as in ``step_grads``).
-    One call over every row hands over the kernel's own outputs (no copy in the accumulator dtype)."""
+    """The local step over every head: new dq, dk, dv accumulators, contiguous (``rows`` and ``held`` as in
+    ``step_grads``). One call over every row hands over the kernel's own outputs (``running``: no copy when they
+    are contiguous in the accumulator dtype)."""
     q, k = rows.q, held[0]
     acc = accumulator_dtype(q.dtype)
     step = plan.steps[0]
     if one_call(spec, step, q.shape[1]) and _covers(step.calls[0].grad_kv, k.shape[1]):
         dq, dk, dv = call_backward(spec, step.calls[0].segment, rows, held)
-        return dq.to(acc), dk.to(acc), dv.to(acc)
+        return running(dq, acc), running(dk, acc), running(dv, acc)
     call = varlen_whole(plan, 0, q.shape[0], q.shape[1], q.device) if uses_varlen(spec, step) else None
     if call is not None:
         dq, grads = ring_varlen.whole_backward(spec.kernel, call, rows, held, spec.scale)
         if _covers(grads.target, k.shape[1]):
-            return dq.to(acc), grads.dk.to(acc), grads.dv.to(acc)
+            return running(dq, acc), running(grads.dk, acc), running(grads.dv, acc)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros_like(dk)
         add_grad(dk, grads.dk, grads.target)
         add_grad(dv, grads.dv, grads.target)
-        return dq.to(acc), dk, dv
+        return running(dq, acc), dk, dv
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)

@@ -59,6 +59,15 @@ def pass_kv(comm: RingComm, held: list[torch.Tensor], step: StepPlan, like: torc
     return comm.exchange(send, shapes, tag=KV_TAG, like=like)
 
 
+def running(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a running accumulator: ``dtype`` and contiguous (itself when already both, else one copy). The
+    steps write accumulators in place through flattened views, which a kernel's own layout (a CUDA lse is
+    ``[B, H, S]`` underneath its ``[B, S, H]`` transpose) would turn into copies."""
+    if x.is_contiguous():
+        return x.to(dtype)
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+
+
 def plan_rows(x: torch.Tensor, plan: RankPlan) -> torch.Tensor:
     """``x`` [B, n, ...] as the plan's rows: itself, or ``[1, B*n, ...]`` when the plan is packed."""
     return x.reshape(1, -1, *x.shape[2:]) if plan.packed else x
@@ -117,14 +126,15 @@ def whole_step(spec: AttentionSpec, plan: RankPlan, index: int, q: torch.Tensor)
 def _local_forward(plan: RankPlan, q: torch.Tensor, held: list[torch.Tensor], spec: AttentionSpec
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The local step as one call over every row and head (``whole_step``): its outputs become the running out
-    [B, n, H, D] and lse [B, n, H] (the accumulator dtype; no copy when the inputs are in it)."""
+    [B, n, H, D] and lse [B, n, H] (the accumulator dtype, contiguous: ``running``; no copy when the kernel's
+    outputs are both already)."""
     if uses_varlen(spec, plan.steps[0]):
         call = varlen_whole(plan, 0, q.shape[0], q.shape[1], q.device)
         out, lse = ring_varlen.whole_forward(spec.kernel, call, q, held, spec.scale)
     else:
         out, lse = call_forward(spec, plan.steps[0].calls[0].segment, q, held)
     acc = accumulator_dtype(q.dtype)
-    return out.to(acc), lse.to(acc)
+    return running(out, acc), running(lse, acc)
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: AttentionSpec,

@@ -26,8 +26,8 @@ from cp_train.parallel.cp.ring.blocks import BlockGrads, SavedRows
 from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, QKVGrads
 from cp_train.parallel.kernels.varlen import merge_block
 
-__all__ = ["VarlenCall", "backward_step", "forward_step", "varlen_calls", "whole_backward", "whole_call",
-           "whole_forward"]
+__all__ = ["VarlenCall", "backward_step", "flat_view", "forward_step", "varlen_calls", "whole_backward",
+           "whole_call", "whole_forward"]
 
 
 def varlen_calls(plan: RankPlan, index: int, batch: int, rows: int, device: torch.device
@@ -56,6 +56,12 @@ def rows_of(x: torch.Tensor, index: Selector) -> torch.Tensor:
     return x[index] if isinstance(index, slice) else x.index_select(0, index)
 
 
+def flat_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, n, ...]`` as ``[B*n, ...]`` for writing in place: a view, or RuntimeError where it cannot be one
+    (``flatten`` would copy silently and the writes would be lost)."""
+    return x.view(-1, *x.shape[2:])
+
+
 def whole_call(plan: RankPlan, index: int, batch: int, rows: int, device: torch.device) -> VarlenCall | None:
     """Step ``index``'s one varlen call when it covers every query row in order (``batch`` samples of ``rows``),
     else None: its outputs are then the step's own (nothing staged, nothing zeroed)."""
@@ -73,11 +79,12 @@ def whole_forward(kernel: AttentionKernel, call: VarlenCall, q: torch.Tensor, he
 
 def forward_step(kernel: AttentionKernel, calls: tuple[VarlenCall, ...], q: torch.Tensor, held: list[torch.Tensor],
                  out: torch.Tensor, lse: torch.Tensor, scale: float, first: bool) -> None:
-    """One ring step forward: q, out ``[B, n, h, D]``, lse ``[B, n, h]`` (views are fine), held [k, v] stores.
+    """One ring step forward: q, out ``[B, n, h, D]``, lse ``[B, n, h]`` (views are fine if dims 0 and 1 merge:
+    ``flat_view``), held [k, v] stores.
     ``first``: the local step, which writes every row once instead of merging."""
     if not calls:
         return
-    q_flat, out_flat, lse_flat = q.flatten(0, 1), out.flatten(0, 1), lse.flatten(0, 1)
+    q_flat, out_flat, lse_flat = q.flatten(0, 1), flat_view(out), flat_view(lse)
     k_flat, v_flat = held[0].flatten(0, 1), held[1].flatten(0, 1)
     for call in calls:
         block_out, block_lse = kernel.varlen_forward(
@@ -135,7 +142,7 @@ def backward_step(kernel: AttentionKernel, calls: tuple[VarlenCall, ...], rows: 
                   dq: torch.Tensor, scale: float) -> list[BlockGrads]:
     """One ring step backward: adds the dq share into ``dq``; returns each call's ``BlockGrads``. ``rows`` are
     the chunk's query heads."""
-    dq_flat = dq.flatten(0, 1)
+    dq_flat = flat_view(dq)
     grads = []
     for call in calls:
         dq_b, dk_b, dv_b = _call_backward(kernel, call, rows, held, scale)
