@@ -19,11 +19,11 @@ off the compute device, and everything the last ``keep_last`` blocks save: the b
 the CP attention keeps inside its operator beyond q, k, v, out and lse (Ulysses' sequence-ordered copies) is not
 a saved tensor and stays on the device.
 
-Copies. CUDA: into pinned host memory (``torch.empty_like(..., pin_memory=True)``; PyTorch's caching host
-allocator rounds each block up to a power of two and keeps the blocks for the next step) with ``non_blocking``
-copies on one side stream per device that first waits for the compute stream; the device tensor is handed to the
-allocator with ``record_stream`` so its memory returns only after the copy. CPU: a plain copy into a separate host
-tensor, so the mechanism runs (and is tested) without a GPU; it moves nothing between memories there.
+Copies. CUDA: pinned host memory and one side stream per device, ordered by events (``parallel/host_copies.py``
+states the rules); a layer's device tensors are released once the compute stream waited for their copies, at most
+``MAX_LAYERS_IN_FLIGHT`` layers pending beyond the running one and none after the last offloaded one. A saved
+view that is not dense goes out (and comes back) dense. CPU: a plain copy into a separate host tensor, so the
+mechanism runs (and is tested) without a GPU; it moves nothing between memories there.
 
 Prefetch. The first unpack of layer i's tensors (its backward starting: the checkpoint's recompute, or the first
 node that reads a saved tensor) fetches layer i if it is not on the device yet and starts fetching layers i-1 ...
@@ -34,33 +34,31 @@ once every pack of it was unpacked (its host copy too), and freed when autograd 
 storages live and die).
 
 Exact: the copies are bit copies, so losses and gradients are bitwise those without offload. One backward per
-forward: reading a saved tensor again after its backward (``retain_graph``) is a ``RuntimeError``.
+forward: reading a saved tensor again after its backward (``retain_graph``) is a ``RuntimeError``. The hooks
+turn off autograd's check that a saved tensor was not changed in place; a block that changes an offloaded tensor
+in place before it ends is a ``RuntimeError`` here instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from cp_train.parallel.host_copies import Copier, CudaCopier, dense
+
 OFFLOAD_MODES = ("none", "checkpointed", "all")  # model.activation_offload
 MIN_OFFLOAD_BYTES = 1024  # smaller saved tensors stay on the device (scalars, tickets): not worth a copy
 PREFETCH_LAYERS = 1  # layers fetched ahead of the backward
 KEEP_LAST_LAYERS = 1  # the last blocks' saved tensors stay: the backward starts with them
+MAX_LAYERS_IN_FLIGHT = 1  # layers whose copies out may be pending beyond the one running (CUDA)
 
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _OBSERVERS: list[list[OffloadStats]] = []
-
-
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of ``device`` (CUDA) that every offload and fetch copy runs on, made once."""
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device=device)
-    return _STREAMS[device]
 
 
 @dataclass
@@ -101,20 +99,32 @@ class _Kept:
 
 class _Copy:
     """An offloaded tensor: until every pack of it is unpacked its host copy and, from its fetch, its device copy
-    (``ready``: the fetch's CUDA event)."""
+    (``ready``: the fetch's event, from ``copier``)."""
 
-    __slots__ = ("layer", "host", "device", "ready", "pending", "nbytes")
+    __slots__ = ("layer", "host", "device", "ready", "pending", "nbytes", "copier")
 
-    def __init__(self, layer: int, host: torch.Tensor, nbytes: int) -> None:
-        self.layer, self.nbytes = layer, nbytes
+    def __init__(self, layer: int, host: torch.Tensor, nbytes: int, copier: Copier | None) -> None:
+        self.layer, self.nbytes, self.copier = layer, nbytes, copier
         self.host: torch.Tensor | None = host
         self.device: torch.Tensor | None = None
-        self.ready: torch.cuda.Event | None = None
+        self.ready: object | None = None
         self.pending = 1  # packs of it not unpacked yet
+
+    def __del__(self) -> None:
+        if self.ready is not None and self.device is not None:  # fetched, never read (a failed backward): its
+            self.copier.wait(self.ready)  # memory returns to the compute stream's pool only after the copy wrote it
 
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _uncount(owner: weakref.ref, layer: int, nbytes: int) -> None:
+    """A fetched copy's storage died: ``nbytes`` fewer on ``layer`` (a weak reference, so that a copy fetched and
+    never read does not keep its ``ActivationOffload`` alive through the finalizer)."""
+    run = owner()
+    if run is not None:
+        run._count(layer, -nbytes)
 
 
 def _cast_of_parameter(t: torch.Tensor) -> bool:
@@ -138,12 +148,14 @@ def _storages(tensors: Sequence[torch.Tensor]) -> set[int]:
 class ActivationOffload:
     """One forward's offloaded activations on ``device`` (the blocks' compute device) for ``num_layers`` blocks;
     see the module docstring. ``keep_last``: the last blocks whose tensors stay; ``prefetch``: layers fetched
-    ahead; ``min_bytes``: smaller tensors stay (default ``MIN_OFFLOAD_BYTES``)."""
+    ahead; ``min_bytes``: smaller tensors stay (default ``MIN_OFFLOAD_BYTES``); ``copier``: the asynchronous
+    copies (default: ``CudaCopier`` on CUDA, plain copies on the CPU)."""
 
     def __init__(self, num_layers: int, device: torch.device | str, keep_last: int = KEEP_LAST_LAYERS,
-                 prefetch: int = PREFETCH_LAYERS, min_bytes: int | None = None) -> None:
+                 prefetch: int = PREFETCH_LAYERS, min_bytes: int | None = None, copier: Copier | None = None) -> None:
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.copier = copier if copier is not None or self.device.type != "cuda" else CudaCopier(self.device)
+        self.in_flight: deque[tuple[object, list[torch.Tensor]]] = deque()  # (event, sources) per layer, in order
         self.offloaded_below = num_layers - keep_last  # layers [0, this) offload
         self.prefetch = prefetch
         self.min_bytes = MIN_OFFLOAD_BYTES if min_bytes is None else min_bytes
@@ -166,7 +178,8 @@ class ActivationOffload:
         self.forwarded.add(index)
         keep = _storages((*module.parameters(), *shared))
         seen: dict[tuple, _Copy] = {}  # this layer's copies by view; their tensors held until the layer ends
-        held: list[torch.Tensor] = []  # so no storage of this layer is freed and reused while ``seen`` names it
+        held: list[tuple[torch.Tensor, int]] = []  # (tensor, version): no storage reused while ``seen`` names it
+        sources: list[torch.Tensor] = []  # what the pending copies read (CUDA): alive until they are done
         offloads = index < self.offloaded_below
 
         def pack(t: torch.Tensor) -> _Kept | _Copy:
@@ -179,58 +192,65 @@ class ActivationOffload:
             if copy is not None:
                 copy.pending += 1
                 return copy
-            copy = seen[key] = self._copy_out(index, t)
-            held.append(t.detach())
+            copy = seen[key] = self._copy_out(index, t, sources)
+            held.append((t.detach(), t._version))
             self.copies.setdefault(index, []).append(copy)
             return copy
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                 yield
+            if any(t._version != version for t, version in held):
+                raise RuntimeError(f"activation offload: block {index} changed a tensor saved for its backward in "
+                                   f"place after saving it (autograd would refuse it too): clone it first")
         finally:
             seen.clear()
             held.clear()
+            if sources:
+                self.in_flight.append((self.copier.mark(), sources))
+            if self.in_flight:  # after the last offloaded block none stays pending (the head's forward is next)
+                self._retire(MAX_LAYERS_IN_FLIGHT if offloads else 0)
+
+    def _retire(self, keep: int) -> None:
+        """Release the sources of the layers whose copies out are done, and of the oldest ones beyond ``keep``
+        (the compute stream waiting for their copies first, so their memory is reused only after them)."""
+        while self.in_flight and (len(self.in_flight) > keep or self.copier.done(self.in_flight[0][0])):
+            event, sources = self.in_flight.popleft()
+            self.copier.wait(event)
+            sources.clear()
 
     def _movable(self, t: torch.Tensor, keep: set[int]) -> bool:
         return (type(t) is torch.Tensor and t.layout == torch.strided and t.device == self.device and t.dim() > 0
                 and t.numel() > 0 and t.numel() * t.element_size() >= self.min_bytes and _storage(t) not in keep
                 and not _cast_of_parameter(t))
 
-    def _copy_out(self, layer: int, t: torch.Tensor) -> _Copy:
+    def _copy_out(self, layer: int, t: torch.Tensor, sources: list[torch.Tensor]) -> _Copy:
+        """A host copy of ``t``; with a copier, what it reads is appended to ``sources`` (alive until it is done)."""
         nbytes = t.numel() * t.element_size()
-        if self.cuda:
-            stream = copy_stream(self.device)
-            host = torch.empty_like(t, device="cpu", pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # t is produced by the queued work
-            with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # its memory is reused only after the copy
+        if self.copier is not None:
+            source = t.detach() if dense(t) else t.contiguous()  # on the compute stream
+            host = self.copier.copy_out(source)
+            sources.append(source)
         else:
             host = torch.empty_like(t)
             host.copy_(t)
         self.stats.offloaded += 1
         self.stats.host_bytes += nbytes
-        return _Copy(layer, host, nbytes)
+        return _Copy(layer, host, nbytes, self.copier)
 
     def _fetch(self, copy: _Copy) -> None:
         """Start bringing ``copy`` back to the device (CUDA: on the side stream; CPU: a plain copy)."""
         if copy.device is not None or copy.host is None:  # fetched already, or released
             return
-        if self.cuda:
-            stream = copy_stream(self.device)
-            device = torch.empty_like(copy.host, device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # its memory may be in queued work's use
-            with torch.cuda.stream(stream):
-                device.copy_(copy.host, non_blocking=True)
-            copy.ready = torch.cuda.Event()
-            copy.ready.record(stream)
+        if self.copier is not None:
+            device, copy.ready = self.copier.copy_in(copy.host)
         else:
             device = torch.empty_like(copy.host)
             device.copy_(copy.host)
         copy.device = device
         self.stats.fetched += 1
         self._count(copy.layer, copy.nbytes)
-        weakref.finalize(device.untyped_storage(), self._count, copy.layer, -copy.nbytes)
+        weakref.finalize(device.untyped_storage(), _uncount, weakref.ref(self), copy.layer, copy.nbytes)
 
     def _count(self, layer: int, nbytes: int) -> None:
         """Fetched copies of ``layer`` alive on the device: ``nbytes`` more (or fewer, when negative)."""
@@ -246,6 +266,8 @@ class ActivationOffload:
         """The backward reached ``layer``: bring it back if it is not yet, and start on the layers before it."""
         if layer in self.reached:
             return
+        if not self.reached:  # the backward starts: every copy out is waited for, its source released
+            self._retire(0)
         self.reached.add(layer)
         for copy in self.copies.get(layer, ()):
             if copy.device is None:
@@ -267,7 +289,7 @@ class ActivationOffload:
             self._fetch(packed)
         device = packed.device
         if packed.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(packed.ready)
+            self.copier.wait(packed.ready)
         packed.pending -= 1
         if packed.pending <= 0:  # every pack of it unpacked: autograd holds the device copy as long as it needs it
             packed.host, packed.device, packed.ready = None, None, None

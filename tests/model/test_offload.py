@@ -83,8 +83,8 @@ def test_the_forward_keeps_host_copies_and_the_backward_at_most_two_blocks(every
     copies, sources = [], []
     copy_out = offload.ActivationOffload._copy_out
 
-    def recording_copy_out(self, layer: int, t: torch.Tensor):  # noqa: ANN001, ANN202
-        copy = copy_out(self, layer, t)
+    def recording_copy_out(self, layer: int, t: torch.Tensor, pending: list):  # noqa: ANN001, ANN202
+        copy = copy_out(self, layer, t, pending)
         copies.append(copy)
         sources.append((weakref.ref(t.untyped_storage()), copy.host.untyped_storage().data_ptr()))
         return copy
