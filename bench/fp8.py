@@ -31,10 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/fp
 import torch  # noqa: E402
 
 from bench.common import emit, progress  # noqa: E402
-from cp_train.config.schema import Config  # noqa: E402
+from cp_train.config.schema import Config, ConfigError  # noqa: E402
 from cp_train.config.sources import build_config, flatten, read_yaml  # noqa: E402
+from cp_train.config.validate import validate  # noqa: E402
 from cp_train.metrics.writers import METRICS_FILE  # noqa: E402
 from cp_train.parallel.mesh.state import parallel_context, world_of_one  # noqa: E402
+from cp_train.parallel.tp.fp8 import fp8_unavailable  # noqa: E402
 from cp_train.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +82,22 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             "loss": result.losses[last], "peak_memory_gib": max(r["peak_memory_gib"] for r in intervals)}
 
 
+def check_variants(args: argparse.Namespace) -> str | None:
+    """Why one of the variants cannot run here (torchao missing, a GPU without FP8, a shape FP8 refuses), as one
+    line, or None: checked for all of them before the first (bf16's) run."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for variant in args.variants:
+        problem = fp8_unavailable(variant, device)
+        if problem is None:
+            try:
+                validate(run_config(args, variant, Path(args.out) / variant), 1)
+            except ConfigError as error:
+                problem = str(error)
+        if problem is not None:
+            return f"bench.fp8 {variant}: {problem}"
+    return None
+
+
 def compare(records: list[dict[str, Any]]) -> None:
     """Each record's loss and tokens/s against the bf16 run's (when there is one)."""
     base = next((r for r in records if r["variant"] == "none"), None)
@@ -101,6 +119,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     if args.tiny:
         args.steps, args.seq, args.interval, args.eager = 3, 128, 1, True
+    problem = check_variants(args)
+    if problem is not None:
+        sys.exit(problem)  # one line, exit 1
     with world_of_one():
         records = [progress(run_variant(args, variant)) for variant in args.variants]
     compare(records)

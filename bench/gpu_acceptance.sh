@@ -16,12 +16,16 @@
 #   profile-nofsdp  the same without FSDP
 #   offload  bench.offload at 64k and 128k tokens, with and without activation offload
 #   fp8      bench.fp8: bf16, tensorwise, rowwise, 100 compiled steps of 16,384 tokens each
+#   fp8-fsdp (not run by default) bench.fp8 --fsdp: tensorwise under FSDP2, its weights gathered in FP8, 30 steps
 #   swiglu   bench.swiglu at the 1B MLP's shape in bf16: gate and up as two weights against the fused weight's one
 #            matmul (eager node, compiled gated_silu)
 set -u
 OUT=${OUT:-runs/gpu-acceptance}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CP_TRAIN_CACHE=/tmp/cp-train-cache
+if [ -d /tmp/site ]; then  # torchao, installed there by an earlier setup: parts run without setup find it too
+    export PYTHONPATH=/tmp/site
+fi
 PARTS=${*:-setup tests graphs profile offload fp8 swiglu}
 
 run_part() {  # name limit command...: the command's log in $OUT/name.log, its exit code and seconds on the console
@@ -84,6 +88,10 @@ for part in $PARTS; do
         run_part fp8 330 python3 -m bench.fp8 --steps 100 --out /tmp/fp8-runs
         grep "^DONE" "$OUT/fp8.log" | cut -c1-400  # each variant as it finished (all three: the table below)
         tail -6 "$OUT/fp8.log"
+        ;;
+    fp8-fsdp)
+        run_part fp8-fsdp 150 python3 -m bench.fp8 --fsdp --variants tensorwise --steps 30 --out /tmp/fp8-fsdp-runs
+        tail -4 "$OUT/fp8-fsdp.log"
         ;;
     swiglu)
         run_part swiglu 120 python3 -m bench.swiglu --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \

@@ -194,10 +194,10 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
     problem = fp8_unavailable(config.model.fp8, device)  # torchao missing, or a GPU without FP8
     if problem:
         raise ConfigError(problem)
-    try:  # the blocks' linears (parallel/tp/fp8.py); the LM head and the embedding stay in the compute dtype
-        convert_to_fp8(model.layers, config.model.fp8, device, fsdp=parallel.fsdp, prefix="layers.")
-    except ValueError as error:  # a weight shape the GPU's FP8 GEMMs do not take
-        raise ConfigError(str(error)) from None
+    # the blocks' linears (parallel/tp/fp8.py; their shapes: validate); the LM head and the embedding stay in the
+    # compute dtype; under FSDP tensorwise gathers in FP8 the weights that split evenly over its shard group
+    convert_to_fp8(model.layers, config.model.fp8, device, fsdp_shards=state.fsdp_shard.size if parallel.fsdp else 0,
+                   prefix="layers.")
     if config.train.compile:
         model.compile_parts()
     if parallel.fsdp:

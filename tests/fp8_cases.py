@@ -44,6 +44,15 @@ def fsdp_fp8_state(state: ParallelState, prefix: str, run_dir: str, overrides: d
             "fp8_linears": len(fp8_layers(trainer.model))}
 
 
+def fsdp_fp8_gathers(state: ParallelState, prefix: str, run_dir: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The tiny FSDP run with FP8 (``overrides``): its losses, how many layers compute in FP8 and the names of the
+    weights FSDP gathers in FP8."""
+    trainer = Trainer(trainer_cases.tiny_config(prefix, run_dir, state.dims, **overrides), state)
+    losses = trainer.train().losses
+    gathered = {id(w) for w in fp8_all_gather_weights(trainer.params)}
+    return {"losses": losses, "fp8_linears": len(fp8_layers(trainer.model)),
+            "gathered": [name for name, p in trainer.model.named_parameters() if id(p) in gathered]}
+
 
 def tp_collectives(state: ParallelState, prefix: str, run_dir: str, recipe: str) -> list[tuple[str, tuple, str]]:
     """The TP group's sequence-parallel collectives of one training step with ``model.fp8`` ``recipe``, in order:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from cp_train.config.fp8_shapes import check_fp8_shapes
 from cp_train.config.schema import Config, ConfigError, field_type
 from cp_train.errors import InputError
 from cp_train.model.config import NORMS
@@ -224,6 +225,7 @@ def validate(config: Config, world_size: int) -> int:
                                                                                config.parallel.cp_layout)
     except ValueError as error:
         raise ConfigError(f"model: {error}") from None
+    check_fp8_shapes(config)  # the GPU's FP8 GEMMs: weight dims and tokens, multiples of 16
     return dp
 
 

@@ -18,13 +18,18 @@ with power-of-2 row scales for rowwise). So:
 - FSDP2 (``parallel.fsdp``) with tensorwise: the weights are all-gathered in FP8 (torchao's
   ``WeightWithDynamicFloat8CastTensor``, ``enable_fsdp_float8_all_gather``), the scale of each TP-local weight
   all-reduced over DP x CP; ``precompute_fp8_scales`` after every optimizer step computes all of them in one
-  all-reduce. Rowwise gathers in the compute dtype (torchao gathers tensorwise weights only).
-- Activation checkpointing and ``torch.compile``: the float8 matmul is one autograd function, allowed in graphs.
+  all-reduce. Only weights whose sharded dim splits evenly over the FSDP ranks (``fsdp_gathers_fp8``): torchao
+  0.18's wrapper hands FSDP its shard unpadded (pytorch/ao#3982), so an uneven or empty shard breaks the gather; the
+  others gather in the compute dtype and still multiply in FP8. Rowwise gathers in the compute dtype (torchao
+  gathers tensorwise weights only).
+- Activation checkpointing and ``torch.compile``: the float8 matmul is one autograd function, allowed in graphs;
+  converting applies torchao's workaround for a Triton FP8 miscompile (as its ``convert_to_float8_training`` does).
 - Checkpoints: the weights stay plain fp32 parameters with the same names (the FSDP wrapper's inner tensor is
   what ``cp_train.model.shards.local_tensor`` returns), so a checkpoint loads into bf16 and FP8 runs alike.
 - On CPU torchao emulates the FP8 matmul (``emulate``: the operands rounded to FP8 and multiplied in fp32); on CUDA
-  it needs FP8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell) and weight dims that are multiples
-  of 16. ``fp8_unavailable`` says why a run cannot use it (torchao missing, an older GPU).
+  it needs FP8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell), weight dims and token counts that
+  are multiples of 16 (``cp_train/config/fp8_shapes.py`` checks a run's config). ``fp8_unavailable`` says why a run
+  cannot use it (torchao missing, an older GPU).
 
 torchao is optional (``pip install -e ".[fp8]"``) and imported only when a run asks for FP8. The float8 matmul and
 its config are torchao 0.18's (``torchao.float8.float8_linear``): the extra pins that release line.
@@ -38,7 +43,7 @@ import importlib
 import logging
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -137,43 +142,52 @@ def _tp_linears(blocks: nn.Module, prefix: str) -> list[tuple[str, ColumnParalle
             if isinstance(module, ColumnParallelLinear | RowParallelLinear)]
 
 
-def convert_to_fp8(blocks: nn.Module, recipe: str, device: torch.device, fsdp: bool = False, prefix: str = ""
+def convert_to_fp8(blocks: nn.Module, recipe: str, device: torch.device, fsdp_shards: int = 0, prefix: str = ""
                    ) -> list[str]:
     """Make every column- and row-parallel layer inside ``blocks`` (the model's blocks, ``model.layers``) compute
     its local matmul in FP8 by ``recipe``, before ``torch.compile`` and FSDP2 wrap them (on the meta device or a real
-    one); emulated unless ``device`` is CUDA. ``fsdp``: the run shards with FSDP2 (tensorwise then gathers FP8
-    weights). Returns the converted layers' names (in ``blocks``, after ``prefix``: ``"layers."``). Call
-    ``fp8_unavailable`` first: this assumes the recipe runs here. ``ValueError`` on the GPU when a layer's shape has
-    no FP8 GEMM (the name in it is ``prefix`` + the layer's)."""
+    one); emulated unless ``device`` is CUDA. ``fsdp_shards``: the size of the group FSDP2 shards over (0: no FSDP);
+    tensorwise then gathers in FP8 the weights whose split is even there (``fsdp_gathers_fp8``). Returns the
+    converted layers' names (in ``blocks``, after ``prefix``: ``"layers."``). Call ``fp8_unavailable`` first: this
+    assumes the recipe runs here; the shapes the GPU's GEMMs take are the config's check (``validate``)."""
     if recipe == "none":
         return []
-    config = float8_config(recipe, emulate=device.type != "cuda", fsdp_all_gather=fsdp)
+    _patch_inductor()
+    config = float8_config(recipe, emulate=device.type != "cuda", fsdp_all_gather=fsdp_shards > 0)
     matmul = Float8Matmul(config)
     layers = _tp_linears(blocks, prefix)
-    if not config.emulate:
-        _check_gemm_shapes(layers, recipe)
     for _, layer in layers:
         layer.linear_fn = matmul
-        if config.enable_fsdp_float8_all_gather:
+        column = isinstance(layer, ColumnParallelLinear)
+        if config.enable_fsdp_float8_all_gather and fsdp_gathers_fp8(layer.weight.shape, column, layer.tp_size,
+                                                                     fsdp_shards):
             _wrap_weight(layer, matmul)
     return [name for name, _ in layers]
+
+
+def fsdp_gathers_fp8(shape: Sequence[int], column: bool, tp: int, shards: int) -> bool:
+    """Whether FSDP2 over ``shards`` ranks can gather a TP-local weight of ``shape`` ``[out, in]`` in FP8: the dim it
+    splits (``model/parallelize.py``: dim 1 of a column-parallel weight at tp > 1, else dim 0) must split evenly
+    (torchao 0.18 hands FSDP the unpadded shard: an uneven split, or an empty shard, breaks the gather)."""
+    return shape[1 if column and tp > 1 else 0] % shards == 0
+
+
+def _patch_inductor() -> None:
+    """torchao's workaround for a Triton miscompile of FP8 stores in compiled kernels (triton-lang/triton#11111),
+    which its ``convert_to_float8_training`` applies before converting; idempotent, nothing where torchao lacks it."""
+    try:
+        module = importlib.import_module("torchao.float8._inductor_patch")
+    except ImportError:
+        return
+    patch = getattr(module, "_patch_inductor_min_max_codegen", None)
+    if patch is not None:
+        patch()
 
 
 def fp8_layers(model: nn.Module) -> list[str]:
     """The names of ``model``'s layers whose local matmul is FP8 (``convert_to_fp8``)."""
     return [name for name, module in model.named_modules() if isinstance(getattr(module, "linear_fn", None),
                                                                          Float8Matmul)]
-
-
-def _check_gemm_shapes(layers: list[tuple[str, nn.Module]], recipe: str) -> None:
-    """FP8 GEMMs on the GPU (``torch._scaled_mm``) take weights whose dims are multiples of 16: ValueError naming
-    the first layer whose local weight (its TP shard) is not."""
-    for name, layer in layers:
-        shape = tuple(layer.weight.shape)
-        if any(dim % 16 for dim in shape):
-            raise ValueError(f"model.fp8 {recipe}: the FP8 GEMMs need weight dims that are multiples of 16 and "
-                             f"{name}'s weight is {list(shape)} on each TP rank: change the model's widths (or tp) or "
-                             f"set model.fp8=none")
 
 
 def _wrap_weight(layer: nn.Module, matmul: Float8Matmul) -> None:

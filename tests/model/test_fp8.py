@@ -148,14 +148,35 @@ def test_a_gpu_before_sm89_is_refused(monkeypatch) -> None:
         assert fp8_unavailable("tensorwise", cuda) is None, capability
 
 
-def test_gpu_gemms_need_dims_that_are_multiples_of_16() -> None:
-    """On CUDA (not emulated) a block linear whose weight has a dim that is no multiple of 16 is refused by name; the
-    CPU's emulation takes any shape."""
+def test_converting_takes_any_shape_and_applies_torchaos_inductor_patch(monkeypatch) -> None:
+    """``convert_to_fp8`` converts any shape (the GPU's multiples of 16 are the config's check:
+    ``tests/config/test_fp8_shapes.py``) and applies torchao's Triton workaround once per conversion, as
+    ``convert_to_float8_training`` does; nothing for ``none``."""
+    import torchao.float8._inductor_patch as patch
+
+    calls: list[int] = []
+    monkeypatch.setattr(patch, "_patch_inductor_min_max_codegen", lambda: calls.append(1))
     odd = {"hidden_size": 40, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 64}  # qkv [80, 40]
-    with pytest.raises(ValueError, match=r"^model.fp8 tensorwise: the FP8 GEMMs need weight dims that are multiples "
-                                         r"of 16 and layers.0.attention.qkv's weight is \[80, 40\] on each TP rank"):
-        convert_to_fp8(GPTModel(tiny_config(**odd)).layers, "tensorwise", torch.device("cuda"), prefix="layers.")
     assert len(convert_to_fp8(GPTModel(tiny_config(**odd)).layers, "tensorwise", CPU)) == 8  # 2 layers x 4 linears
+    assert calls == [1]
+    assert convert_to_fp8(GPTModel(tiny_config()).layers, "none", CPU) == [] and calls == [1]
+
+
+def test_fsdp_gathers_in_fp8_only_the_weights_that_split_evenly() -> None:
+    """torchao 0.18 hands FSDP2 an unpadded shard: at 3 FSDP ranks the [256, 48] gate/up weight (hidden 48, ffn 128)
+    keeps its plain parameter (gathered in the compute dtype), qkv [96, 48], out [48, 48] and down [48, 128] get the
+    FP8 wrapper; at 2 ranks all four; every layer multiplies in FP8 either way."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Wrapper
+
+    config = {"hidden_size": 48, "ffn_hidden_size": 128}
+    wrapped = {}
+    for shards in (3, 2, 0):
+        model = GPTModel(tiny_config(**config))
+        assert len(convert_to_fp8(model.layers, "tensorwise", CPU, fsdp_shards=shards, prefix="layers.")) == 8
+        assert len(fp8_layers(model)) == 8
+        wrapped[shards] = [name for name in BLOCK_LINEARS
+                           if isinstance(model.layers[1].get_submodule(name).weight, Wrapper)]
+    assert wrapped == {3: ["attention.qkv", "attention.proj", "mlp.down"], 2: list(BLOCK_LINEARS), 0: []}
 
 
 def test_an_unknown_recipe_is_a_config_error() -> None:

@@ -7,12 +7,15 @@
 - FSDP2 at tp 2 x cp 2 with tensorwise: the weights are gathered in FP8 with their precomputed scales; a run saved
   at step 4 resumes bitwise; the FP8 checkpoint resumes in bf16 (fp32 here) and that one back in FP8, each
   loading the very weights saved, with the one-line note; the HF export of the FP8 checkpoint writes bf16.
+- FSDP2 over 3 ranks with tensorwise: the weights whose dim 0 does not split evenly gather in fp32, the others in
+  FP8, and the run trains (torchao 0.18's FP8 gather of an uneven shard broke the collective).
 - TP with sequence parallelism: the TP collectives of a step are the same (order, shapes, dtypes) with FP8.
 - Without torchao the trainer stops with the one-line error naming the extra (exit 2).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -103,6 +106,22 @@ def test_fsdp_tp2_cp2_gathers_fp8_resumes_bitwise_and_switches_precision(spawn_w
                      ("model.layers.0.self_attn.o_proj.weight", "layers.0.attention.proj.weight"),
                      ("model.embed_tokens.weight", "embedding.weight")):
         assert torch.equal(tensors[hf], params[ours].to(torch.bfloat16)), hf
+
+
+def test_fsdp_over_3_ranks_gathers_the_uneven_weights_in_the_compute_dtype(spawn_world, corpus, tmp_path) -> None:
+    """torchao 0.18 hands FSDP2 an unpadded shard, which broke the FP8 gather of a weight whose dim 0 does not split
+    over 3 ranks (gloo: "Received data size doesn't match expected size"); at hidden 48 the MLP's gate/up weight
+    [256, 48] gathers in fp32, qkv [96, 48], out [48, 48] and down [48, 128] in FP8, and 3 steps train alike."""
+    overrides = {"model.hidden_size": 48, "model.ffn_hidden_size": 128, "parallel.fsdp": True,
+                 "model.fp8": "tensorwise", "train.steps": 3, "schedule.warmup_steps": 1,
+                 "train.global_batch_size": 6, "train.valid_interval": 0, "logging.interval": 3}
+    runs = spawn_world(3).run(run_with_parallel, (1, 1, 3), fp8_cases.fsdp_fp8_gathers, corpus, str(tmp_path),
+                              overrides)
+    fp8 = [f"layers.{i}.{name}.weight" for i in range(2) for name in ("attention.qkv", "attention.proj", "mlp.down")]
+    for rank in runs:
+        assert rank["gathered"] == fp8 and rank["fp8_linears"] == 2 * 4, rank
+        assert sorted(rank["losses"]) == [1, 2, 3] and all(math.isfinite(x) for x in rank["losses"].values()), rank
+    assert runs[1]["losses"] == runs[0]["losses"] == runs[2]["losses"]
 
 
 def test_tp_collectives_are_unchanged_by_fp8(spawn_world, corpus, tmp_path) -> None:
