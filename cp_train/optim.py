@@ -148,9 +148,9 @@ def continue_schedule(schedule: LRSchedule, saved: LRSchedule, step: int, restar
         why = "optimizer.lr, optimizer.min_lr or the schedule's settings changed"
     if why is None and not changed:
         schedule.replan = saved.replan
-    fresh, before = schedule(step), saved(step - 1)  # the LR of the last step trained
-    if abs(fresh - before) <= 0.01 * abs(before):  # the plain schedule continues it (wsd while stable, say)
-        return None
+    fresh, before, next_saved = schedule(step), saved(step - 1), saved(step)  # before: the last step trained's LR
+    if abs(fresh - next_saved) <= 0.01 * abs(next_saved):  # the LR the checkpoint's schedule gives the next step
+        return None  # (an unchanged schedule, or a plain one that continues it: wsd while stable, say)
     old_end, new_end = saved.train_steps, schedule.train_steps
     if why is not None or not changed:
         return (f"LR schedule restarted ({why or 'the schedule changed'}): lr {before:.2e} -> {fresh:.2e} at step "

@@ -22,10 +22,11 @@ from torch import nn
 
 from cp_train import build
 from cp_train.checkpoint.dcp import ShardedState
-from cp_train.checkpoint.files import resume_hint, resume_source
-from cp_train.checkpoint.resume import restore_run
+from cp_train.checkpoint.files import check_save_root, resume_hint, resume_source
+from cp_train.checkpoint.resume import check_save_directory, restore_run
 from cp_train.checkpoint.rng import derived_seed, seed_everything
-from cp_train.config.hf_init import hf_init_message
+from cp_train.config.fp8_shapes import fp8_notes
+from cp_train.config.hf_init import check_hf_weights, hf_init_message
 from cp_train.config.schema import Config, dump_yaml
 from cp_train.config.validate import check_parallel_state, validate
 from cp_train.data.gpt_dataset import GPTDataset
@@ -80,9 +81,13 @@ def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     ckpt = config.checkpoint
     share = (state.rank, state.world_size)  # every rank verifies its share of the checkpoint's checksums
     resumed_from = agree(lambda: resume_source(ckpt.load, ckpt.save if ckpt.auto_resume else None, share))
+    agree(lambda: check_save_directory(ckpt.save, resumed_from) if state.rank == 0 else None)  # nothing overwritten
     hf_dir = None if resumed_from is not None else ckpt.init_from_hf
+    if hf_dir is not None:  # its weights load at the end of the model's build: checked before it
+        agree(lambda: check_hf_weights(hf_dir, config.model))
     notes = ((hf_init_message(config),) if hf_dir is not None else ()) + tuple(config.deprecations)
     notes += cp_tokens_warning(config)
+    notes += fp8_notes(config, dp, device.type == "cuda")  # eager FP8 on CUDA; layers that gather in bf16 (FSDP)
     return RunEnvironment(config, state, dp, device, autocast_dtype, sources, run_name, run_dir, resumed_from, hf_dir,
                           notes)
 
@@ -107,6 +112,7 @@ def _check_directories(config: Config, state: ParallelState, run_dir: Path) -> N
     if state.rank == 0:
         ensure_writable_dir(run_dir, "logging.dir (--run-dir)")
         if config.checkpoint.save:
+            check_save_root(config.checkpoint.save)  # not one checkpoint: the run's would nest in it
             ensure_writable_dir(Path(config.checkpoint.save), "checkpoint.save (--save)")
 
 

@@ -36,6 +36,7 @@ from cp_train.model.mlp import pair_gate_up
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
+TOKENIZERS = ("tokenizer.json", "tokenizer.model")  # a directory holding neither has no tokenizer to copy
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.dtype's names too
@@ -48,7 +49,16 @@ def checkpoint_model_config(meta: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in saved.items() if k in names})
 
 
+def check_tokenizer_from(given: str | None) -> None:
+    """InputError unless ``--tokenizer-from`` (when given) is a directory with a tokenizer."""
+    if given is not None and not any((Path(given) / name).is_file() for name in TOKENIZERS):
+        what = "holds no tokenizer" if Path(given).is_dir() else "is not a directory"
+        raise InputError(f"--tokenizer-from {given} {what}: pass a Hugging Face model directory with "
+                         f"{' or '.join(TOKENIZERS)} (and tokenizer_config.json), or leave the flag out")
+
+
 def _tokenizer_source(meta: dict[str, Any], given: str | None) -> Path | None:
+    """``--tokenizer-from``, else the run's ``checkpoint.init_from_hf`` when it still exists."""
     if given is not None:
         return Path(given)
     origin = meta["config"].get("checkpoint", {}).get("init_from_hf")
@@ -58,6 +68,7 @@ def _tokenizer_source(meta: dict[str, Any], given: str | None) -> Path | None:
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
                       tokenizer_from: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write the model of ``checkpoint`` as an HF model directory ``out``; ``dtype`` None keeps the stored one."""
+    check_tokenizer_from(tokenizer_from)
     if not Path(checkpoint).is_dir():
         raise InputError(f"{checkpoint} is not a directory: pass a run's checkpoint directory (checkpoint.save) or "
                          f"one of its step_* directories")

@@ -127,6 +127,16 @@ def _is_checkpoint_dir(path: Path) -> bool:
     return STEP_DIR.fullmatch(path.name) is not None or (path / META).exists() or (path / DCP_METADATA).exists()
 
 
+def check_save_root(save: str) -> None:
+    """InputError when ``save`` (checkpoint.save) is one checkpoint (a ``step_XXXXXXXX`` directory, or one holding
+    its files) rather than the directory of a run's checkpoints: the run would nest its checkpoints in it."""
+    path = Path(save)
+    if _is_checkpoint_dir(path):
+        raise InputError(f"checkpoint.save (--save) {save} is a checkpoint ({path.name}), not a directory of "
+                         f"checkpoints: pass its parent, --save {path.parent}, to continue that run, or another "
+                         f"directory (with --load {save} to start from this checkpoint)")
+
+
 def find_checkpoint(path: str | os.PathLike, use: str = RESUME_FROM, share: Share = None,
                     verify: bool = True) -> Path | None:
     """The complete checkpoint ``path`` names: ``path`` itself when it is one checkpoint directory, else
@@ -146,7 +156,9 @@ def find_checkpoint(path: str | os.PathLike, use: str = RESUME_FROM, share: Shar
     pointer = given / LATEST
     if not pointer.is_file():
         return None
-    name = pointer.read_text().strip()
+    name = latest_name(given)
+    if not name:  # blank, or not text: it names no checkpoint (``given / ""`` would be ``given`` itself)
+        raise InputError(f"{pointer} is empty or damaged: it names no checkpoint; {_instead(given, None, use)}")
     target = given / name
     try:
         if not target.is_dir():
@@ -191,8 +203,11 @@ def resume_hint(save: str | None, resumed_from: Path | None) -> str:
 
 
 def latest_name(root: Path) -> str | None:
-    pointer = root / LATEST
-    return pointer.read_text().strip() if pointer.is_file() else None
+    """The checkpoint ``root/latest`` names; None when it is missing, blank or not text."""
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def prune(root: Path, keep: int) -> list[Path]:

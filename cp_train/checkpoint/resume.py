@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cp_train.checkpoint.dcp import ShardedState, load_checkpoint, read_meta
+from cp_train.checkpoint.files import STEP_DIR, is_complete, step_dirs
 from cp_train.checkpoint.rng import derived_seed, restore_rng_state, seed_everything
 from cp_train.config.schema import Config
 from cp_train.errors import InputError
@@ -32,6 +33,31 @@ MODEL_KEYS = ("model.vocab_size", "model.num_layers", "model.hidden_size", "mode
 GUARDED_KEYS = DATA_STREAM_KEYS + MODEL_KEYS
 QUIET_SECTIONS = ("logging", "checkpoint")  # where a run is written and read: changes are not worth a note
 FP8_KEY = "model.fp8"  # how the linears compute: a resume may switch it (its own note)
+
+
+def check_save_directory(save: str | None, resumed_from: Path | None) -> None:
+    """InputError when this run would write over or among checkpoints in ``save`` (checkpoint.save) that it does
+    not continue: complete ones past the step it resumes from (``resumed_from``, one of ``save``'s), or any when
+    it starts afresh or resumes from elsewhere. Step directories that are not complete (a save cut short) are no
+    checkpoints: they are written over."""
+    if not save:
+        return
+    root = Path(save)
+    found = [path for path in step_dirs(root) if is_complete(path, verify=False)]
+    if not found:
+        return
+    start = 0 if resumed_from is None else int(read_meta(resumed_from)["step"])
+    later = [path.name for path in found if int(STEP_DIR.fullmatch(path.name).group(1)) > start]
+    if resumed_from is not None and resumed_from.resolve().parent == root.resolve():
+        if later:  # a rollback to an earlier step would overwrite the later ones
+            raise InputError(f"checkpoint.save (--save) {save} holds {', '.join(later)}, past step {start} this run "
+                             f"resumes from, and it would overwrite them: move them out of {save} to go on from "
+                             f"step {start}, resume the newest with --load {root / later[-1]}, or set another --save")
+        return
+    source = (f"resumes from {resumed_from}: continue {save} with --load {save}" if resumed_from is not None else
+              "starts afresh (checkpoint.auto_resume false): resume it (checkpoint.auto_resume true)")
+    raise InputError(f"checkpoint.save (--save) {save} holds another run's checkpoints (up to {found[-1].name}) and "
+                     f"this run {source}, or set another --save; nothing was written")
 
 
 def _flat(config: dict[str, Any]) -> dict[str, Any]:

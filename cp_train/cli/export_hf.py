@@ -14,21 +14,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cp_train.checkpoint.export_hf import DTYPES, TOKENIZER_FILES, export_checkpoint
+from cp_train.config.arg_types import OneLineParser, positive_float
 from cp_train.errors import run_entry_point
 from cp_train.model.hf.llama import DEFAULT_SHARD_BYTES
 
 
 def run(argv: Sequence[str] | None = None) -> Path:
     """The command line (``cp-train-export-hf --help``); returns the output directory."""
-    parser = argparse.ArgumentParser(prog="cp-train-export-hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="cp-train-export-hf", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="checkpoint directory (its `latest`) or one step_* directory")
     parser.add_argument("out", help="output directory (config.json, safetensors, tokenizer files)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="stored dtype (default: as saved)")
     parser.add_argument("--tokenizer-from", default=None,
                         help="HF directory whose tokenizer files and token ids to copy (default: the run's "
                              "checkpoint.init_from_hf)")
-    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 2**30,
+    parser.add_argument("--max-shard-gb", type=positive_float, default=DEFAULT_SHARD_BYTES / 2**30,
                         help="largest safetensors file before sharding (default 5)")
     args = parser.parse_args(argv)
     out = export_checkpoint(args.checkpoint, args.out, DTYPES.get(args.dtype), args.tokenizer_from,

@@ -14,19 +14,22 @@ and exits 0 (``SaveAndStop``); a second Ctrl-C stops at once (one line, exit 130
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import difflib
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import determine_local_world_size, get_args_parser, run
 
-from cp_train.errors import LAUNCHER_ENV
+from cp_train.errors import LAUNCHER_ENV, InputError
 
 PROG = "cp_train.cli.launch"
 # log each failure and each signal: the summary line says it all
@@ -114,8 +117,41 @@ class SaveAndStop:
         forward_to_ranks(signum)
 
 
+def _usage_error(message: str) -> NoReturn:
+    raise InputError(f"{message} (see cp-train-launch --help)")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """torchrun's arguments; InputError (one line, not torchrun's usage) for an unknown option or a
+    ``--nproc-per-node`` that is not a positive count or one of torchrun's words (cpu, gpu, xpu, auto)."""
+    parser = get_args_parser()
+    parser.prog = "cp-train-launch"
+    parser.error = _usage_error  # type: ignore[method-assign]  # one line instead of the usage
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        options = [o for o in parser._option_string_actions if o.startswith("--")]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], options, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise InputError(f"unrecognized arguments: {' '.join(unknown)}: {hint}torchrun's options go before the "
+                         f"script and the script's after it, e.g. cp-train-launch --nproc-per-node 2 train.py "
+                         f"--config FILE (see cp-train-launch --help)")
+    value, why = args.nproc_per_node, ""
+    try:
+        count = determine_local_world_size(value)
+    except ValueError as error:  # a word torchrun does not take, or a device this node lacks
+        count, why = 0, "" if "Unsupported" in str(error) else f" ({error})"
+    if count < 1:
+        raise InputError(f"--nproc-per-node {value}{why}: pass the number of processes per node (1 or more), or "
+                         f"gpu, cpu, xpu or auto (as many as this node has)")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    except InputError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 2
     signal.signal(signal.SIGUSR1, forward_to_ranks)  # torchrun itself would die of it
     save_and_stop = SaveAndStop()
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = OURS_LEFT_TO_TORCHRUN  # SIGTERM and SIGINT are ours

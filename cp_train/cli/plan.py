@@ -19,6 +19,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from cp_train.config.arg_types import OneLineParser, fraction, non_negative_float, positive_int
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.sources import load_config
 from cp_train.errors import InputError
@@ -34,21 +35,21 @@ from cp_train.perf.search import Choices, search
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cp-train-plan", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="cp-train-plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a preset (llama3-8b, llama3-70b, llama3-405b, llama2-7b, qwen2.5-7b, "
                                       "gpt-1b, gpt-8b), a project YAML config or a Hugging Face config.json")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs in all")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's (8)")
+    parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sample")
+    parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs in all")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=None, help="default: the hardware's (8)")
     parser.add_argument("--hardware", default="h100-sxm", help="h100-sxm, h100-sxm-96g, h200, b200, a100-80g, "
                                                                "h800, or a YAML file of constants")
-    parser.add_argument("--global-batch-tokens", type=int, default=None,
+    parser.add_argument("--global-batch-tokens", type=positive_int, default=None,
                         help="tokens per optimizer step (default: seq-len x gpus)")
     parser.add_argument("--document-lengths", default=None, metavar="N|N,N,...|FILE|PREFIX",
                         help="the lengths of the documents packed into each sample (one length, a comma list, a "
                              "file of lengths, or an indexed dataset's prefix); attention stays inside each "
                              "(default: one document per sample)")
-    parser.add_argument("--vocab-size", type=int, default=128256,
+    parser.add_argument("--vocab-size", type=positive_int, default=128256,
                         help="for a project YAML whose model.vocab_size is null (the tokenizer's); default 128256")
     parser.add_argument("--eager", action="store_true", help="plan the eager step (default: compiled, --compile)")
     parser.add_argument("--precision", choices=("bf16", "fp8"), default=None,
@@ -57,18 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-kernel", default=None, metavar="KERNEL",
                         help="the attention kernel planned, one of the profile's curves (cudnn, flash2; default: "
                              "the profile's, the trainer's choice on that GPU)")
-    for flag, kind in (("--tp", int), ("--cp", int), ("--dp", int), ("--ulysses-size", int), ("--mlp-chunks", int),
-                       ("--micro-batch", int)):
-        parser.add_argument(flag, type=kind, default=None)
+    for flag in ("--tp", "--cp", "--dp", "--ulysses-size", "--mlp-chunks", "--micro-batch"):
+        parser.add_argument(flag, type=positive_int, default=None)
     parser.add_argument("--cp-algorithm", choices=cp_algorithm_names(), default=None)
     parser.add_argument("--cp-layout", choices=("zigzag", "stripe", "contiguous", "balanced"), default=None,
                         help="balanced: with --document-lengths (it places tokens by their documents)")
     parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default=None)
-    parser.add_argument("--reserve-gib", type=float, default=RESERVE_GIB)
-    parser.add_argument("--reserve-fraction", type=float, default=RESERVE_FRACTION)
-    parser.add_argument("--top", type=int, default=10, help="layouts shown by a search")
-    parser.add_argument("--max-seconds", type=float, default=None, metavar="S",
+    parser.add_argument("--reserve-gib", type=non_negative_float, default=RESERVE_GIB)
+    parser.add_argument("--reserve-fraction", type=fraction, default=RESERVE_FRACTION)
+    parser.add_argument("--top", type=positive_int, default=10, help="layouts shown by a search")
+    parser.add_argument("--max-seconds", type=non_negative_float, default=None, metavar="S",
                         help="stop a search after S seconds with the best layouts found so far (it says so)")
     parser.add_argument("--json", action="store_true", help="one JSON line per layout instead of the table")
     parser.add_argument("--explain", action="store_true", help="the best layout's time and memory in words")
@@ -172,8 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     early, _ = pre.parse_known_args(argv)
     if early.calibrate:
         return calibrate_main(early.calibrate, early.quick)
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         hardware = load_hardware(args.hardware)
         if args.gpus_per_node:
             hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
@@ -181,6 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         precision = linear_precision(base.model.fp8)
         rates = DeviceRates(hardware, precision, args.attention_kernel)
         reserve = reserve_gib(hardware.hbm_gib, args.reserve_gib, args.reserve_fraction)
+        if reserve >= hardware.hbm_gib:
+            raise InputError(f"--reserve-gib {args.reserve_gib:g} + --reserve-fraction {args.reserve_fraction:g} of "
+                             f"{hardware.hbm_gib:g} GiB keeps {reserve:.3g} GiB, all of {hardware.name}'s memory: "
+                             f"lower them")
         documents = parse_document_lengths(args.document_lengths) if args.document_lengths else None
         result = search(base, args.gpus, rates, hardware.peak_tflops("bf16"), hardware.hbm_gib, reserve,
                         choices_of(args), documents, keep=max(1, args.top), max_seconds=args.max_seconds,
@@ -192,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cp-train-plan: stopped by --max-seconds {args.max_seconds:g}: {result.evaluated:,} of "
               f"{result.total:,} layouts searched; the best found so far follow", file=sys.stderr, flush=True)
     if not result.ranked:
-        reasons = "; ".join(f"{reason} ({count}x)" for reason, count in result.rejected.most_common(3))
+        reasons = "; ".join(f"{reason} ({count}x)" for reason, count in result.rejected.most_common(3)) or (
+            "none was predicted before the time limit: raise --max-seconds" if result.stopped else
+            f"--tp/--cp/--dp as given leave no tp*cp*dp = {args.gpus} (--gpus): change them")
         print(f"cp-train-plan: no layout the trainer can run: {reasons}", file=sys.stderr)
         return 2
     shown = result.ranked[: max(1, args.top)]

@@ -44,6 +44,10 @@ def dry_run(config: Config, args: Namespace, source: str | Path | None = None) -
     if device_gib is None:
         device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     reserve_gib = args.reserve_gib + args.reserve_fraction * device_gib
+    if reserve_gib >= device_gib:
+        raise ConfigError(f"--dry-run: --reserve-gib {args.reserve_gib:g} + --reserve-fraction "
+                          f"{args.reserve_fraction:g} of the {device_gib:g} GiB device keep {reserve_gib:.3g} GiB, all "
+                          f"of it: lower them or raise --device-memory-gib")
     world = dry_run_world(config)
     config = with_accumulation(config, world)
     planned = report(config, world, device_gib, str(source or args.config or "the command line"), reserve_gib,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from cp_train.checkpoint.files import find_checkpoint, step_dirs
 from cp_train.checkpoint.integrity import MANIFEST, read_manifest, shares, verify_files
+from cp_train.config.arg_types import OneLineParser, positive_int
 from cp_train.errors import InputError, run_entry_point
 
 PROG = "cp-train-verify"
@@ -57,11 +58,10 @@ def _try(path: Path, names: list[str]) -> InputError | None:
 
 
 def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint directory (step_XXXXXXXX) or a --save directory (its latest)")
     parser.add_argument("--all", action="store_true", help="verify every checkpoint of a --save directory")
-    parser.add_argument("--workers", type=int, default=4, help="threads hashing files (default 4)")
+    parser.add_argument("--workers", type=positive_int, default=4, help="threads hashing files (default 4)")
     args = parser.parse_args(argv)
     given = Path(args.checkpoint)
     if not given.exists():

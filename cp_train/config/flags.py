@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cp_train.config.arg_types import fraction, non_negative_float, positive_float
 from cp_train.config.foreign_flags import (
     FOREIGN_DEST,
     TORCHTITAN_KEYS,
@@ -139,12 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--dry-run", action="store_true",
                          help="build on the meta device and print each rank's parameter, gradient, optimizer and "
                               "activation memory; train nothing (no torchrun needed)")
-    command.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+    command.add_argument("--device-memory-gib", type=positive_float, default=None, metavar="GIB",
                          help="--dry-run: memory per device (default: this GPU's, else 80)")
-    command.add_argument("--reserve-gib", type=float, default=3.0, metavar="GIB",
+    command.add_argument("--reserve-gib", type=non_negative_float, default=3.0, metavar="GIB",
                          help="--dry-run: memory per device kept for the CUDA context, NCCL and fragmentation, "
                               "plus --reserve-fraction of the device (default 3)")
-    command.add_argument("--reserve-fraction", type=float, default=0.05, metavar="F",
+    command.add_argument("--reserve-fraction", type=fraction, default=0.05, metavar="F",
                          help="--dry-run: the share of the device kept on top of --reserve-gib (default 0.05)")
     command.add_argument(DEBUG_FLAG, action="store_true",
                          help=f"print the Python traceback of an error (also {DEBUG_ENV}=1)")

@@ -8,13 +8,20 @@ key. The RoPE fields (``max_position_embeddings``, ``rope_theta``, ``rope_scalin
 the HF config unless the user set them: that is how a context extension is configured. A user
 ``rope_scaling`` of type llama3 or yarn without ``original_max_position_embeddings`` gets the HF
 model's ``max_position_embeddings`` (the context it was trained at). The weights are loaded by
-``build.build_model`` when the run does not resume from a DCP checkpoint. Keys of a default config (no
-``--config``: the CPU demo's) are not the user's: ``hf_model_keys`` are dropped from it first (``flags.py``).
+``build.build_model`` when the run does not resume from a DCP checkpoint (``check_hf_weights`` checks them
+before). Keys of a default config (no ``--config``: the CPU demo's) are not the user's: ``hf_model_keys`` are
+dropped from it first (``flags.py``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
 from cp_train.config.schema import Config, ConfigError
+from cp_train.errors import InputError, one_line
+from cp_train.model.config import ModelConfig
 from cp_train.model.hf.config import (
     ARCHITECTURE_FIELDS,
     ATTENTION_FIELDS,
@@ -23,6 +30,7 @@ from cp_train.model.hf.config import (
     model_fields,
     read_hf_config,
 )
+from cp_train.model.hf.weights import SINGLE_FILE, WeightFiles, hf_tensors
 
 
 def hf_model_keys() -> frozenset[str]:
@@ -73,3 +81,25 @@ def hf_init_message(config: Config) -> str:
     if kept:
         text += "; set here instead of its config.json: " + ", ".join(f"model.{k}={getattr(model, k)}" for k in kept)
     return text
+
+
+def check_hf_weights(path: str | Path, model: ModelConfig) -> None:
+    """InputError naming directory ``path`` unless its safetensors weights are there, readable (each file's header
+    parses and the file is as long as it says) and hold every tensor ``model`` needs: checked before the model is
+    built, where loading them would fail only at its end."""
+    reading = Path(path) / SINGLE_FILE  # the file a SafetensorError is about
+    try:
+        files = WeightFiles(path)
+        for reading in sorted(set(files.files.values())):
+            with safe_open(reading, framework="pt"):
+                pass
+    except (OSError, ValueError, SafetensorError) as error:
+        problem = (f"{reading.name} is truncated or not a safetensors file ({one_line(str(error))})"
+                   if isinstance(error, SafetensorError) else one_line(str(error)))
+        raise InputError(f"checkpoint.init_from_hf (--init-from-hf) {path}: {problem}: its weights are missing or "
+                         f"damaged; re-download or re-export the model into it") from None
+    missing = [entry.name for entry in hf_tensors(model) if entry.name not in files.files]
+    if missing:
+        raise InputError(f"checkpoint.init_from_hf (--init-from-hf) {path}: its weights lack {len(missing)} tensors "
+                         f"its config.json implies ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+                         f"re-download or re-export the model into it")

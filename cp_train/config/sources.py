@@ -37,7 +37,7 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
             except ConfigError as error:
                 raise ConfigError(f"{source}: {error}") from None
             section, name = key.split(".", 1)
-            setattr(getattr(config, section), name, coerce(key, value, kind))
+            setattr(getattr(config, section), name, coerce(key, yaml_list(key, value, kind), kind))
     config.model.resolve()
     import_modules(config.train.imports)
     config.explicit_keys = frozenset(DEPRECATED_KEYS.get(key, key) for _, values in layers for key in values)
@@ -50,6 +50,20 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> Config:
         apply_hf_model(config)  # the model's shape comes from the HF config.json
     return config
 
+
+def yaml_list(key: str, value: Any, kind: Any) -> Any:
+    """The value of a list key given as YAML text (``--set key=[a, b]``, a flag) as that list; any other value as it
+    is (``coerce`` splits a comma list, ``a,b``)."""
+    is_list = typing.get_origin(kind) is list or any(typing.get_origin(a) is list for a in typing.get_args(kind))
+    if not is_list or not isinstance(value, str) or not value.strip().startswith("["):
+        return value
+    try:
+        items = yaml.safe_load(value)
+    except yaml.YAMLError:
+        items = None
+    if not isinstance(items, list):
+        raise ConfigError(f"{key} expects a list, as a,b or [a, b]; got {value!r}")
+    return items
 
 
 def import_modules(names: list[str]) -> None:
@@ -76,35 +90,43 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
-    """The mapping in YAML file ``path``; ConfigError naming the file (and the line of a syntax error)."""
+def read_yaml(path: Path, what: str = "--config") -> dict[str, Any]:
+    """The mapping in YAML file ``path``; ConfigError naming the file as ``what`` (and the line of a syntax error).
+    An empty file is an error: it would silently mean the defaults."""
+    example = "(e.g. launch/configs/cpu-tiny.yaml)"
     if path.is_dir():
-        raise ConfigError(f"--config {path} is a directory: pass a YAML file (e.g. launch/configs/cpu-tiny.yaml)")
+        raise ConfigError(f"{what} {path} is a directory: pass a YAML file {example}")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"--config {path} does not exist: pass an existing YAML file "
-                          f"(e.g. launch/configs/cpu-tiny.yaml)") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"--config {path} cannot be read: {error}") from None
+        raise ConfigError(f"{what} {path} does not exist: pass an existing YAML file {example}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{what} {path} is not a YAML text file (byte {error.object[error.start]:#04x} at offset "
+                          f"{error.start} is not UTF-8 text): pass a YAML file {example}") from None
+    except OSError as error:
+        raise ConfigError(f"{what} {path} cannot be read: {error}") from None
     try:
-        tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader subclass
+        tree = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(error, "problem", None) or str(error)
         raise ConfigError(f"{where}: not valid YAML: {' '.join(str(problem).split())}; fix the file") from None
+    if tree is None:
+        raise ConfigError(f"{what} {path} is empty: it holds no settings (it would mean every default); put the "
+                          f"run's sections in it (model:, train:, ...) {example}")
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...)")
     return tree
 
 
 def load_config(path: str | Path | None = None, flags: dict[str, Any] | None = None,
-                overrides: typing.Sequence[str] = ()) -> Config:
-    """The config of YAML ``path`` < ``flags`` (dotted key -> value) < ``overrides`` ("key=value")."""
+                overrides: typing.Sequence[str] = (), what: str = "--config") -> Config:
+    """The config of YAML ``path`` (named ``what`` in errors) < ``flags`` (dotted key -> value) < ``overrides``
+    ("key=value")."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if path is not None:
-        tree = read_yaml(Path(path))
+        tree = read_yaml(Path(path), what)
         layers.append((str(path), flatten(tree, str(path))))
     layers.append(("command-line flags", dict(flags or {})))
     layers.append(("--set", dict(parse_override(o) for o in overrides)))

@@ -20,7 +20,7 @@ from cp_train import build
 from cp_train.config.flags import FLAGS
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
-from cp_train.errors import DEBUG_FLAG, run_entry_point
+from cp_train.errors import DEBUG_FLAG, ensure_writable_dir, run_entry_point, this_rank
 from cp_train.eval.context import build_context
 from cp_train.eval.load import eval_config, load_model
 from cp_train.eval.report import plots, table, wandb_log, write_jsonl
@@ -86,6 +86,8 @@ def publish(records: list[Record], out_dir: Path, config: Config, use_wandb: boo
 def evaluate(argv: list[str]) -> int:
     """Parse ``argv``, evaluate on every rank, publish on rank 0."""
     args = build_parser().parse_args(argv)
+    if this_rank() == 0:  # rank 0 writes the results: a directory it cannot write is known before the run
+        ensure_writable_dir(Path(args.output_dir), "--output-dir")
     flags = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     config = eval_config(args.load, args.config, flags, args.overrides)
     settings = EvalSettings(tasks=args.tasks, lengths=args.lengths or [config.data.seq_len], depths=args.depths,

@@ -20,6 +20,7 @@ from cp_train import build
 from cp_train.checkpoint.dcp import ShardedState
 from cp_train.checkpoint.files import find_checkpoint, read_meta
 from cp_train.checkpoint.legacy import loading_view
+from cp_train.config.hf_init import check_hf_weights
 from cp_train.config.schema import Config
 from cp_train.config.sources import build_config, flatten, parse_override, read_yaml
 from cp_train.errors import InputError
@@ -92,6 +93,8 @@ def load_dcp_weights(model: GPTModel, path: Path, state: ParallelState) -> None:
 def load_model(config: Config, state: ParallelState, load: str, device: torch.device) -> GPTModel:
     """The model of ``load`` on this rank's groups (in eval mode): HF weights, or a DCP checkpoint's."""
     hf_dir = load if is_hf_dir(Path(load)) else None
+    if hf_dir is not None:
+        check_hf_weights(hf_dir, config.model)
     model, _ = build.build_model(config, state, device, hf_dir)
     if hf_dir is None:
         load_dcp_weights(model, checkpoint_path(load), state)

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from cp_train.cli import plot as plot_cli
+from cp_train.cli import train as train_script
+from cp_train.cli.plan import main as plan_main
 from cp_train.config.flags import FLAGS, SWITCHES, build_parser, config_keys, parse_config
 from cp_train.config.schema import ConfigError
 from cp_train.config.validate import validate
@@ -54,6 +56,47 @@ def test_switches_map_to_their_set_form_and_help_lists_every_key() -> None:
 def test_an_unknown_flag_suggests_the_nearest_key(argv, hint) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"unrecognized arguments: {' '.join(argv)}: {hint}")):
         parse_config(argv)
+
+
+def test_list_keys_take_a_comma_list_or_a_yaml_list() -> None:
+    for layer_types, lengths, imports in (("full_attention,sliding_attention", "64,128", "json"),
+                                          ("[full_attention, sliding_attention]", "[64, 128]", "[json]")):
+        config = parse_config(["--set", "model.num_layers=2", "--set", f"model.layer_types={layer_types}",
+                               "--set", f"eval.lengths={lengths}", "--set", f"train.imports={imports}"])
+        assert config.model.layer_types == ["full_attention", "sliding_attention"], layer_types
+        assert config.eval.lengths == [64, 128] and config.train.imports == ["json"], lengths
+    with pytest.raises(ConfigError, match=r"eval\.lengths expects a list, as a,b or \[a, b\]; got '\[64,'"):
+        parse_config(["--set", "eval.lengths=[64,"])
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--device-memory-gib", "0"], "argument --device-memory-gib: must be a positive number, got '0'"),
+    (["--device-memory-gib", "-5"], "argument --device-memory-gib: must be a positive number, got '-5'"),
+    (["--reserve-gib", "-1"], "argument --reserve-gib: must be 0 or more, got '-1'"),
+    (["--reserve-fraction", "2"], "argument --reserve-fraction: must be at least 0 and below 1"),
+    (["--device-memory-gib", "3"], "--reserve-gib 3 + --reserve-fraction 0.05 of the 3 GiB device keep 3.15 GiB, "
+                                   "all of it: lower them or raise --device-memory-gib"),
+])
+def test_dry_run_memory_flags_are_checked(capsys, argv: list[str], words: str) -> None:
+    assert train_script.main(["--config", CPU_TINY, "--dry-run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error: ") and len(err.splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize(("content", "words"), [
+    (b"", "is empty: it holds no settings"),
+    (b"# a comment, no settings\n", "is empty: it holds no settings"),
+    (b"model:\n  num_layers: \xd0\xff\n", "is not a YAML text file (byte 0xd0 at offset 21 is not UTF-8 text)"),
+])
+def test_an_empty_or_binary_config_file_is_one_line(tmp_path, capsys, content: bytes, words: str) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    assert train_script.main(["--config", str(path), "--dry-run"]) == 2  # not the default model, silently
+    err = capsys.readouterr().err
+    assert err.startswith(f"train.py: error: --config {path} {words}") and len(err.splitlines()) == 1, err
+    assert plan_main([str(path), "--seq-len", "64", "--gpus", "8"]) == 2  # the planner names its argument
+    err = capsys.readouterr().err
+    assert err.startswith(f"cp-train-plan: model config {path} {words}") and len(err.splitlines()) == 1, err
 
 
 def test_a_length_above_the_positions_names_both_fixes_and_cp_tokens_warn() -> None:

@@ -85,8 +85,11 @@ def test_eval_command_writes_records_table_and_plots(tiny) -> None:
 @pytest.mark.parametrize("args,words", [
     (["--tasks", "passkey", "haystack"], "unknown eval task 'haystack': choose from loss_by_position, passkey, niah"),
     (["--lengths", "256"], "exceeds the model's max_position_embeddings 128 and it has no RoPE scaling"),
+    (["--output-dir", "{hf}/config.json"], "--output-dir {hf}/config.json is a file: pass a directory"),
 ])
 def test_bad_input_is_one_line(tiny, capsys, args: list[str], words: str) -> None:
+    """Each before the evaluation runs: the output directory too, so no result is lost at its end."""
+    args, words = [arg.format(hf=tiny["hf"]) for arg in args], words.format(hf=tiny["hf"])
     code = main(["--load", str(tiny["hf"]), "--data-path", str(tiny["data"]), *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and words in err, err

@@ -136,6 +136,13 @@ def test_search_ranks_fitting_layouts_by_throughput_and_explains_the_best(capsys
     (["launch/configs/cpu-tiny.yaml", "--seq-len", "256", "--gpus", "2"], "predicts GPUs"),
     (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--attention-kernel", "fa9"], "flash2"),
     (["--calibrate", "gpu.yaml"], "has none"),
+    (["llama3-8b", "--seq-len", "0", "--gpus", "8"], "argument --seq-len: must be a positive integer, got '0'"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "-8"], "argument --gpus: must be a positive integer"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--gpus-per-node", "0"], "argument --gpus-per-node"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--global-batch-tokens", "0"], "--global-batch-tokens"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--reserve-fraction", "1"], "below 1"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--reserve-gib", "100"], "all of h100-sxm's memory"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--dp", "3"], "--tp/--cp/--dp as given leave no tp*cp*dp = 8"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(capsys, argv, message) -> None:
     assert plan_main(argv) == 2

@@ -16,6 +16,7 @@ import pytest
 from cp_train.checkpoint.dcp import LATEST, step_dir_name
 from cp_train.checkpoint.files import resume_hint, resume_source
 from cp_train.checkpoint.integrity import MANIFEST, ChecksumMismatch, read_manifest, shares, verify_files
+from cp_train.checkpoint.resume import check_save_directory
 from cp_train.cli import verify
 from cp_train.errors import InputError
 from tests import trainer_cases
@@ -144,3 +145,38 @@ def test_large_writes_hashed_beside_the_copy_match_the_file(tmp_path) -> None:
     assert set(hashing.digests) == {".metadata", "__0_0.distcp"}
     for name, digest in hashing.digests.items():
         assert file_digest(tmp_path / name) == digest, name
+
+
+def test_a_run_never_writes_over_or_among_checkpoints_it_does_not_continue(base) -> None:
+    """``run_parts.prepare_environment``'s check of checkpoint.save (``resume.check_save_directory``)."""
+    ckpt = copy_of(base, "guarded")
+    check_save_directory(str(ckpt), ckpt / NEWEST)  # a resume from its newest: goes on
+    with pytest.raises(InputError, match=rf"holds {NEWEST}, past step 2 this run resumes from, and it would "
+                                         rf"overwrite them: .*--load {re.escape(str(ckpt / NEWEST))}, or set another"):
+        check_save_directory(str(ckpt), ckpt / PREVIOUS)  # a rollback
+    with pytest.raises(InputError, match=rf"another run's checkpoints \(up to {NEWEST}\) and this run starts afresh "
+                                         rf"\(checkpoint.auto_resume false\)"):
+        check_save_directory(str(ckpt), None)
+    elsewhere = copy_of(base, "elsewhere")
+    with pytest.raises(InputError, match=rf"this run resumes from {re.escape(str(elsewhere / PREVIOUS))}: continue "
+                                         rf"{re.escape(str(ckpt))} with --load {re.escape(str(ckpt))}"):
+        check_save_directory(str(ckpt), elsewhere / PREVIOUS)
+    for step in (PREVIOUS, NEWEST):  # saves cut short are no checkpoints: written over
+        (ckpt / step / "meta.json").unlink()
+    check_save_directory(str(ckpt), None)
+
+
+def test_a_fresh_run_into_a_directory_of_checkpoints_stops_before_writing(base) -> None:
+    ckpt = copy_of(base, "afresh")
+    before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+    outcome = run(["--config", base["config"], "--save", str(ckpt), "--save-interval", "2",
+                   "--set", "checkpoint.auto_resume=false"])
+    assert_one_line(outcome, 2, r"checkpoint\.save \(--save\) .* holds another run's checkpoints")
+    assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before
+
+
+@pytest.mark.parametrize("workers", ["0", "-1", "two"])
+def test_verify_workers_must_be_a_positive_count(tmp_path, capsys, workers: str) -> None:
+    assert verify.main([str(tmp_path), "--workers", workers]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cp-train-verify: error: argument --workers: ") and len(err.splitlines()) == 1, err

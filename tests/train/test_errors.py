@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 
 from cp_train.checkpoint.dcp import LATEST, step_dir_name
+from cp_train.checkpoint.files import find_checkpoint
+from cp_train.config.flags import parse_config
 from cp_train.data.tokenizers.spm import train_tokenizer
+from cp_train.errors import InputError
+from cp_train.model.gpt import GPTModel
+from cp_train.model.hf.llama import save_llama
 from tests import trainer_cases
 from tests.entry_points import PROJECT_FRAME, assert_one_line, run, run_many, write_config
 
@@ -72,6 +77,9 @@ def test_input_errors_stop_before_step_1(base, tmp_path) -> None:
     not_a_dir.write_text("a file, not a directory")
     (tmp_path / "file.model").write_text("not a tokenizer")
     config = base["config"]
+    save_llama(GPTModel(parse_config(["--config", config]).model), tmp_path / "hf")  # the run's shape, no weights
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    checkpoint = checkpoint_copy(base, "save-is-a-checkpoint") / step_dir_name(6)
     cases = {
         "vocab": (["--config", config, "--set", f"data.tokenizer={tokenizer}", "--set", "model.vocab_size=128"],
                   r"model\.vocab_size 128 is smaller than the 400 ids of the tokenizer \S+tok\.model: set "
@@ -88,6 +96,13 @@ def test_input_errors_stop_before_step_1(base, tmp_path) -> None:
         "tokenizer": (["--config", config, "--set", f"data.tokenizer={not_a_dir}.model"],
                       r"data\.tokenizer \S+file\.model: \S+file\.model is not a SentencePiece model \(.*\): pass a "
                       r"\.model file trained by sentencepiece"),
+        "HF weights missing": (["--config", config, "--init-from-hf", str(tmp_path / "hf")],
+                               r"checkpoint\.init_from_hf \(--init-from-hf\) \S+hf: \S+hf has neither "
+                               r"model\.safetensors nor model\.safetensors\.index\.json: its weights are missing or "
+                               r"damaged; re-download or re-export the model into it"),
+        "save is a checkpoint": (["--config", config, "--save", str(checkpoint)],
+                                 rf"checkpoint\.save \(--save\) \S+{step_dir_name(6)} is a checkpoint "
+                                 rf"\({step_dir_name(6)}\), not a directory of checkpoints: pass its parent"),
         "no validation document": (["--config", config, "--set", "data.valid_fraction=0.0001", "--eval-interval", "2"],
                                    r"data\.valid_fraction 0\.0001 leaves no validation document of the \d+ in \S+: "
                                    r"raise it to at least \S+, or set train\.valid_interval=0"),
@@ -96,6 +111,7 @@ def test_input_errors_stop_before_step_1(base, tmp_path) -> None:
     for name, (_, pattern) in cases.items():
         assert_one_line(outcomes[name], 2, pattern)
         assert "step 1/" not in outcomes[name].output, name
+    assert not list(checkpoint.glob("step_*")), "nothing nested in the checkpoint"
 
 
 def test_damaged_checkpoints_name_the_file_and_the_load_to_use(base) -> None:
@@ -144,6 +160,16 @@ def test_lost_latest_and_fewer_steps_than_the_checkpoint_stop_with_the_fix(base)
     assert sorted(p.name for p in copy.iterdir()) == [step_dir_name(4), step_dir_name(6)]  # nothing pruned
     assert_one_line(outcomes["beyond"], 2, rf"checkpoint \S+{step_dir_name(6)} is at step 6, beyond train\.steps 3: "
                                            rf"raise --train-steps, or start a new run with another --save")
+
+
+def test_an_empty_latest_names_itself_and_the_checkpoint_to_load(base) -> None:
+    copy = checkpoint_copy(base, "empty-latest")
+    for content in (b"", b"\n  \n", b"\xd0\xff\x00"):  # empty, blank, not text
+        (copy / LATEST).write_bytes(content)
+        with pytest.raises(InputError, match=rf"^{re.escape(str(copy / LATEST))} is empty or damaged: it names no "
+                                             rf"checkpoint; resume from the newest complete checkpoint with --load "
+                                             rf"{re.escape(str(copy / step_dir_name(6)))}$"):
+            find_checkpoint(copy)
 
 
 def test_resume_changes_rng_files_and_non_finite_loss(base) -> None:

@@ -8,9 +8,11 @@ same tensors. Resuming the run (in another layout, without FSDP) uses the DCP ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -22,8 +24,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from cp_train.build import resolve_data
 from cp_train.checkpoint.export_hf import export_checkpoint
 from cp_train.checkpoint.files import DCP_METADATA, LATEST, META, step_dir_name
+from cp_train.cli.export_hf import main as export_cli
 from cp_train.cli.export_hf import run as export_main
 from cp_train.config.flags import parse_config
+from cp_train.config.hf_init import check_hf_weights
 from cp_train.config.schema import ConfigError
 from cp_train.data.tokenizers.spm import train_tokenizer
 from cp_train.errors import InputError, run_entry_point
@@ -133,6 +137,37 @@ def test_conflicting_model_keys_are_listed(small_hf, tmp_path) -> None:
     assert "num_layers" not in text  # set to the HF value: no conflict
     with pytest.raises(ConfigError, match="checkpoint.init_from_hf: .*nowhere is not a directory"):
         parse_config(["--init-from-hf", str(tmp_path / "nowhere")])
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--tokenizer-from", "{tmp}/missing"], "--tokenizer-from {tmp}/missing is not a directory: pass a Hugging Face"),
+    (["--tokenizer-from", "{tmp}"], "--tokenizer-from {tmp} holds no tokenizer: pass a Hugging Face model directory"),
+    (["--max-shard-gb", "-1"], "argument --max-shard-gb: must be a positive number, got '-1'"),
+])
+def test_bad_export_flags_are_one_line_before_anything_is_written(tmp_path, capsys, args, words) -> None:
+    args, words = [arg.format(tmp=tmp_path) for arg in args], words.format(tmp=tmp_path)
+    assert export_cli([str(tmp_path), str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and words in err and not (tmp_path / "out").exists(), err
+
+
+def test_missing_or_damaged_hf_weights_are_input_errors(small_hf, tmp_path) -> None:
+    model = parse_config(["--init-from-hf", str(small_hf)]).model
+    check_hf_weights(small_hf, model)  # intact
+    broken = tmp_path / "hf"
+    shutil.copytree(small_hf, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(InputError, match=rf"^checkpoint\.init_from_hf \(--init-from-hf\) {broken}: model\.safetensors "
+                                         rf"is truncated or not a safetensors file \(.*\): .*re-download or re-export"):
+        check_hf_weights(broken, model)
+    weights.unlink()
+    with pytest.raises(InputError, match=r"has neither model\.safetensors nor model\.safetensors\.index\.json"):
+        check_hf_weights(broken, model)
+    save_llama(GPTModel(dataclasses.replace(model, num_layers=1)), broken)  # a layer short of its config.json
+    (broken / "config.json").write_text((small_hf / "config.json").read_text())
+    with pytest.raises(InputError, match=r"its weights lack 9 tensors its config.json implies \(model\.layers\.1\."):
+        check_hf_weights(broken, model)
 
 
 def test_export_needs_a_checkpoint(tmp_path, capsys) -> None:

@@ -29,6 +29,19 @@ def test_the_console_script_is_the_launcher_with_torchruns_flags(capsys) -> None
     assert stop.value.code == 0 and all(flag in text for flag in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint"))
 
 
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--nproc-per-node", "0", "train.py"], "--nproc-per-node 0: pass the number of processes per node (1 or more)"),
+    (["--nproc-per-node", "abc", "train.py"], "or gpu, cpu, xpu or auto"),
+    (["--nproc-per-node", "2", "--bogus-flag", "1", "train.py"], "unrecognized arguments: --bogus-flag: torchrun's"),
+    (["--nprocs-per-node", "2", "train.py"], "did you mean --nproc-per-node?"),
+    (["--max-restarts", "x", "train.py"], "argument --max-restarts/--max_restarts: invalid int value: 'x'"),
+])
+def test_bad_launcher_flags_are_one_line(capsys, argv: list[str], words: str) -> None:
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{launch.PROG}: error: ") and len(err.splitlines()) == 1 and words in err, err
+
+
 def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
     corpus = trainer_cases.write_corpus(tmp_path / "docs")
     run_dir = tmp_path / "run"

@@ -47,6 +47,15 @@ def test_doubled_steps_keep_the_lr_continuous_and_end_at_min_lr(decay, at) -> No
     assert [again(s) for s in range(at, 200)] == curve
 
 
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd"])
+def test_an_unchanged_schedule_resumed_mid_decay_goes_on_without_a_note(decay) -> None:
+    """The LR falls more than 1% from step to step here (a short run): the resume is still no restart."""
+    for at in (12, 50, 95):
+        old, new = schedule(decay, 100), schedule(decay, 100)
+        assert continue_schedule(new, old, at, restart=False) is None
+        assert [new(s) for s in range(at, 100)] == [old(s) for s in range(at, 100)]
+
+
 def test_restart_schedule_restarts_and_wsd_shape() -> None:
     old, new = schedule("cosine", 100), schedule("cosine", 200)
     note = continue_schedule(new, old, 100, restart=True)

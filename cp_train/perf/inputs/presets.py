@@ -64,7 +64,7 @@ def preset_names() -> list[str]:
 
 def _yaml_model(path: Path, source: str, vocab_size: int | None) -> ModelConfig:
     try:
-        model = load_config(path).model
+        model = load_config(path, what="model config").model
     except ConfigError as error:
         raise ModelSpecError(str(error)) from None
     if model.vocab_size is None:

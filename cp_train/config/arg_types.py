@@ -1,0 +1,65 @@
+"""argparse types for the commands' numeric flags, and a parser whose usage errors are one line.
+
+A bad value is argparse's error naming the flag and what it takes (``argument --gpus: must be a positive
+integer, got '0'``); ``OneLineParser`` makes any usage error an ``InputError``, which ``run_entry_point`` prints
+as one line with exit code 2 instead of the usage text (``cp_train/errors.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import NoReturn
+
+from cp_train.errors import InputError
+
+
+def _number(text: str, kind: type[int] | type[float]) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects {'an integer' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = int(_number(text, int))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1)."""
+    value = _number(text, float)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1 (a share of the device), got {text!r}")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors raise ``InputError`` (``MESSAGE (see PROG --help)``), not the usage
+    text and ``SystemExit``; ``--help`` still prints and exits 0."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InputError(f"{message} (see {self.prog} --help)")
