@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cp_train import build
+from cp_train.config.arg_types import positive_int
 from cp_train.config.flags import FLAGS
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
@@ -40,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cp-train-eval", description="Long-context evaluation through the CP forward pass.")
     parser.add_argument("--load", required=True, help="DCP checkpoint directory (or one step_*) or HF model directory")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), metavar="TASK", help=f"of {', '.join(TASKS)}")
-    parser.add_argument("--lengths", nargs="+", type=int, default=None, metavar="N",
+    parser.add_argument("--lengths", nargs="+", type=positive_int, default=None, metavar="N",
                         help="sequence lengths in tokens (default: data.seq_len)")
     parser.add_argument("--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0], metavar="F",
                         help="needle depths, fractions 0-1 (default 0 0.25 0.5 0.75 1)")
-    parser.add_argument("--trials", type=int, default=4, help="trials per grid cell (default 4)")
+    parser.add_argument("--trials", type=positive_int, default=4, help="trials per grid cell (default 4)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the keys and haystack windows")
-    parser.add_argument("--loss-samples", type=int, default=16, help="held-out samples of loss_by_position")
+    parser.add_argument("--loss-samples", type=positive_int, default=16, help="held-out samples of loss_by_position")
     parser.add_argument("--haystack", default=None, metavar="PREFIX",
                         help="indexed dataset for the needle's haystack (default: the run's held-out data)")
     parser.add_argument("--output-dir", default="eval_out", help="records and PNGs (default eval_out)")

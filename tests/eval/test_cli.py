@@ -85,6 +85,7 @@ def test_eval_command_writes_records_table_and_plots(tiny) -> None:
 @pytest.mark.parametrize("args,words", [
     (["--tasks", "passkey", "haystack"], "unknown eval task 'haystack': choose from loss_by_position, passkey, niah"),
     (["--lengths", "256"], "exceeds the model's max_position_embeddings 128 and it has no RoPE scaling"),
+    (["--lengths", "0"], "argument --lengths: must be a positive integer, got '0' (see cp-train-eval --help)"),
     (["--output-dir", "{hf}/config.json"], "--output-dir {hf}/config.json is a file: pass a directory"),
 ])
 def test_bad_input_is_one_line(tiny, capsys, args: list[str], words: str) -> None:
