@@ -1,16 +1,23 @@
 """Running ``train.py`` as a user does, for the failure tests: ``python train.py`` (a world of one),
 ``torchrun`` (``python -m torch.distributed.run``) or ``python -m cp_train.cli.launch`` with 2 ranks.
 
-Runs use the tiny model of ``trainer_cases`` on its synthetic corpus, written as a YAML config.
+``run`` forks a world of one from ``tests/fork_server.py``, which has torch and the project imported already (the
+same script, arguments, directory, environment and exit code; ``CP_TRAIN_TEST_FORK=0`` starts a fresh interpreter
+instead); ``start`` and every launcher start fresh processes. Runs use the tiny model of ``trainer_cases`` on its
+synthetic corpus, written as a YAML config.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,8 +69,63 @@ class Outcome:
         return [line for line in self.output.splitlines() if line.startswith(prefix)]
 
 
+class ForkServer:
+    """The client of one ``tests/fork_server.py`` process, started on first use and ended with the tests."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.fork_server"], cwd=REPO, env=environment(),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lock = threading.Lock()
+        self.outputs = tempfile.TemporaryDirectory(prefix="cp-train-forked-")
+        self.count = 0
+
+    def run(self, script: str, args: Sequence[str], cwd: Path, timeout: float) -> Outcome:
+        """``python script ARGS`` in ``cwd`` with ``environment()``, forked; TimeoutExpired after ``timeout`` s."""
+        with self.lock:
+            self.count += 1
+            output = Path(self.outputs.name) / f"run-{self.count}.log"
+            request = {"script": script, "args": list(args), "cwd": str(cwd), "env": environment(),
+                       "output": str(output)}
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            reply = self.process.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the fork server ended (exit code {self.process.wait()})")
+        group = json.loads(reply)["pid"]
+        code_file, deadline = Path(f"{output}.rc"), time.monotonic() + timeout
+        while not code_file.exists():
+            if time.monotonic() > deadline:
+                os.killpg(group, signal.SIGKILL)
+                raise subprocess.TimeoutExpired([script, *args], timeout)
+            time.sleep(0.02)
+        return Outcome(int(code_file.read_text()), output.read_text(errors="replace"))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.outputs.cleanup()
+
+
+_FORK_SERVER: list[ForkServer] = []  # the one server, once started
+_FORK_SERVER_LOCK = threading.Lock()
+
+
+def fork_server() -> ForkServer:
+    with _FORK_SERVER_LOCK:
+        if not _FORK_SERVER:
+            _FORK_SERVER.append(ForkServer())
+            atexit.register(_FORK_SERVER[0].close)
+        return _FORK_SERVER[0]
+
+
 def run(args: Sequence[str], world: int = 1, launcher: str = "torchrun", cwd: Path | None = None,
-        timeout: float = 300, wrap: Sequence[str] = ()) -> Outcome:
+        timeout: float = 300, wrap: Sequence[str] = (), fork: bool | None = None) -> Outcome:
+    """``train.py ARGS`` run to its end (``command``). A world of one without ``wrap`` is forked from the fork
+    server unless ``fork`` is False (default: unless ``CP_TRAIN_TEST_FORK=0``)."""
+    if fork is None:
+        fork = os.environ.get("CP_TRAIN_TEST_FORK", "1") != "0"
+    if fork and world == 1 and not wrap:
+        return fork_server().run(TRAIN, args, cwd or REPO, timeout)
     done = subprocess.run([*wrap, *command(args, world, launcher)], cwd=cwd or REPO, env=environment(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return Outcome(done.returncode, done.stdout)

@@ -36,21 +36,20 @@ def dry_run(config: Config, args: Namespace, source: str | Path | None = None) -
     resolved against the device less the reserve); rank 0 alone under torchrun. Exit status 1 when the largest rank
     does not fit the device (or, with activation offload, a node's offloaded activations its host memory).
     ``source``: the config file planned (the default one when no --config names it)."""
-    from cp_train.memory.dry_run import dry_run_world
+    from cp_train.memory.dry_run import dry_run_world, reserve_gib, reserve_leaves_nothing
     from cp_train.memory.dry_run_report import report
     from cp_train.perf.run_check import dry_run_host, dry_run_line
 
     device_gib = args.device_memory_gib
     if device_gib is None:
         device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    reserve_gib = args.reserve_gib + args.reserve_fraction * device_gib
-    if reserve_gib >= device_gib:
-        raise ConfigError(f"--dry-run: --reserve-gib {args.reserve_gib:g} + --reserve-fraction "
-                          f"{args.reserve_fraction:g} of the {device_gib:g} GiB device keep {reserve_gib:.3g} GiB, all "
-                          f"of it: lower them or raise --device-memory-gib")
+    problem = reserve_leaves_nothing(device_gib, args.reserve_gib, args.reserve_fraction, "the device")
+    if problem:
+        raise ConfigError(f"--dry-run: {problem} or raise --device-memory-gib")
+    reserve = reserve_gib(device_gib, args.reserve_gib, args.reserve_fraction)
     world = dry_run_world(config)
     config = with_accumulation(config, world)
-    planned = report(config, world, device_gib, str(source or args.config or "the command line"), reserve_gib,
+    planned = report(config, world, device_gib, str(source or args.config or "the command line"), reserve,
                      dry_run_host(config, world))  # a node's host memory: activation offload's check
     if this_rank() == 0:
         for note in config.deprecations:  # deprecated keys and other frameworks' flags, read as ours

@@ -80,6 +80,16 @@ def reserve_gib(device_gib: float, fixed: float = RESERVE_GIB, fraction: float =
     return fixed + fraction * device_gib
 
 
+def reserve_leaves_nothing(device_gib: float, fixed: float, fraction: float, device: str) -> str | None:
+    """What is wrong, in the flags' words, when ``reserve_gib`` keeps all ``device_gib`` GiB of ``device`` (the
+    commands add their own hint); None when memory is left to plan."""
+    reserve = reserve_gib(device_gib, fixed, fraction)
+    if reserve < device_gib:
+        return None
+    return (f"--reserve-gib {fixed:g} + --reserve-fraction {fraction:g} of the {device_gib:g} GiB of {device} keep "
+            f"{reserve:.3g} GiB, all of its memory: lower them")
+
+
 def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: bool, replicas: int = 1
                  ) -> tuple[torch.Size, torch.Size]:
     """``(held, stored)`` shapes of ``rank``'s shard of the full parameter ``full`` (a meta parameter with the TP

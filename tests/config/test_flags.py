@@ -74,8 +74,8 @@ def test_list_keys_take_a_comma_list_or_a_yaml_list() -> None:
     (["--device-memory-gib", "-5"], "argument --device-memory-gib: must be a positive number, got '-5'"),
     (["--reserve-gib", "-1"], "argument --reserve-gib: must be 0 or more, got '-1'"),
     (["--reserve-fraction", "2"], "argument --reserve-fraction: must be at least 0 and below 1"),
-    (["--device-memory-gib", "3"], "--reserve-gib 3 + --reserve-fraction 0.05 of the 3 GiB device keep 3.15 GiB, "
-                                   "all of it: lower them or raise --device-memory-gib"),
+    (["--device-memory-gib", "3"], "--reserve-gib 3 + --reserve-fraction 0.05 of the 3 GiB of the device keep "
+                                   "3.15 GiB, all of its memory: lower them or raise --device-memory-gib"),
 ])
 def test_dry_run_memory_flags_are_checked(capsys, argv: list[str], words: str) -> None:
     assert train_script.main(["--config", CPU_TINY, "--dry-run", *argv]) == 2

@@ -28,15 +28,15 @@ register_cp_algorithm("gather_again", GatherAgain(), aliases=("again",))
 
 def test_a_registered_algorithm_runs_through_train_py_as_the_one_it_copies(tmp_path) -> None:
     corpus = trainer_cases.write_corpus(tmp_path / "docs")
+    names = ("allgather", "gather_again")
+    configs = {name: entry_points.write_config(tmp_path / f"{name}.yaml", corpus, tmp_path / name, cp=2,
+                                               **{"train.steps": 4, "parallel.cp_algorithm": name,
+                                                  "train.imports": [__name__]}) for name in names}
+    outcomes = entry_points.run_many({name: ["--config", str(configs[name])] for name in names}, world=2)
     losses = {}
-    for name in ("allgather", "gather_again"):
-        run_dir = tmp_path / name
-        config = entry_points.write_config(tmp_path / f"{name}.yaml", corpus, run_dir, cp=2,
-                                           **{"train.steps": 4, "parallel.cp_algorithm": name,
-                                              "train.imports": [__name__]})
-        outcome = entry_points.run(["--config", str(config)], world=2)
-        assert outcome.returncode == 0, outcome.output[-3000:]
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for name in names:
+        assert outcomes[name].returncode == 0, outcomes[name].output[-3000:]
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         setup = next(r for r in records if r.get("kind") == "setup")
         assert setup["cp"] == 2, setup
         losses[name] = [r["loss"] for r in records if r.get("kind") == "train"]

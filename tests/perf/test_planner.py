@@ -141,7 +141,7 @@ def test_search_ranks_fitting_layouts_by_throughput_and_explains_the_best(capsys
     (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--gpus-per-node", "0"], "argument --gpus-per-node"),
     (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--global-batch-tokens", "0"], "--global-batch-tokens"),
     (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--reserve-fraction", "1"], "below 1"),
-    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--reserve-gib", "100"], "all of h100-sxm's memory"),
+    (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--reserve-gib", "100"], "of h100-sxm keep 104 GiB, all of"),
     (["llama3-8b", "--seq-len", "8192", "--gpus", "8", "--dp", "3"], "--tp/--cp/--dp as given leave no tp*cp*dp = 8"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(capsys, argv, message) -> None:

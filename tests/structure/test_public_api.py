@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,22 +51,9 @@ def test_public_names_are_the_defining_objects() -> None:
     assert (context_parallel_attention, zigzag_ring_flash_attn_func, ModelParallel) == (defined, dropin, settings)
 
 
-def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=180)
-
-
-@pytest.mark.parametrize("command", [
-    [sys.executable, str(ROOT / "train.py")],
-    ["cp-train"],
-    [sys.executable, "-m", "cp_train.cli.train"],
-])
-def test_the_training_command_runs_from_any_directory(tmp_path: Path, command: list[str]) -> None:
-    """train.py, the console script and the ``-m`` forms plan the cpu-tiny run from outside the checkout."""
-    done = _run([*command, "--config", str(CONFIG), "--dry-run"], tmp_path)
-    assert done.returncode == 0 and done.stdout.startswith("dry run of "), done.stdout + done.stderr
-
-
-@pytest.mark.parametrize(("command", "prog"), [
+TRAINING_COMMANDS = [[sys.executable, str(ROOT / "train.py")], ["cp-train"],
+                     [sys.executable, "-m", "cp_train.cli.train"]]
+HELP_COMMANDS = [
     (["cp-train-preprocess"], "cp-train-preprocess"),
     (["cp-train-export-hf"], "cp-train-export-hf"),
     ([sys.executable, "-m", "cp_train.cli.preprocess"], "cp-train-preprocess"),
@@ -73,7 +61,29 @@ def test_the_training_command_runs_from_any_directory(tmp_path: Path, command: l
     ([sys.executable, "-m", "cp_train.cli.plot"], "python -m cp_train.cli.plot"),
     ([sys.executable, "-m", "cp_train.cli.prepare_corpus"], "python -m cp_train.cli.prepare_corpus"),
     ([sys.executable, "-m", "cp_train.cli.tiny_hf"], "python -m cp_train.cli.tiny_hf"),
-])
-def test_every_command_answers_help_from_any_directory(tmp_path: Path, command: list[str], prog: str) -> None:
-    done = _run([*command, "--help"], tmp_path)
+]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """Every command below run from a directory outside the checkout, two at a time (each is mostly an
+    interpreter's start, on one core): the training commands plan the cpu-tiny run, the others answer --help."""
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    commands = [(*command, "--config", str(CONFIG), "--dry-run") for command in TRAINING_COMMANDS]
+    commands += [(*command, "--help") for command, _ in HELP_COMMANDS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = pool.map(lambda c: subprocess.run(c, cwd=cwd, capture_output=True, text=True, timeout=180), commands)
+        return dict(zip(commands, done, strict=True))
+
+
+@pytest.mark.parametrize("command", TRAINING_COMMANDS)
+def test_the_training_command_runs_from_any_directory(outcomes, command: list[str]) -> None:
+    """train.py, the console script and the ``-m`` forms plan the cpu-tiny run from outside the checkout."""
+    done = outcomes[(*command, "--config", str(CONFIG), "--dry-run")]
+    assert done.returncode == 0 and done.stdout.startswith("dry run of "), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("command", "prog"), HELP_COMMANDS)
+def test_every_command_answers_help_from_any_directory(outcomes, command: list[str], prog: str) -> None:
+    done = outcomes[(*command, "--help")]
     assert done.returncode == 0 and done.stdout.startswith(f"usage: {prog}"), done.stdout + done.stderr
