@@ -10,6 +10,7 @@ synthetic corpus, written as a YAML config.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -95,7 +96,8 @@ class ForkServer:
         code_file, deadline = Path(f"{output}.rc"), time.monotonic() + timeout
         while not code_file.exists():
             if time.monotonic() > deadline:
-                os.killpg(group, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it ended in the meantime
+                    os.killpg(group, signal.SIGKILL)
                 raise subprocess.TimeoutExpired([script, *args], timeout)
             time.sleep(0.02)
         return Outcome(int(code_file.read_text()), output.read_text(errors="replace"))

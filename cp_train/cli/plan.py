@@ -23,7 +23,7 @@ from cp_train.config.arg_types import OneLineParser, fraction, non_negative_floa
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.sources import load_config
 from cp_train.errors import InputError
-from cp_train.memory.dry_run import RESERVE_FRACTION, RESERVE_GIB, reserve_gib, reserve_leaves_nothing
+from cp_train.memory.dry_run import RESERVE_FRACTION, RESERVE_GIB, checked_reserve_gib
 from cp_train.parallel.cp.algorithms.registry import cp_algorithm_names
 from cp_train.perf.explain import explain
 from cp_train.perf.inputs.documents import document_pieces, parse_document_lengths
@@ -180,10 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = base_config(args)
         precision = linear_precision(base.model.fp8)
         rates = DeviceRates(hardware, precision, args.attention_kernel)
-        problem = reserve_leaves_nothing(hardware.hbm_gib, args.reserve_gib, args.reserve_fraction, hardware.name)
-        if problem:
-            raise InputError(problem)
-        reserve = reserve_gib(hardware.hbm_gib, args.reserve_gib, args.reserve_fraction)
+        reserve = checked_reserve_gib(hardware.hbm_gib, args.reserve_gib, args.reserve_fraction, hardware.name)
         documents = parse_document_lengths(args.document_lengths) if args.document_lengths else None
         result = search(base, args.gpus, rates, hardware.peak_tflops("bf16"), hardware.hbm_gib, reserve,
                         choices_of(args), documents, keep=max(1, args.top), max_seconds=args.max_seconds,

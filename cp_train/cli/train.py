@@ -36,17 +36,17 @@ def dry_run(config: Config, args: Namespace, source: str | Path | None = None) -
     resolved against the device less the reserve); rank 0 alone under torchrun. Exit status 1 when the largest rank
     does not fit the device (or, with activation offload, a node's offloaded activations its host memory).
     ``source``: the config file planned (the default one when no --config names it)."""
-    from cp_train.memory.dry_run import dry_run_world, reserve_gib, reserve_leaves_nothing
+    from cp_train.memory.dry_run import checked_reserve_gib, dry_run_world
     from cp_train.memory.dry_run_report import report
     from cp_train.perf.run_check import dry_run_host, dry_run_line
 
     device_gib = args.device_memory_gib
     if device_gib is None:
         device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    problem = reserve_leaves_nothing(device_gib, args.reserve_gib, args.reserve_fraction, "the device")
-    if problem:
-        raise ConfigError(f"--dry-run: {problem} or raise --device-memory-gib")
-    reserve = reserve_gib(device_gib, args.reserve_gib, args.reserve_fraction)
+    try:
+        reserve = checked_reserve_gib(device_gib, args.reserve_gib, args.reserve_fraction, "the device")
+    except ConfigError as error:
+        raise ConfigError(f"--dry-run: {error} or raise --device-memory-gib") from None
     world = dry_run_world(config)
     config = with_accumulation(config, world)
     planned = report(config, world, device_gib, str(source or args.config or "the command line"), reserve,

@@ -80,14 +80,14 @@ def reserve_gib(device_gib: float, fixed: float = RESERVE_GIB, fraction: float =
     return fixed + fraction * device_gib
 
 
-def reserve_leaves_nothing(device_gib: float, fixed: float, fraction: float, device: str) -> str | None:
-    """What is wrong, in the flags' words, when ``reserve_gib`` keeps all ``device_gib`` GiB of ``device`` (the
-    commands add their own hint); None when memory is left to plan."""
+def checked_reserve_gib(device_gib: float, fixed: float, fraction: float, device: str) -> float:
+    """``reserve_gib`` of ``device``'s ``device_gib`` GiB; ConfigError, in the flags' words, when it keeps all of
+    them (a command adds its own hint)."""
     reserve = reserve_gib(device_gib, fixed, fraction)
-    if reserve < device_gib:
-        return None
-    return (f"--reserve-gib {fixed:g} + --reserve-fraction {fraction:g} of the {device_gib:g} GiB of {device} keep "
-            f"{reserve:.3g} GiB, all of its memory: lower them")
+    if reserve >= device_gib:
+        raise ConfigError(f"--reserve-gib {fixed:g} + --reserve-fraction {fraction:g} of the {device_gib:g} GiB of "
+                          f"{device} keep {reserve:.3g} GiB, all of its memory: lower them")
+    return reserve
 
 
 def local_shapes(full: torch.nn.Parameter, dims: ParallelDims, rank: int, fsdp: bool, replicas: int = 1

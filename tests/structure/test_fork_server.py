@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 
 from tests import trainer_cases
-from tests.entry_points import REPO, environment, fork_server, run, write_config
+from tests.entry_points import environment, fork_server, run, write_config
 
-ENDINGS = {
-    "returns": "print('done')\n",
-    "exit code": "import sys\nprint('out'); print('err', file=sys.stderr)\nsys.exit(3)\n",
-    "exit message": "import sys\nsys.exit('stopped: a message')\n",
-    "uncaught": "def fail():\n    raise ValueError('broken')\nfail()\n",
-    "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
-    "atexit": "import atexit\natexit.register(lambda: print('at exit'))\n",
-    "argv and cwd": "import os, sys\nprint(sys.argv[1:], os.path.basename(os.getcwd()), os.environ.get('RANK'))\n",
+ENDINGS = {  # name -> (script, the exit code)
+    "returns": ("print('done')\n", 0),
+    "exit code": ("import sys\nprint('out'); print('err', file=sys.stderr)\nsys.exit(3)\n", 3),
+    "exit message": ("import sys\nsys.exit('stopped: a message')\n", 1),
+    "uncaught": ("def fail():\n    raise ValueError('broken')\nfail()\n", 1),
+    "killed": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", -9),
+    "atexit": ("import atexit\natexit.register(lambda: print('at exit'))\n", 0),
+    "argv, cwd, environment": ("import os, sys\nprint(sys.argv[1:], os.path.basename(os.getcwd()), "
+                               "os.environ.get('RANK'), os.environ['OMP_NUM_THREADS'])\n", 0),
 }
 
 
@@ -33,13 +34,12 @@ def _fresh(script: Path, args: list[str], cwd: Path) -> tuple[int, str]:
 @pytest.mark.parametrize("ending", ENDINGS)
 def test_a_forked_script_ends_as_a_fresh_interpreter_does(tmp_path, ending) -> None:
     script = tmp_path / "script.py"
-    script.write_text(ENDINGS[ending])
+    text, expected = ENDINGS[ending]
+    script.write_text(text)
     (tmp_path / "here").mkdir()
     forked = fork_server().run(str(script), ["a", "b"], tmp_path / "here", timeout=60)
     code, output = _fresh(script, ["a", "b"], tmp_path / "here")
-    assert (forked.returncode, forked.output) == (code, output)
-    assert code == {"returns": 0, "exit code": 3, "killed": -9}.get(ending, 1 if ending in (
-        "exit message", "uncaught") else 0)
+    assert (forked.returncode, forked.output) == (code, output) and code == expected
 
 
 def test_a_forked_run_trains_bitwise_like_python_train_py(tmp_path) -> None:
@@ -52,4 +52,3 @@ def test_a_forked_run_trains_bitwise_like_python_train_py(tmp_path) -> None:
         records = (tmp_path / f"run-{fork}" / "metrics.jsonl").read_text().splitlines()
         losses[fork] = [r["loss"] for r in map(json.loads, records) if r["kind"] == "train"]
     assert len(losses[True]) == 4 and losses[True] == losses[False]
-    assert REPO.is_dir()
