@@ -21,6 +21,7 @@ line says it (``LAUNCHER_ENV``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -188,13 +189,21 @@ def agree(check: Callable[[], T], group: Any = None) -> T:
     return value  # type: ignore[return-value]
 
 
-def ensure_writable_dir(path: Path, key: str) -> None:
-    """Create directory ``path`` if needed and write a file in it; ``InputError`` naming ``key`` if that fails."""
+def ensure_writable_dir(path: Path, key: str, create: bool = True) -> None:
+    """Write a file in directory ``path``, created first if missing (``create``; else, while it is missing, in the
+    nearest folder above it that exists, which writing into it will need); ``InputError`` naming ``key`` if that
+    fails."""
     if path.exists() and not path.is_dir():
         raise InputError(f"{key} {path} is a file: pass a directory (created if missing)")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        probe = path
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():  # a file on the way down: making the directory would fail
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".write-check-"):
             pass
     except OSError as error:
         raise InputError(f"{key} {path} is not a writable directory ({error.strerror or error}): "

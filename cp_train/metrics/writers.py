@@ -33,6 +33,19 @@ def wandb_mode(configured: str | None) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def wandb_environment_problem(error: ValueError) -> str:
+    """One line for wandb's refusal of its settings (a pydantic ``ValidationError``), naming the ``WANDB_*``
+    variable each bad setting came from where one is set: ``WANDB_MODE='' (mode: Input should be ...)``."""
+    details = error.errors() if callable(getattr(error, "errors", None)) else []
+    problems = []
+    for detail in details:
+        name = ".".join(str(part) for part in detail.get("loc", ()))
+        variable = f"WANDB_{name.upper()}"
+        source = f"{variable}={os.environ[variable]!r}" if variable in os.environ else name
+        problems.append(f"{source} ({name}: {detail.get('msg', 'invalid')})")
+    return "; ".join(problems) or one_line(str(error))
+
+
 def layout_group(layout: dict[str, Any]) -> str:
     """The wandb group of a layout: ``tp1-cp2-dp1-seq256``."""
     return f"tp{layout.get('tp')}-cp{layout.get('cp')}-dp{layout.get('dp')}-seq{layout.get('seq_len')}"
@@ -190,6 +203,10 @@ class MetricWriters:
                     project=settings.wandb_project, name=settings.run_name, dir=str(run_dir), mode=wandb_mode(mode),
                     group=self.wandb_group, config={**settings.config, "layout": layout},
                     tags=[f"cp{layout['cp']}", f"seq{layout['seq_len']}"], reinit="finish_previous", **resume)
+            except ValueError as error:  # its settings, read from WANDB_* variables too, failed validation
+                self.close()
+                raise InputError(f"wandb refused its settings: {wandb_environment_problem(error)}: fix or unset the "
+                                 f"variable, or set logging.wandb=false") from None
             except wandb.Error as error:  # no API key for an online run, a bad project name, ...
                 self.close()
                 why = one_line(str(error))

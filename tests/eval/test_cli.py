@@ -88,12 +88,15 @@ def test_eval_command_writes_records_table_and_plots(tiny) -> None:
     (["--lengths", "0"], "argument --lengths: must be a positive integer, got '0' (see cp-train-eval --help)"),
     (["--output-dir", "{hf}/config.json"], "--output-dir {hf}/config.json is a file: pass a directory"),
 ])
-def test_bad_input_is_one_line(tiny, capsys, args: list[str], words: str) -> None:
-    """Each before the evaluation runs: the output directory too, so no result is lost at its end."""
+def test_bad_input_is_one_line(tiny, capsys, monkeypatch, tmp_path, args: list[str], words: str) -> None:
+    """Each before the evaluation runs: the output directory too, so no result is lost at its end; a refused
+    command leaves no empty output directory (``eval_out`` in the working directory) behind."""
+    monkeypatch.chdir(tmp_path)
     args, words = [arg.format(hf=tiny["hf"]) for arg in args], words.format(hf=tiny["hf"])
     code = main(["--load", str(tiny["hf"]), "--data-path", str(tiny["data"]), *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and words in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_filler_that_does_not_fit_is_one_line(tiny) -> None:

@@ -2,7 +2,7 @@
 is one operator, ``cp_train.parallel.cp.op``) train like eager, in six layouts and under selective
 checkpointing.
 
-12 steps of the tiny fp32 run with packed documents (``tests/trainer_cases.py``), eager then compiled on the
+6 steps of the tiny fp32 run with packed documents (``trainer_cases.CURVE``), eager then compiled on the
 same ranks: every step's loss within 1e-5 relative of eager's; no graph break (``fullgraph`` would raise,
 and Dynamo's counter must stay empty); and no graph compiled after step 1, although every micro-batch brings
 other document boundaries (a new CP plan).
@@ -28,7 +28,7 @@ LAYOUTS = {  # name -> ((tp, cp, dp), overrides)
     "tp1-cp2-selective-checkpointing": ((1, 2, 1), {"model.activation_checkpointing": "selective"}),
 }
 TOL = 1e-5
-STEPS = 12  # past the warm-up (3) and into clipping, as the equivalence runs
+STEPS = trainer_cases.CURVE_STEPS  # past the warm-up and into clipping, as the equivalence runs
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_compiled_training_equals_eager(spawn_world, corpus, tmp_path, name: str
     dims, overrides = LAYOUTS[name]
     ranks = spawn_world(dims[0] * dims[1] * dims[2]).run(
         run_with_parallel, dims, compile_cases.train_eager_and_compiled, corpus, str(tmp_path),
-        {**overrides, "train.steps": STEPS})
+        {**trainer_cases.CURVE, **overrides})
     for rank, answer in enumerate(ranks):
         eager, compiled = answer["eager"], answer["compiled"]
         assert len(compiled["losses"]) == len(eager["losses"]) == STEPS

@@ -1,19 +1,22 @@
 """A 1,024-rank layout built on one CPU with PyTorch's fake process group, rank after rank.
 
-    python -m tests.parallel.layouts_1024 [--tp 8 --cp 16 --dp 8 --dp-replicate 2 --model llama3-70b]
+    python -m tests.parallel.layouts_1024 [--tp 8 --cp 16 --dp 8 --dp-replicate 2 --model llama3-70b] [--workers 2]
 
 For every rank: ``initialize_parallel`` builds the named mesh and every group (TP, CP, DP, DP x CP, TP x CP,
 the ring's dK/dV twin, HSDP's shard and replicate groups), each checked against the pure rank-group functions
 (``compute_rank_groups``); for the first, a middle and the last rank also the model on the meta device with
 FSDP (HSDP when ``--dp-replicate`` > 1), its shards checked against the dry run's shapes, and the rank's CP
-plan of one step at ``--seq``. Prints one JSON line (``seconds``, ranks checked, the groups' sizes).
+plan of one step at ``--seq``. The ranks are split over ``--workers`` forked processes (every rank is
+independent: each builds its own fake world). Prints one JSON line (``seconds``, ranks checked, the groups' sizes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -73,6 +76,16 @@ def _check_model(state: parallel_state.ParallelState, dims: ParallelDims, replic
     assert plan.world == dims.cp and len(plan.steps) == dims.cp and plan.rows == seq // dims.cp
 
 
+def check_ranks(ranks: range, dims: ParallelDims, replicas: int, model: str, seq: int) -> tuple[int, int]:
+    """``check_rank`` for each of ``ranks``, the model on the first, a middle and the last rank of the world;
+    (ranks checked, models checked)."""
+    torch.set_num_threads(1)
+    with_model = {0, dims.world // 2 + 3, dims.world - 1}
+    for rank in ranks:
+        check_rank(rank, dims, replicas, model if rank in with_model else None, seq)
+    return len(ranks), len(with_model.intersection(ranks))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=8)
@@ -81,19 +94,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dp-replicate", type=int, default=2)
     parser.add_argument("--model", default="llama3-70b")
     parser.add_argument("--seq", type=int, default=131072)
+    parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
     dims = ParallelDims(tp=args.tp, cp=args.cp, dp=args.dp)
     started = time.perf_counter()
-    with_model = {0, dims.world // 2 + 3, dims.world - 1}
-    for rank in range(dims.world):
-        check_rank(rank, dims, args.dp_replicate, args.model if rank in with_model else None, args.seq)
+    check = partial(check_ranks, dims=dims, replicas=args.dp_replicate, model=args.model, seq=args.seq)
+    shares = [range(worker, dims.world, args.workers) for worker in range(args.workers)]
+    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+        checked, models = (sum(counts) for counts in zip(*pool.map(check, shares), strict=True))
     result = {"world": dims.world, "tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "dp_replicate": args.dp_replicate,
-              "ranks_checked": dims.world, "models_checked": len(with_model), "model": args.model,
+              "ranks_checked": checked, "models_checked": models, "model": args.model,
               "seconds": round(time.perf_counter() - started, 1)}
     print(json.dumps(result), flush=True)
     return result
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
     main()

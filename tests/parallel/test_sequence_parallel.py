@@ -1,8 +1,8 @@
-"""Sequence parallelism (``parallel.sequence_parallel``, on by default at tp > 1): the tiny trainer run (12 steps, past
-the warm-up and into clipping, as the equivalence runs; fp32, document masks) at (tp, cp) = (2, 1), (2, 2) and (4,
-2) equals the unsharded run: step-1 loss and gradients within 1e-6, the loss curve within 1e-5; also with selective
-checkpointing and a chunked MLP, with FSDP, and with SP turned off. The model here has 4 kv heads, so that tp 4
-divides them.
+"""Sequence parallelism (``parallel.sequence_parallel``, on by default at tp > 1): the tiny trainer run
+(``trainer_cases.CURVE``: 6 steps past the warm-up and into clipping, as the equivalence runs; fp32, document
+masks) at (tp, cp) = (2, 1), (2, 2) and (4, 2) equals the unsharded run: step-1 loss and gradients within 1e-6,
+the loss curve within 1e-5; also with selective checkpointing and a chunked MLP, with FSDP, and with SP turned
+off. The model here has 4 kv heads, so that tp 4 divides them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests import trainer_cases
 from tests.numerics import rel_err
 from tests.train.test_equivalence import CURVE_TOL, STEP1_TOL, worst_grad_error
 
-MODEL = {"model.num_kv_heads": 4, "train.steps": 12}
+MODEL = {"model.num_kv_heads": 4, **trainer_cases.CURVE}
 REFERENCE = ((1, 1, 1), {})
 RUNS = {"tp2-cp1": ((2, 1, 1), {}), "tp2-cp2": ((2, 2, 1), {}), "tp4-cp2": ((4, 2, 1), {}),
         "tp2-cp2-selective": ((2, 2, 1), {"model.activation_checkpointing": "selective", "model.mlp_chunks": 2}),

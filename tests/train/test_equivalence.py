@@ -1,6 +1,6 @@
 """The headline: the same training run in every (tp, cp, dp) layout (tiny fp32 GPT, gloo, spawned ranks).
 
-12 steps on the same global batches of EOD-masked data (CP ranks hold unequal numbers of loss
+6 steps (``trainer_cases.CURVE``) on the same global batches of EOD-masked data (CP ranks hold unequal numbers of loss
 tokens), with document masks: the step-1 loss and gradients must match the unsharded (1, 1, 1) run
 within 1e-6 relative and the loss curve within 1e-5, with DDP and with FSDP (there with one sample
 per micro-batch, so every rank accumulates gradients over 2-4 micro-batches; also ZeRO-2, reducing after
@@ -42,7 +42,7 @@ LAYOUTS_BY_WORLD = {1: [REFERENCE], 2: [(1, 2, 1), (1, 2, 1, "balanced"), (1, 2,
                     8: [(2, 2, 2), (2, 4, 1, "hybrid"), (1, 4, 2, "hybrid"), (2, 2, 2, "fsdp")]}
 LAYOUTS = [layout for layouts in LAYOUTS_BY_WORLD.values() for layout in layouts if layout != REFERENCE]
 STEP1_TOL, CURVE_TOL = 1e-6, 1e-5
-STEPS = 12  # past the warmup (3) and into clipping: the curves of 23 layouts in about a minute
+STEPS = trainer_cases.CURVE_STEPS  # past the warm-up and into clipping: the curves of 23 layouts in under a minute
 
 
 def _name(layout: tuple) -> str:
@@ -74,7 +74,7 @@ def runs(spawn_world, corpus, tmp_path_factory) -> dict[tuple[int, int, int], li
     for world, layouts in LAYOUTS_BY_WORLD.items():
         for layout in layouts:
             run_dir = str(tmp_path_factory.mktemp(f"run-{_name(layout)}"))
-            overrides = {"train.steps": STEPS, **(VARIANTS[layout[3]] if len(layout) > 3 else {})}
+            overrides = {**trainer_cases.CURVE, **(VARIANTS[layout[3]] if len(layout) > 3 else {})}
             out[layout] = spawn_world(world).run(run_with_parallel, _sizes(layout), trainer_cases.train_layout,
                                                  corpus, run_dir, overrides,
                                                  build_on_meta=layout[3:] != ("fsdp-full-build",))
@@ -84,10 +84,11 @@ def runs(spawn_world, corpus, tmp_path_factory) -> dict[tuple[int, int, int], li
 def test_reference_run_learns(runs) -> None:
     """...with clipping active on some steps, so the global-norm computation matters to the curve."""
     losses, norms = runs[REFERENCE][0]["losses"], runs[REFERENCE][0]["grad_norms"]
-    assert any(norm > 1.0 for norm in norms.values()) and any(norm < 1.0 for norm in norms.values()), norms
+    clip = trainer_cases.CURVE["optimizer.clip_grad"]
+    assert any(norm > clip for norm in norms.values()) and any(norm < clip for norm in norms.values()), norms
     assert sorted(losses) == list(range(1, STEPS + 1))
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (STEPS - 2, STEPS - 1, STEPS)) / 3
-    assert last < first - 0.1, f"the loss did not fall: {losses}"
+    assert last < first - 0.05, f"the loss did not fall: {losses}"
 
 
 def test_cp_ranks_hold_unequal_loss_tokens(runs) -> None:
@@ -121,7 +122,7 @@ def test_loss_curve_matches_unsharded(runs, layout) -> None:
     ref_norms, got_norms = runs[REFERENCE][0]["grad_norms"], runs[layout][0]["grad_norms"]
     assert all(rel_err(got_norms[s], ref_norms[s]) <= CURVE_TOL for s in ref_norms), "global gradient norms differ"
     ref_eval, got_eval = runs[REFERENCE][0]["eval_losses"], runs[layout][0]["eval_losses"]
-    assert sorted(ref_eval) == [10, STEPS] and got_eval.keys() == ref_eval.keys()
+    assert tuple(sorted(ref_eval)) == trainer_cases.CURVE_EVALS and got_eval.keys() == ref_eval.keys()
     assert all(rel_err(got_eval[s], ref_eval[s]) <= CURVE_TOL for s in ref_eval), (got_eval, ref_eval)
 
 

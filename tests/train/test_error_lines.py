@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ from cp_train.checkpoint.resume import check_resume, config_changes
 from cp_train.cli.launch import summarize
 from cp_train.config.schema import ConfigError
 from cp_train.config.sources import build_config
-from cp_train.errors import InputError, RunFailure, describe
+from cp_train.errors import InputError, RunFailure, describe, ensure_writable_dir
 from cp_train.metrics.writers import drop_records_after
 from cp_train.parallel.dp import ddp as data_parallel
 from cp_train.parallel.mesh import collectives
@@ -209,3 +210,18 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path) -> None:
     assert sorted(p.name for p in deleted) == [step_dir_name(2), step_dir_name(3)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST] + [step_dir_name(s) for s in (4, 6, 8)]
     assert os.path.isdir(tmp_path / step_dir_name(8))
+
+
+def test_a_directory_checked_without_creating_it(tmp_path) -> None:
+    """``ensure_writable_dir(create=False)`` checks the nearest folder that exists and makes nothing; a file on the
+    way down, or the path itself a file, is one line naming the key."""
+    ensure_writable_dir(tmp_path / "a" / "b", "--output-dir", create=False)
+    assert list(tmp_path.iterdir()) == []
+    ensure_writable_dir(tmp_path / "made", "--out")
+    assert (tmp_path / "made").is_dir() and list((tmp_path / "made").iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    for path, words in ((tmp_path / "file" / "sub", "is not a writable directory (Not a directory)"),
+                        (tmp_path / "file", "is a file: pass a directory")):
+        for create in (True, False):
+            with pytest.raises(InputError, match=r"^--output-dir \S+ " + re.escape(words)):
+                ensure_writable_dir(path, "--output-dir", create=create)

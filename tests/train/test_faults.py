@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ from tests.entry_points import (
     write_config,
 )
 
-STEPS, INTERVAL, KILL_AT = 24, 3, 7
+STEPS, INTERVAL, KILL_AT = 12, 2, 5
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +51,15 @@ def losses(run_dir: Path) -> dict[int, float]:
 def test_killed_rank_then_the_same_command_resumes_bitwise(corpus, tmp_path) -> None:
     config = write_config(tmp_path / "run.yaml", corpus, tmp_path / "run", cp=2, **{"train.steps": STEPS})
     args = ["--config", str(config), "--save", str(tmp_path / "ckpt"), "--save-interval", str(INTERVAL)]
-    reference = run(["--config", str(config), "--run-dir", str(tmp_path / "reference")], world=2, launcher="launch")
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the killed one
+        uninterrupted = pool.submit(run, ["--config", str(config), "--run-dir", str(tmp_path / "reference")],
+                                    world=2, launcher="launch")
+        process = start(args, world=2, launcher="launch")
+        wait_for_step(tmp_path / "run" / "metrics.jsonl", KILL_AT, process)
+        signal_rank(process, 1, signal.SIGKILL)
+        output, _ = process.communicate(timeout=120)
+        reference = uninterrupted.result()
     assert reference.returncode == 0, reference.output[-3000:]
-
-    process = start(args, world=2, launcher="launch")
-    wait_for_step(tmp_path / "run" / "metrics.jsonl", KILL_AT, process)
-    signal_rank(process, 1, signal.SIGKILL)
-    output, _ = process.communicate(timeout=120)
     assert process.returncode != 0 and "killed by SIGKILL on rank 1" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     latest = (tmp_path / "ckpt" / LATEST).read_text().strip()

@@ -155,6 +155,18 @@ def test_writers_when_wandb_cannot_start_say_what_to_set(tmp_path, monkeypatch) 
         MetricWriters(_wandb_settings(tmp_path, "online"))
 
 
+def test_writers_name_the_wandb_variable_wandb_refuses(tmp_path, monkeypatch) -> None:
+    """``WANDB_MODE=`` (set but empty, as a script's ``export WANDB_MODE=`` leaves it) fails wandb's own settings
+    validation (a pydantic error, not a ``wandb.Error``): one line naming the variable and its value."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "")
+    expected = (r"^wandb refused its settings: WANDB_MODE='' \(mode: Input should be 'online', 'offline'.*\): fix or "
+                r"unset the variable, or set logging.wandb=false$")
+    with pytest.raises(InputError, match=expected):
+        MetricWriters(_wandb_settings(tmp_path, "offline"))
+    assert not list(tmp_path.glob("wandb/offline-run-*"))
+
+
 def test_console_line_and_bar() -> None:
     assert progress_bar(5, 10, width=10) == "[#####.....]  50%"
     record = {"step": 3, "loss": 1.0, "lr": 1e-4, "grad_norm": 0.1, "tokens_per_s": 12345.0,

@@ -29,7 +29,7 @@ from tests.entry_points import (
     write_config,
 )
 
-STEPS, SIGNAL_AT = 40, 2
+STEPS, SIGNAL_AT = 20, 2
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -73,43 +73,38 @@ def test_sigusr1_saves_and_exits_0_and_the_rerun_resumes_bitwise_in_the_same_wan
     assert all(r["mfu_dense"] > r["mfu"] and r["step_time_max_s"] >= r["step_time_s"] for r in train)
 
 
-SIGTERM_STEPS, LOG_EVERY = 20, 10
+SIGTERM_STEPS, LOG_EVERY = 12, 6
 
 
 @pytest.fixture(scope="module")
-def sigterm_reference(tmp_path_factory) -> tuple[str, dict[int, float]]:
-    """The corpus, and the uninterrupted run's losses at its log steps (every 10: each the interval's mean)."""
-    root = tmp_path_factory.mktemp("sigterm")
-    corpus = trainer_cases.write_corpus(root / "docs")
-    config = write_config(root / "reference.yaml", corpus, root / "reference", cp=2,
-                          **{"train.steps": SIGTERM_STEPS, "logging.interval": LOG_EVERY})
-    done = run(["--config", str(config)], world=2, launcher="launch")
-    assert done.returncode == 0, done.output[-3000:]
-    return corpus, losses(root / "reference")
+def corpus(tmp_path_factory) -> str:
+    return trainer_cases.write_corpus(tmp_path_factory.mktemp("sigterm") / "docs")
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "launch"])
-def test_sigterm_to_every_process_saves_after_the_step_and_resumes_bitwise(sigterm_reference, tmp_path,
-                                                                            launcher) -> None:
+def test_sigterm_to_every_process_saves_after_the_step_and_resumes_bitwise(corpus, tmp_path, launcher) -> None:
     """SIGTERM to every process of the run at once (as Slurm preempts: the launcher's process group and each rank,
     which torchrun starts in sessions of their own) after step 1: the ranks save after the step they are in, not at the
-    next log step (10), and stop; the launcher waits for them and exits 0 with one line (plain torchrun's agent
+    next log step (6), and stop; the launcher waits for them and exits 0 with one line (plain torchrun's agent
     relays the signal and exits as it does); under torchrun the same command resumes with the
     uninterrupted losses, bitwise."""
-    corpus, reference = sigterm_reference
     config = write_config(tmp_path / "run.yaml", corpus, tmp_path / "run", cp=2,
                           **{"train.steps": SIGTERM_STEPS, "logging.interval": LOG_EVERY,
                              "train.imports": ["tests.slow_steps"]})
     args = ["--config", str(config), "--save", str(tmp_path / "ckpt")]
     slow = {**environment(), "SLOW_STEP_S": "0.3"}  # the signal lands a step or two after step 2, not at the log step
-    process = subprocess.Popen(command(args, 2, launcher), cwd=REPO, env=slow, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for_step(tmp_path / "run" / "metrics.jsonl", 0, process)  # the setup record, written after step 1
-    ranks = rank_pids(process.pid)
-    os.killpg(process.pid, signal.SIGTERM)
-    for pid in ranks.values():
-        os.kill(pid, signal.SIGTERM)
-    output, _ = process.communicate(timeout=300)
+    with ThreadPoolExecutor(1) as pool:  # under torchrun, the uninterrupted run (its log records) beside it
+        uninterrupted = pool.submit(run, ["--config", str(config), "--run-dir", str(tmp_path / "reference")],
+                                    world=2, launcher="launch") if launcher == "torchrun" else None
+        process = subprocess.Popen(command(args, 2, launcher), cwd=REPO, env=slow, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        wait_for_step(tmp_path / "run" / "metrics.jsonl", 0, process)  # the setup record, written after step 1
+        ranks = rank_pids(process.pid)
+        os.killpg(process.pid, signal.SIGTERM)
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=300)
+        done = uninterrupted.result() if uninterrupted is not None else None
     stopped = re.search(r"\[cp-train\] SIGTERM received: stopped at step (\d+) after saving a checkpoint; rerun the "
                         r"same command to resume", output)
     assert stopped, output[-3000:]
@@ -118,6 +113,8 @@ def test_sigterm_to_every_process_saves_after_the_step_and_resumes_bitwise(sigte
     if launcher == "launch":  # the ranks' line is the last; plain torchrun's agent adds its own
         assert process.returncode == 0 and output.splitlines()[-1] == stopped.group(0), output[-3000:]
         return  # the resume is the same as under torchrun's
+    assert done is not None and done.returncode == 0, done.output[-3000:] if done else launcher
+    reference = losses(tmp_path / "reference")  # at its log steps, every 6: each the interval's mean
     rerun = run(args, world=2, launcher=launcher)
     assert rerun.returncode == 0, rerun.output[-3000:]
     resumed = losses(tmp_path / "run")  # a record holds its interval's mean: compare the whole intervals after it

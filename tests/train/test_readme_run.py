@@ -16,7 +16,7 @@ from cp_train.cli.plot import run as plot_main
 from cp_train.parallel.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, INTERVAL = 16, 4
+STEPS, INTERVAL = 8, 4
 
 
 def test_readme_training_command_with_cp2(tmp_path) -> None:
