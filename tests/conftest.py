@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -10,6 +11,9 @@ from cp_train.parallel.spawn import SpawnedWorld
 
 STRICT = "tests.strict_comm"  # every spawned world runs under it
 PRELOAD = (STRICT, "cp_train.trainer", "tests.trainer_cases")  # imported once; the ranks fork with them loaded
+# Inductor compiles in the process that asks (the same code): its default pool of compile workers, each a new
+# interpreter importing torch, costs each rank that compiles more than it saves on 2 cores
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 _MAX_ALIVE = 5  # worlds kept alive at once: every size the suite uses (1, 2, 3, 4, 8; a rank holds 0.35-0.45 GB)
 
 

@@ -9,6 +9,7 @@ modules receive groups explicitly and never call the getters.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -92,7 +93,7 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
 
 def destroy_parallel() -> None:
     """Destroy the groups ``initialize_parallel`` created (and the default group only if it created
-    that too); a no-op when not initialised."""
+    that too), and free them: a no-op when not initialised."""
     global _STATE
     state, _STATE = _STATE, None
     if state is None:
@@ -112,6 +113,11 @@ def destroy_parallel() -> None:
         if group is not None and group is not default and id(group) not in seen:
             seen.add(id(group))
             dist.destroy_process_group(group)
+    del state, groups, ring
+    # the meshes' reference cycles hold the destroyed groups until a full collection: without one, each gloo
+    # group's threads (``gloo_tcp_loop``, several per group) stay alive and wake, re-initialisation after
+    # re-initialisation (a process that runs many jobs, as the spawned test worlds do)
+    gc.collect()
 
 
 @contextmanager

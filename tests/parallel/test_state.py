@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import numpy as np
@@ -266,6 +267,25 @@ def test_spawned_world8_groups_match_computed_coordinates(spawn_world) -> None:
         assert tag == "golden" and cp_ranks == cp_groups[rank], (rank, cp_ranks)
         other = cp_groups[rank][1 - cp_groups[rank].index(rank)]
         assert prev_rank == next_rank == other, (rank, prev_rank, next_rank)
+
+
+def threads_after_reinitialising(times: int) -> list[int]:
+    """This process's thread count (gloo's loops are native threads) after each of ``times`` builds and
+    destroys of a TP x CP layout with the ring's dK/dV twin and a hybrid CP's subgroups."""
+    counts = []
+    for _ in range(times):
+        with ps.parallel_context(tp=2, cp=2, ulysses_size=2 if dist.get_world_size() == 8 else 1):
+            pass
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_destroyed_groups_leave_no_threads_behind(spawn_world) -> None:
+    """A process that builds the parallel state again and again (a spawned test world, a notebook) does not
+    collect gloo threads: before ``destroy_parallel`` freed the groups, each build left ~15 behind per rank."""
+    for counts in spawn_world(4).run(threads_after_reinitialising, 6):
+        assert counts[-1] <= counts[0] + 2, counts
 
 
 @pytest.mark.parametrize("world", [4, 8, 12, 16])
