@@ -88,7 +88,7 @@ def evaluate(argv: list[str]) -> int:
     """Parse ``argv``, evaluate on every rank, publish on rank 0."""
     args = build_parser().parse_args(argv)
     if this_rank() == 0:  # rank 0 writes the results: a directory it cannot write is known before the run
-        ensure_writable_dir(Path(args.output_dir), "--output-dir", create=False)  # made when the results are
+        ensure_writable_dir(Path(args.output_dir), "--output-dir", create=False)  # made with the results
     flags = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     config = eval_config(args.load, args.config, flags, args.overrides)
     settings = EvalSettings(tasks=args.tasks, lengths=args.lengths or [config.data.seq_len], depths=args.depths,

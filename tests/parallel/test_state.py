@@ -271,10 +271,10 @@ def test_spawned_world8_groups_match_computed_coordinates(spawn_world) -> None:
 
 def threads_after_reinitialising(times: int) -> list[int]:
     """This process's thread count (gloo's loops are native threads) after each of ``times`` builds and
-    destroys of a TP x CP layout with the ring's dK/dV twin and a hybrid CP's subgroups."""
+    destroys of a tp 2 x cp 2 layout (every axis's groups and the ring's dK/dV twin)."""
     counts = []
     for _ in range(times):
-        with ps.parallel_context(tp=2, cp=2, ulysses_size=2 if dist.get_world_size() == 8 else 1):
+        with ps.parallel_context(tp=2, cp=2):
             pass
         counts.append(len(os.listdir("/proc/self/task")))
     return counts
