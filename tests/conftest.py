@@ -10,7 +10,9 @@ import pytest
 from cp_train.parallel.spawn import SpawnedWorld
 
 STRICT = "tests.strict_comm"  # every spawned world runs under it
-PRELOAD = (STRICT, "cp_train.trainer", "tests.trainer_cases")  # imported once; the ranks fork with them loaded
+# imported once; the ranks fork with them loaded. torch._dynamo: every torch optimizer's first construction imports
+# it (about 2 s per rank of each new world on 2 cores); Inductor: each compiling rank's first compile imports it
+PRELOAD = (STRICT, "cp_train.trainer", "tests.trainer_cases", "torch._dynamo", "torch._inductor.compile_fx")
 # Inductor compiles in the process that asks (the same code): its default pool of compile workers, each a new
 # interpreter importing torch, costs each rank that compiles more than it saves on 2 cores
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

@@ -25,6 +25,8 @@ import sys
 import threading
 from typing import Any
 
+import torch._dynamo  # noqa: F401 - what a run's first optimizer construction imports (about 1 s, in every run)
+
 import cp_train.cli.train  # noqa: F401 - what train.py imports
 import cp_train.trainer  # noqa: F401 - and what a run imports next
 
