@@ -1,5 +1,5 @@
 """What the test suite pays per job and per process: the strict communication layer on a training job, a
-spawned world's start, and a command's start.
+spawned world's start, a command's start and the compilation of the project's source.
 
     python -m bench.suite_costs [--rounds 3] [--layout 1,4,1] [--steps 12] [--world 8]
 
@@ -10,10 +10,14 @@ after-job check) and ``declare`` (the same with ``CP_TRAIN_STRICT_DECLARE=1``: a
 per collective). The worlds take turns round by round, so drift on a shared machine hits each alike; one warm-up
 job each first. ``start``: ``python train.py`` stopped by an input error (a missing data prefix: the config parsed
 and checked, nothing built) against ``python -c "import torch"``, alternating. ``world``: a ``SpawnedWorld`` of
-``--world`` ranks under the strict layer started, its first job run (importing the trainer's test cases) and
-closed, spawned (a fresh interpreter per rank) against forked from a server that preloaded them (the suite's
-``tests/conftest.py``; the server's own start, once per process, is the warm-up round and not counted),
-alternating. Prints JSON lines, then a table (medians; ``vs`` is the ratio to the first row of its kind).
+``--world`` ranks under the strict layer started, its first job run (importing the trainer's test cases and
+building an optimizer, as every training job does: torch's first one imports Dynamo) and closed, spawned (a fresh
+interpreter per rank) against forked from a server that preloaded the trainer, and one that preloaded Dynamo and
+Inductor too (the suite's ``tests/conftest.py``; each case in a process of its own, whose server's start is a
+warm-up world not counted), alternating. ``compile``: compiling the source of the project's modules that
+``train.py`` and the trainer import, what every fresh interpreter pays where ``PYTHONDONTWRITEBYTECODE`` keeps it
+from caching the bytecode (the suite byte-compiles the project first). Prints JSON lines, then a table (medians;
+``vs`` is the ratio to the first row of its kind).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,21 +72,36 @@ def jobs(layout: tuple[int, int, int], rounds: int, steps: int, root: Path) -> l
 
 
 def first_job() -> bool:
+    import torch
+
     import tests.trainer_cases  # noqa: F401 - what a world's first training job imports
 
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # and what its optimizer imports (Dynamo)
     return True
 
 
+def world_seconds(size: int, preload: Sequence[str]) -> float:
+    """Seconds to start a world of ``size`` ranks under the strict layer, run its first job and close it; with
+    ``preload``, forked from a server that imported those modules, after a warm-up world that starts the server
+    (its one list holds for the rest of the process: run one case per process)."""
+    for _ in range(2 if preload else 1):
+        start = time.perf_counter()
+        with SpawnedWorld(size, layer="tests.strict_comm", preload=preload) as world:
+            world.run(first_job)
+    return time.perf_counter() - start
+
+
 def world_starts(size: int, rounds: int) -> list[dict]:
-    preloads = {"spawn": (), "forkserver preload": ("tests.strict_comm", "cp_train.trainer", "tests.trainer_cases")}
+    trainer = ("tests.strict_comm", "cp_train.trainer", "tests.trainer_cases")
+    compilers = ("torch._dynamo", "torch._inductor.compile_fx")
+    preloads = {"spawn": (), "forkserver preload": trainer,
+                "forkserver preload, Dynamo and Inductor too": (*trainer, *compilers)}
     times: dict[str, list[float]] = {name: [] for name in preloads}
-    for round_ in range(rounds + 1):  # round 0 starts the fork server
+    for _ in range(rounds):
         for name, preload in preloads.items():
-            start = time.perf_counter()
-            with SpawnedWorld(size, layer="tests.strict_comm", preload=preload) as world:
-                world.run(first_job)
-            if round_:
-                times[name].append(time.perf_counter() - start)
+            code = f"from bench.suite_costs import world_seconds; print(world_seconds({size}, {preload!r}))"
+            done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+            times[name].append(float(done.stdout.split()[-1]))
     base = statistics.median(times["spawn"])
     return [{"kind": "world", "case": f"{name}, {size} ranks", "seconds": statistics.median(t),
              "vs": statistics.median(t) / base, "runs": t} for name, t in times.items()]
@@ -104,6 +124,25 @@ def starts(rounds: int, root: Path) -> list[dict]:
              "runs": t} for name, t in times.items()]
 
 
+def compile_costs(rounds: int) -> list[dict]:
+    """Compiling, as a fresh interpreter without cached bytecode does, the source of every project module that
+    ``train.py`` and the trainer import (this process imported them: ``cp_train.cli.train``, ``cp_train.trainer``)."""
+    import cp_train.cli.train  # noqa: F401
+    import cp_train.trainer  # noqa: F401
+
+    files = sorted({Path(module.__file__) for module in list(sys.modules.values())
+                    if getattr(module, "__file__", None) and Path(module.__file__).is_relative_to(ROOT)})
+    sources = [(str(path), path.read_text()) for path in files]
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for name, source in sources:
+            compile(source, name, "exec")
+        times.append(time.perf_counter() - start)
+    return [{"kind": "compile", "case": f"the {len(files)} project modules a run imports", "seconds":
+             statistics.median(times), "vs": 1.0, "runs": times}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -114,7 +153,7 @@ def main() -> None:
     layout = tuple(int(part) for part in args.layout.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         records = (jobs(layout, args.rounds, args.steps, Path(tmp)) + world_starts(args.world, args.rounds)
-                   + starts(2 * args.rounds, Path(tmp)))
+                   + starts(2 * args.rounds, Path(tmp)) + compile_costs(args.rounds))
     emit(records, [("kind", "kind", str), ("case", "case", str), ("seconds", "median s", lambda v: f"{v:.2f}"),
                    ("vs", "vs", lambda v: f"{v:.2f}")])
 
