@@ -36,11 +36,12 @@ TRAIN = str(REPO / "train.py")
 PROJECT_FRAME = re.compile(r'File "[^"]*(cp_train|model|parallel|data)/[^"]*\.py"|File "[^"]*train\.py"')
 
 
-def environment() -> dict[str, str]:
+def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a run: no wandb, torchelastic, rank or debug variables; ``extra`` on top."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "CP_TRAIN_DEBUG"))}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})})
     return env
 
 
@@ -80,12 +81,13 @@ class ForkServer:
         self.outputs = tempfile.TemporaryDirectory(prefix="cp-train-forked-")
         self.count = 0
 
-    def run(self, script: str, args: Sequence[str], cwd: Path, timeout: float) -> Outcome:
-        """``python script ARGS`` in ``cwd`` with ``environment()``, forked; TimeoutExpired after ``timeout`` s."""
+    def run(self, script: str, args: Sequence[str], cwd: Path, timeout: float, env: dict[str, str] | None = None
+            ) -> Outcome:
+        """``python script ARGS`` in ``cwd`` with ``environment(env)``, forked; TimeoutExpired after ``timeout`` s."""
         with self.lock:
             self.count += 1
             output = Path(self.outputs.name) / f"run-{self.count}.log"
-            request = {"script": script, "args": list(args), "cwd": str(cwd), "env": environment(),
+            request = {"script": script, "args": list(args), "cwd": str(cwd), "env": environment(env),
                        "output": str(output)}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -121,14 +123,16 @@ def fork_server() -> ForkServer:
 
 
 def run(args: Sequence[str], world: int = 1, launcher: str = "torchrun", cwd: Path | None = None,
-        timeout: float = 300, wrap: Sequence[str] = (), fork: bool | None = None) -> Outcome:
-    """``train.py ARGS`` run to its end (``command``). A world of one without ``wrap`` is forked from the fork
-    server unless ``fork`` is False (default: unless ``CP_TRAIN_TEST_FORK=0``)."""
+        timeout: float = 300, wrap: Sequence[str] = (), fork: bool | None = None,
+        env: dict[str, str] | None = None) -> Outcome:
+    """``train.py ARGS`` run to its end (``command``), with ``env`` added to ``environment()``. A world of one
+    without ``wrap`` is forked from the fork server unless ``fork`` is False (default: unless
+    ``CP_TRAIN_TEST_FORK=0``)."""
     if fork is None:
         fork = os.environ.get("CP_TRAIN_TEST_FORK", "1") != "0"
     if fork and world == 1 and not wrap:
-        return fork_server().run(TRAIN, args, cwd or REPO, timeout)
-    done = subprocess.run([*wrap, *command(args, world, launcher)], cwd=cwd or REPO, env=environment(),
+        return fork_server().run(TRAIN, args, cwd or REPO, timeout, env)
+    done = subprocess.run([*wrap, *command(args, world, launcher)], cwd=cwd or REPO, env=environment(env),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return Outcome(done.returncode, done.stdout)
 
