@@ -130,8 +130,9 @@ def compile_costs(rounds: int) -> list[dict]:
     import cp_train.cli.train  # noqa: F401
     import cp_train.trainer  # noqa: F401
 
-    files = sorted({Path(module.__file__) for module in list(sys.modules.values())
-                    if getattr(module, "__file__", None) and Path(module.__file__).is_relative_to(ROOT)})
+    packages = [ROOT / folder for folder in ("cp_train", "model", "parallel", "data")]  # not bench/ or tests/
+    files = sorted({Path(module.__file__) for module in list(sys.modules.values()) if getattr(module, "__file__", None)
+                    and any(Path(module.__file__).is_relative_to(package) for package in packages)})
     sources = [(str(path), path.read_text()) for path in files]
     times = []
     for _ in range(rounds):

@@ -11,6 +11,7 @@ import pytest
 
 from cp_train.parallel.spawn import SpawnedWorld
 
+ROOT = Path(__file__).resolve().parents[1]
 STRICT = "tests.strict_comm"  # every spawned world runs under it
 # imported once; the ranks fork with them loaded. torch._dynamo: every torch optimizer's first construction imports
 # it (about 2 s per rank of each new world on 2 cores); Inductor: each compiling rank's first compile imports it
@@ -18,7 +19,6 @@ PRELOAD = (STRICT, "cp_train.trainer", "tests.trainer_cases", "torch._dynamo", "
 # Inductor compiles in the process that asks (the same code): its default pool of compile workers, each a new
 # interpreter importing torch, costs each rank that compiles more than it saves on 2 cores
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-ROOT = Path(__file__).resolve().parents[1]
 _MAX_ALIVE = 5  # worlds kept alive at once: every size the suite uses (1, 2, 3, 4, 8; a rank holds 0.35-0.45 GB)
 
 
