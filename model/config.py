@@ -76,6 +76,10 @@ class ModelConfig:
     hf_architecture: str | None = None
     family: str = "llama"  # what the trainer builds (model/family.py: llama is GPTModel; others registered)
     fp8: str = "none"  # none | tensorwise | rowwise: the blocks' linears in FP8 with torchao (parallel/tp/fp8.py)
+    # with fp8: the first and last blocks whose linears stay in the compute dtype (Megatron's
+    # --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16), where FP8's range costs the most accuracy
+    fp8_bf16_layers_at_start: int = 0
+    fp8_bf16_layers_at_end: int = 0
 
     def __post_init__(self) -> None:
         self.resolve()
@@ -108,6 +112,14 @@ class ModelConfig:
         return [self.layer_window(i) for i in range(self.num_layers)]
 
     @property
+    def fp8_blocks(self) -> range:
+        """The blocks whose linears compute in FP8 (``parallel/tp/fp8.py``): none without ``fp8``, else all but
+        the first ``fp8_bf16_layers_at_start`` and the last ``fp8_bf16_layers_at_end``."""
+        if self.fp8 == "none":
+            return range(0)
+        return range(self.fp8_bf16_layers_at_start, self.num_layers - self.fp8_bf16_layers_at_end)
+
+    @property
     def has_bias(self) -> tuple[bool, bool]:
         """Whether the fused q/k/v projection and the output projection have biases."""
         return self.qkv_bias or self.attention_bias, self.attention_bias
@@ -135,6 +147,16 @@ class ModelConfig:
             if "sliding_attention" in kinds and window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is null: set it")
 
+    def check_fp8_layers(self) -> None:
+        """Raise ``ValueError`` unless the blocks kept out of FP8 are counts >= 0 that leave FP8 some block."""
+        start, end = self.fp8_bf16_layers_at_start, self.fp8_bf16_layers_at_end
+        for name, value in (("fp8_bf16_layers_at_start", start), ("fp8_bf16_layers_at_end", end)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.fp8 != "none" and start + end >= self.num_layers:
+            raise ValueError(f"fp8_bf16_layers_at_start {start} + fp8_bf16_layers_at_end {end} keep all "
+                             f"{self.num_layers} blocks out of FP8: lower them, or set fp8=none")
+
     def validate(self, tp: int = 1, cp: int = 1, seq_len: int | None = None, layout: str = "zigzag") -> None:
         """Raise ``ValueError`` saying what to change when this model cannot run at (tp, cp).
 
@@ -158,6 +180,7 @@ class ModelConfig:
         if self.activation_offload == "checkpointed" and self.activation_checkpointing == "none":
             raise ValueError("activation_offload checkpointed moves what activation checkpointing keeps, and "
                              "activation_checkpointing is none: set it to selective or full, or offload all")
+        self.check_fp8_layers()
         if isinstance(self.loss_chunk_tokens, bool) or not isinstance(self.loss_chunk_tokens, int) \
                 or self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens must be an integer >= 0 (0: full logits), got "

@@ -15,7 +15,7 @@
   A GPU missing from the table has no known peak: MFU is NaN (one warning names ``logging.peak_tflops``).
 - attention imbalance: the busiest CP rank's attention work (query-key pairs under the mask) over the
   mean, per global batch, averaged over the interval (1.0: balanced; see the ``balanced`` CP layout).
-- ``mfu_fp8_peak`` (runs with ``model.fp8``): the blocks' linears, which compute in FP8, counted against the FP8
+- ``mfu_fp8_peak`` (runs with ``model.fp8``): the blocks' linears that compute in FP8 counted against the FP8
   peak (``FP8_PEAK_RATIO`` x the bf16 peak) and every other FLOP against the bf16 peak: the time the step's FLOPs
   take at those peaks over the measured time. ``mfu`` stays at the bf16 peak, comparable with bf16 runs.
 - peak memory: CUDA's max allocated bytes (and max reserved, the allocator's cache included), or on
@@ -63,12 +63,12 @@ FP8_PEAK_RATIO = 2.0
 
 
 def fp8_flops_per_token(model: ModelConfig) -> float:
-    """Training FLOPs per token of the linears ``model.fp8`` computes in FP8 (the blocks', ``parallel/tp/fp8.py``): 6 x
-    their weights; 0 without FP8."""
+    """Training FLOPs per token of the linears ``model.fp8`` computes in FP8 (those of ``model.fp8_blocks``,
+    ``parallel/tp/fp8.py``): 6 x their weights; 0 without FP8."""
     if model.fp8 == "none":
         return 0.0
     linears = get_model_family(model.family).block_linears(model)
-    return 6.0 * model.num_layers * sum(x.in_features * x.out_features for x in linears)
+    return 6.0 * len(model.fp8_blocks) * sum(x.in_features * x.out_features for x in linears)
 
 
 def gpu_entry(device_name: str) -> tuple[float, str | None] | None:

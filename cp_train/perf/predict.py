@@ -24,6 +24,7 @@ from cp_train.perf.time_model import (
     collective_seconds,
     collectives_seconds,
     fp8_cast_seconds,
+    gemm_seconds,
     group_spans_nodes,
     matmul_seconds,
     offload_seconds,
@@ -158,7 +159,7 @@ def breakdown(work: Workload, rates: DeviceRates, documents: tuple[int, ...] | N
         if mode == "full":
             recompute += attn_f + cp_f
     elif model.mlp_chunks > 1:  # each MLP slice is checkpointed on its own
-        recompute += sum(g.flops / rates.matmul(g.m, g.n, g.k) for g in work.gemms if g.name.startswith("mlp"))
+        recompute += gemm_seconds(work, rates, mlp_only=True)
     forward = blocks + head + elementwise + loss + attn_f
     backward = 2 * (blocks + head + elementwise + loss) + attn_b
     local_params = (model.num_layers * layer_parameters(model) + root_parameters(model)) / config.parallel.tp

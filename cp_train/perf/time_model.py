@@ -153,10 +153,33 @@ def offload_seconds(moved_per_layer: int, layers: int, forward_s: float, backwar
     return layers * (max(0.0, copy - forward_s) + max(0.0, copy - backward_s))
 
 
+def fp8_share(work: Workload, rates: DeviceRates) -> float:
+    """The share of the blocks whose linears run in fp8: 0 unless ``rates`` plans fp8 linears, else all but
+    ``model.fp8_bf16_layers_at_start`` and ``_at_end`` of them (``ModelConfig.fp8_blocks``)."""
+    if rates.precision != "fp8":
+        return 0.0
+    model = work.config.model
+    return 1.0 - (model.fp8_bf16_layers_at_start + model.fp8_bf16_layers_at_end) / model.num_layers
+
+
+def gemm_seconds(work: Workload, rates: DeviceRates, mlp_only: bool = False) -> float:
+    """Forward seconds of one micro-batch's block GEMMs (``mlp_only``: the MLP's), the fp8 blocks' at the fp8
+    rates and the others' at bf16's."""
+    gemms = [g for g in work.gemms if g.name.startswith("mlp") or not mlp_only]
+
+    def seconds(precision: str) -> float:
+        return sum(g.flops / rates.matmul(g.m, g.n, g.k, precision) for g in gemms)
+
+    share = fp8_share(work, rates)
+    if share in (0.0, 1.0):
+        return seconds("fp8" if share else "bf16")
+    return share * seconds("fp8") + (1.0 - share) * seconds("bf16")
+
+
 def matmul_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float, float]:
     """``(blocks forward, head forward, blocks' elementwise forward)`` seconds of one micro-batch; the head runs
     in the compute dtype (bf16 when the linears are fp8)."""
-    blocks = sum(g.flops / rates.matmul(g.m, g.n, g.k) for g in work.gemms)
+    blocks = gemm_seconds(work, rates)
     head_gemm = work.head_gemm
     head = head_gemm.flops / rates.matmul(head_gemm.m, head_gemm.n, head_gemm.k, "bf16")
     return blocks, head, work.elementwise_bytes / rates.memory_bytes_per_s
@@ -165,8 +188,9 @@ def matmul_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float, fl
 def fp8_cast_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one micro-batch's fp8 casts (``FP8_CAST_BYTES``; 0 unless the linears
     are fp8): the forward casts each block GEMM's input and weight, the backward its output's gradient."""
-    if rates.precision != "fp8":
+    share = fp8_share(work, rates)
+    if not share:
         return 0.0, 0.0
-    forward = sum(g.count * (g.m * g.k + g.k * g.n) for g in work.gemms) * FP8_CAST_BYTES
-    backward = sum(g.count * g.m * g.n for g in work.gemms) * FP8_CAST_BYTES
+    forward = sum(g.count * (g.m * g.k + g.k * g.n) for g in work.gemms) * FP8_CAST_BYTES * share
+    backward = sum(g.count * g.m * g.n for g in work.gemms) * FP8_CAST_BYTES * share
     return forward / rates.memory_bytes_per_s, backward / rates.memory_bytes_per_s

@@ -2,7 +2,8 @@
 
 Which linears: the caller passes the blocks (``cp_train.build``: ``model.layers``), whose column- and row-parallel
 layers (attention qkv and proj, MLP gate/up and down) convert; the LM head and the embedding stay in the compute
-dtype, as torchao and Megatron keep them.
+dtype, as torchao and Megatron keep them, and so do the blocks ``model.fp8_bf16_layers_at_start`` /
+``model.fp8_bf16_layers_at_end`` keep out (``ModelConfig.fp8_blocks``: the blocks that convert).
 
 How: torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` modules for ``Float8Linear``; the TP layers are
 not ``nn.Linear`` (their forward runs the TP collectives around a local ``F.linear``), so a swap would lose the
@@ -142,20 +143,22 @@ def _tp_linears(blocks: nn.Module, prefix: str) -> list[tuple[str, ColumnParalle
             if isinstance(module, ColumnParallelLinear | RowParallelLinear)]
 
 
-def convert_to_fp8(blocks: nn.Module, recipe: str, device: torch.device, fsdp_shards: int = 0, prefix: str = ""
-                   ) -> list[str]:
-    """Make every column- and row-parallel layer inside ``blocks`` (the model's blocks, ``model.layers``) compute
-    its local matmul in FP8 by ``recipe``, before ``torch.compile`` and FSDP2 wrap them (on the meta device or a real
-    one); emulated unless ``device`` is CUDA. ``fsdp_shards``: the size of the group FSDP2 shards over (0: no FSDP);
-    tensorwise then gathers in FP8 the weights whose split is even there (``fsdp_gathers_fp8``). Returns the
-    converted layers' names (in ``blocks``, after ``prefix``: ``"layers."``). Call ``fp8_unavailable`` first: this
-    assumes the recipe runs here; the shapes the GPU's GEMMs take are the config's check (``validate``)."""
-    if recipe == "none":
+def convert_to_fp8(blocks: nn.ModuleList, recipe: str, device: torch.device, fsdp_shards: int = 0, prefix: str = "",
+                   indices: Iterable[int] | None = None) -> list[str]:
+    """Make every column- and row-parallel layer inside ``blocks`` (the model's blocks, ``model.layers``; those at
+    ``indices`` only when given: ``ModelConfig.fp8_blocks``) compute its local matmul in FP8 by ``recipe``, before
+    ``torch.compile`` and FSDP2 wrap them (on the meta device or a real one); emulated unless ``device`` is CUDA.
+    ``fsdp_shards``: the size of the group FSDP2 shards over (0: no FSDP); tensorwise then gathers in FP8 the
+    weights whose split is even there (``fsdp_gathers_fp8``). Returns the converted layers' names (in ``blocks``,
+    after ``prefix``: ``"layers."``). Call ``fp8_unavailable`` first: this assumes the recipe runs here; the shapes
+    the GPU's GEMMs take are the config's check (``validate``)."""
+    chosen = range(len(blocks)) if indices is None else indices
+    if recipe == "none" or not chosen:
         return []
     _patch_inductor()
     config = float8_config(recipe, emulate=device.type != "cuda", fsdp_all_gather=fsdp_shards > 0)
     matmul = Float8Matmul(config)
-    layers = _tp_linears(blocks, prefix)
+    layers = [pair for index in chosen for pair in _tp_linears(blocks[index], f"{prefix}{index}.")]
     for _, layer in layers:
         layer.linear_fn = matmul
         column = isinstance(layer, ColumnParallelLinear)

@@ -111,15 +111,17 @@ def test_fsdp_tp2_cp2_gathers_fp8_resumes_bitwise_and_switches_precision(spawn_w
 def test_fsdp_over_3_ranks_gathers_the_uneven_weights_in_the_compute_dtype(spawn_world, corpus, tmp_path) -> None:
     """torchao 0.18 hands FSDP2 an unpadded shard, which broke the FP8 gather of a weight whose dim 0 does not split
     over 3 ranks (gloo: "Received data size doesn't match expected size"); at hidden 48 the MLP's gate/up weight
-    [256, 48] gathers in fp32, qkv [96, 48], out [48, 48] and down [48, 128] in FP8, and 3 steps train alike."""
+    [256, 48] gathers in fp32, qkv [96, 48], out [48, 48] and down [48, 128] in FP8, and 3 steps train alike. The
+    first block is kept out of FP8 (``model.fp8_bf16_layers_at_start``): its weights gather and multiply in fp32."""
     overrides = {"model.hidden_size": 48, "model.ffn_hidden_size": 128, "parallel.fsdp": True,
-                 "model.fp8": "tensorwise", "train.steps": 3, "schedule.warmup_steps": 1,
-                 "train.global_batch_size": 6, "train.valid_interval": 0, "logging.interval": 3}
+                 "model.fp8": "tensorwise", "model.fp8_bf16_layers_at_start": 1, "train.steps": 3,
+                 "schedule.warmup_steps": 1, "train.global_batch_size": 6, "train.valid_interval": 0,
+                 "logging.interval": 3}
     runs = spawn_world(3).run(run_with_parallel, (1, 1, 3), fp8_cases.fsdp_fp8_gathers, corpus, str(tmp_path),
                               overrides)
-    fp8 = [f"layers.{i}.{name}.weight" for i in range(2) for name in ("attention.qkv", "attention.proj", "mlp.down")]
+    fp8 = [f"layers.1.{name}.weight" for name in ("attention.qkv", "attention.proj", "mlp.down")]
     for rank in runs:
-        assert rank["gathered"] == fp8 and rank["fp8_linears"] == 2 * 4, rank
+        assert rank["gathered"] == fp8 and rank["fp8_linears"] == 4, rank
         assert sorted(rank["losses"]) == [1, 2, 3] and all(math.isfinite(x) for x in rank["losses"].values()), rank
     assert runs[1]["losses"] == runs[0]["losses"] == runs[2]["losses"]
 
