@@ -5,7 +5,8 @@
 - with no ``--config``, training and ``--dry-run`` use the same default config, and ``--init-from-hf`` takes the
   model's shape over it (a config the user names still conflicts);
 - torchtitan's ``--parallelism.*``/``--training.*``/... names are read as ours with a one-line note; Megatron-LM's
-  ``--use-distributed-optimizer``, ``--rotary-base`` and ``--split`` are refused with a hint naming ours.
+  ``--use-distributed-optimizer``, ``--rotary-base``, ``--split`` and the FP8 flags are refused with a hint naming
+  ours.
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ def test_torchtitan_edge_cases() -> None:
     (["--rotary-base", "500000"], "use --set model.rope_theta=500000"),
     (["--rotary_base=500000"], "use --set model.rope_theta=500000"),
     (["--split", "969,30,1"], "use --set data.valid_fraction=0.03 (the last fraction of the documents is held out"),
+    (["--fp8-format", "hybrid"], "use --set model.fp8=tensorwise (torchao's float8 training"),
+    (["--fp8-recipe", "rowwise"], "use --set model.fp8=rowwise (torchao's dynamic scaling"),
+    (["--fp8-recipe", "delayed"], "use --set model.fp8=tensorwise (torchao's dynamic scaling"),
+    (["--first-last-layers-bf16"], "use --set model.fp8_bf16_layers_at_start=1 --set model.fp8_bf16_layers_at_end=1"),
+    (["--num-layers-at-end-in-bf16", "2"], "use --set model.fp8_bf16_layers_at_end=2"),
 ])
 def test_megatron_flags_without_an_alias_get_a_hint(argv: list[str], hint: str) -> None:
     with pytest.raises(ConfigError) as error:
