@@ -31,11 +31,19 @@ so every micro-batch of new documents would build new graphs, which is what rout
 varlen calls avoids; torch 2.13's own ``varlen_attn`` keeps its cuDNN branch off. cuDNN refuses a 1 x 1
 block (``s_q = s_kv = 1``, seen on an H200 with cuDNN 9.19 for a one-token piece of a document): those calls
 are computed exactly here (``one_key_forward``).
+
+Any other call shape cuDNN declines after admission (``cuDNN Frontend error``: "No valid execution plans built",
+"No execution plans support the graph", reported on H200 and GH200 for shapes its trial did not cover) runs on
+``varlen_kernel``'s dense entry instead (FA3, flash-attn 2 or PyTorch's CUDA flash, exact alike), once refused
+never offered to cuDNN again (``refused``, per direction, shapes and mask), with one warning naming the shape:
+the run goes on rather than stopping at hour ten on a document mix the warm-up did not see. Other errors (a
+failed execution, a CUDA error) propagate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +63,8 @@ from cp_train.parallel.kernels.varlen import VarlenBySegments
 FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
 BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", None)
 MAX_HEAD_DIM = 128
+REFUSAL = "cuDNN Frontend error"  # PyTorch's message for a graph or plan cuDNN's frontend cannot build
+CallKey = tuple[str, torch.Size, torch.Size, bool]  # (forward | backward, q's shape, k's shape, causal)
 
 
 def cudnn_unavailable() -> str | None:
@@ -106,6 +116,20 @@ class CudnnAttention(VarlenBySegments):
     varlen_kernel: AttentionKernel | None = None
     native_gqa: bool = False  # K/V with fewer heads go in as they are (no expanding copy)
     plans_per_shape: bool = True  # a graph per call shape and strides, per thread (the ring warms them: ring/warm.py)
+    # the dense calls cuDNN declined, run on varlen_kernel since (shared by the native_gqa copy of this kernel)
+    refused: set[CallKey] = field(default_factory=set, compare=False, repr=False)
+
+    def _instead(self, key: CallKey, error: RuntimeError) -> AttentionKernel:
+        """The kernel to run a call cuDNN declined with ``error`` (``varlen_kernel``), the call remembered and
+        warned about once; ``error`` itself when it is no refusal or there is no other kernel."""
+        if self.varlen_kernel is None or REFUSAL not in str(error):
+            raise error
+        self.refused.add(key)
+        reason = (str(error).strip().splitlines() or [""])[0]
+        warnings.warn(f"cuDNN declined the attention {key[0]} of q {list(key[1])} and k {list(key[2])} (causal "
+                      f"{key[3]}; {reason}): that call shape runs on {self.varlen_kernel.name} from now on",
+                      RuntimeWarning, stacklevel=3)
+        return self.varlen_kernel
 
     @property
     def native_varlen(self) -> bool:
@@ -135,8 +159,14 @@ class CudnnAttention(VarlenBySegments):
         heads = q.shape[2]
         if q.shape[1] == k.shape[1] == 1:  # cuDNN refuses s_q = s_kv = 1 (a one-token document's block)
             return one_key_forward(q, k, v, scale)
-        out, lse = FORWARD(op_view(q), self._kv(k, heads), self._kv(v, heads), None, True, 0.0, causal, False,
-                           scale=scale)[:2]
+        key = ("forward", q.shape, k.shape, causal)
+        if key in self.refused:
+            return self.varlen_kernel.forward(q, k, v, causal, scale)
+        try:
+            out, lse = FORWARD(op_view(q), self._kv(k, heads), self._kv(v, heads), None, True, 0.0, causal, False,
+                               scale=scale)[:2]
+        except RuntimeError as error:
+            return self._instead(key, error).forward(q, k, v, causal, scale)
         return out.transpose(1, 2), lse.view(q.shape[0], heads, q.shape[1])  # [B, H, Sq, 1]; raises if not so
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -146,13 +176,19 @@ class CudnnAttention(VarlenBySegments):
         heads, kv_heads = q.shape[2], k.shape[2]
         if q.shape[1] == k.shape[1] == 1:
             return one_key_backward(rows, k, v, scale)
+        key = ("backward", q.shape, k.shape, causal)
+        if key in self.refused:
+            return self.varlen_kernel.backward(rows, k, v, causal, scale)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read
         # PyTorch keys its backward graphs on q/k/v alone and bakes in the first call's out/dout strides: packed,
         # they are the same for every call of a key (a copy only of a row slice or head chunk of a batch)
-        dout, out = dout.contiguous(), out.contiguous()
-        dq, dk, dv = BACKWARD(
-            op_view(dout), op_view(q), self._kv(k, heads), self._kv(v, heads), op_view(out),
-            lse.contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
-            scale=scale)
+        dout_packed, out_packed = dout.contiguous(), out.contiguous()
+        try:
+            dq, dk, dv = BACKWARD(
+                op_view(dout_packed), op_view(q), self._kv(k, heads), self._kv(v, heads), op_view(out_packed),
+                lse.contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
+                scale=scale)
+        except RuntimeError as error:
+            return self._instead(key, error).backward(rows, k, v, causal, scale)
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
