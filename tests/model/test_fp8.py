@@ -101,16 +101,21 @@ def test_the_model_tracks_fp32_and_checkpointing_recomputes_exactly(recipe: str)
 
 
 def test_compiled_equals_eager() -> None:
-    """Three AdamW steps of the tiny model with FP8 linears, eager and with ``compile_parts`` (fullgraph, no graph
-    break): the losses agree within 1e-5 (the emulation's casts compile to the same numbers)."""
+    """Three AdamW steps of the tiny model with FP8 linears in its first block and the last kept in the compute dtype
+    (``model.fp8_bf16_layers_at_end``), eager and with ``compile_parts``: fullgraph, no graph break, one graph per
+    kind of block and the head's. The first step's loss agrees within 1e-6 and its gradients within 1e-5 (the kept
+    block's fp32 sums compile in another order: 3e-8 and 4e-7 measured); the later losses within 1e-4 (FP8's
+    rounding of the updated weights carries those differences on: 2e-5 measured at step 3)."""
     from torch._dynamo.utils import counters
 
-    batches = [global_batch(tiny_config(), seed=seed) for seed in range(3)]
-    losses = {}
+    config = tiny_config(fp8="tensorwise", fp8_bf16_layers_at_end=1)
+    batches = [global_batch(config, seed=seed) for seed in range(3)]
+    losses, first_grads = {}, {}
     for mode in ("eager", "compiled"):
         torch._dynamo.reset()
         counters.clear()
-        model = fp8_model("tensorwise")
+        model = GPTModel(config)
+        assert len(convert_to_fp8(model.layers, "tensorwise", CPU, indices=config.fp8_blocks)) == 4
         if mode == "compiled":
             model.compile_parts()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -118,12 +123,16 @@ def test_compiled_equals_eager() -> None:
         for data in batches:
             loss = (model(data["tokens"], labels=data["labels"]) * data["weights"]).sum()
             loss.backward()
+            first_grads.setdefault(mode, {n: p.grad.clone() for n, p in model.named_parameters()})
             optimizer.step()
             optimizer.zero_grad()
             losses[mode].append(loss.item())
         assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == (3 if mode == "compiled" else 0), dict(counters["stats"])
     torch._dynamo.reset()
-    assert max(rel_err(c, e) for c, e in zip(losses["compiled"], losses["eager"], strict=True)) < 1e-5, losses
+    assert rel_err(losses["compiled"][0], losses["eager"][0]) < 1e-6, losses
+    assert max(rel_err(first_grads["compiled"][n], g) for n, g in first_grads["eager"].items()) < 1e-5
+    assert max(rel_err(c, e) for c, e in zip(losses["compiled"], losses["eager"], strict=True)) < 1e-4, losses
 
 
 # ----------------------------------------------------------------------------------------------- errors

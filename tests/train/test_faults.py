@@ -112,13 +112,38 @@ def _endless_run(corpus: str, tmp_path: Path, launcher: str, step: int, **overri
             process.kill()
 
 
-def test_hung_rank_times_out_naming_the_collective_and_the_key(corpus, tmp_path) -> None:
-    """Rank 1 stops (SIGSTOP) mid-run; rank 0's collective times out after parallel.timeout_minutes = 0.05
-    (3 s). Through plain torchrun: rank 0's one line, its exit code 1 in torchrun's summary, no project traceback."""
+def _hung_rank(corpus: str, tmp_path: Path) -> tuple[float, str]:
+    """Rank 1 stops (SIGSTOP) at step 3 of a plain-torchrun run with parallel.timeout_minutes = 0.05 (3 s): the
+    seconds until rank 0 ended, and the run's output."""
     with _endless_run(corpus, tmp_path, "torchrun", 3, **{"parallel.timeout_minutes": 0.05}) as (process, pids):
         os.kill(pids[1], signal.SIGSTOP)
         waited = _seconds_until(lambda: not _alive(pids[0]), 120)
     output, _ = process.communicate(timeout=120)
+    return waited, output
+
+
+def _killed_launcher(corpus: str, tmp_path: Path) -> list[int]:
+    """SIGKILL to the launcher of a run at step 2: the pids of its ranks still alive a while after."""
+    with _endless_run(corpus, tmp_path, "launch", 2) as (process, pids):
+        process.kill()
+        process.communicate(timeout=60)
+        _seconds_until(lambda: not any(_alive(pid) for pid in pids.values()), 60)
+        return [pid for pid in pids.values() if _alive(pid)]
+
+
+@pytest.fixture(scope="module")
+def stalled_runs(corpus, tmp_path_factory) -> dict:
+    """The hung-rank and killed-launcher runs side by side (each mostly waits: a timeout, a poll)."""
+    with ThreadPoolExecutor(2) as pool:
+        hung = pool.submit(_hung_rank, corpus, tmp_path_factory.mktemp("hung"))
+        killed = pool.submit(_killed_launcher, corpus, tmp_path_factory.mktemp("launcher-killed"))
+        return {"hung": hung.result(), "survivors": killed.result()}
+
+
+def test_hung_rank_times_out_naming_the_collective_and_the_key(stalled_runs) -> None:
+    """Rank 1 stops (SIGSTOP) mid-run; rank 0's collective times out after parallel.timeout_minutes = 0.05
+    (3 s). Through plain torchrun: rank 0's one line, its exit code 1 in torchrun's summary, no project traceback."""
+    waited, output = stalled_runs["hung"]
     assert 2.5 < waited < 60, f"rank 0 stopped {waited:.1f} s after rank 1 hung"
     lines = [line for line in output.splitlines() if line.startswith("train.py: ")]
     assert len(lines) == 1, output[-3000:]
@@ -129,13 +154,9 @@ def test_hung_rank_times_out_naming_the_collective_and_the_key(corpus, tmp_path)
     assert not PROJECT_FRAME.search(output), output[-3000:]
 
 
-def test_ranks_stop_when_their_launcher_is_killed(corpus, tmp_path) -> None:
+def test_ranks_stop_when_their_launcher_is_killed(stalled_runs) -> None:
     """torchrun starts ranks in sessions of their own; SIGKILL to the launcher must not leave them training on."""
-    with _endless_run(corpus, tmp_path, "launch", 2) as (process, pids):
-        process.kill()
-        process.communicate(timeout=60)
-        _seconds_until(lambda: not any(_alive(pid) for pid in pids.values()), 60)
-        assert not any(_alive(pid) for pid in pids.values()), "the ranks outlived their launcher"
+    assert stalled_runs["survivors"] == [], "the ranks outlived their launcher"
 
 
 def _can_mount_tmpfs() -> bool:

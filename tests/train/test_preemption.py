@@ -29,7 +29,7 @@ from tests.entry_points import (
     write_config,
 )
 
-STEPS, SIGNAL_AT = 20, 2
+STEPS, SIGNAL_AT = 12, 2
 
 
 def records(run_dir: Path) -> list[dict]:
