@@ -92,6 +92,17 @@ def _check_gpu_config(spec: str) -> None:
                          f"memory run train.py --config {spec} --dry-run")
 
 
+def _linears(config: Config, precision: str) -> str:
+    """How the blocks' linears are planned: ``bf16 linears``, ``fp8 linears`` or, with blocks kept out of FP8
+    (``model.fp8_bf16_layers_at_start`` / ``_at_end``), which run in fp8."""
+    model = config.model
+    kept = model.fp8_bf16_layers_at_start + model.fp8_bf16_layers_at_end
+    if precision != "fp8" or not kept:
+        return f"{precision} linears"
+    blocks = model.fp8_blocks  # precision fp8 comes from model.fp8 (base_config: one switch)
+    return f"fp8 linears in blocks {blocks.start}-{blocks.stop - 1} ({kept} of {model.num_layers} in bf16)"
+
+
 def base_config(args: argparse.Namespace) -> Config:
     """The run config every candidate starts from: the model, sequence and batch, on CUDA in bf16."""
     _check_gpu_config(args.model)
@@ -202,10 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for prediction in shown:
             print(json.dumps(prediction.record()))
     else:
+        documents_note = _documents_note(documents, args.seq_len) if documents else ""
         print(f"{base.model.num_layers} layers x {base.model.hidden_size} hidden, seq {args.seq_len:,}, "
-              f"{args.gpus} x {hardware.name}, {base.train.global_batch_size} samples per step, {precision} "
-              f"linears, {rates.kernel} attention: {result.summary()}" + (_documents_note(documents, args.seq_len)
-                                                                         if documents else ""))
+              f"{args.gpus} x {hardware.name}, {base.train.global_batch_size} samples per step, "
+              f"{_linears(base, precision)}, {rates.kernel} attention: {result.summary()}{documents_note}")
         print(table(shown))
         print(f"range: the planner's errors on the {len(shown[0].band.runs)} measured runs of regime "
               f"{'/'.join(shown[0].band.regime)} (cp_train/perf/ranges.py; --explain names them)")

@@ -107,3 +107,12 @@ def test_the_planner_times_the_kept_blocks_at_bf16() -> None:
                                                                     fp8_cast_seconds(work_every, fp8)))
     assert matmul_seconds(work_mixed, bf16) == matmul_seconds(work_every, bf16)
 
+
+
+def test_the_planners_header_names_the_fp8_blocks() -> None:
+    from cp_train.cli.plan import _linears
+
+    config = _config(fp8="tensorwise", fp8_bf16_layers_at_end=1)
+    assert _linears(config, "fp8") == "fp8 linears in blocks 0-2 (1 of 4 in bf16)"
+    assert _linears(_config(fp8="tensorwise"), "fp8") == "fp8 linears"
+    assert _linears(_config(fp8_bf16_layers_at_end=1), "bf16") == "bf16 linears"
