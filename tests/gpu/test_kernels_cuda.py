@@ -7,6 +7,8 @@ from the same (rounded) inputs, so the tolerances measure the kernel alone.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -108,3 +110,38 @@ def test_varlen_matches_float64(backend: str, dtype_name: str, causal: bool) -> 
     grads = kernel.varlen_backward(BackwardRows(dout, q, ref_out.to(dtype), ref_lse.float()), k, v, *args)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert rel_err(got, ref) < tol_grad, f"{name} {rel_err(got, ref):.2e}"
+
+
+def test_a_shape_cudnn_declines_runs_on_its_varlen_kernel(monkeypatch) -> None:
+    """cuDNN made to decline one query length on the device (``cudnn.REFUSAL``): that shape's forward and backward
+    run on the kernel behind cuDNN's varlen calls (this GPU's), matching float64, one warning each; another shape
+    still runs on cuDNN."""
+    from cp_train.parallel.kernels import cudnn
+
+    kernel = _available("cudnn", torch.bfloat16, 128)
+    real_forward, real_backward, seen = cudnn.FORWARD, cudnn.BACKWARD, []
+
+    def declining(real, query_at: int):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN202
+            seen.append(args[query_at].shape[2])
+            if args[query_at].shape[2] == 200:
+                raise RuntimeError(f"{cudnn.REFUSAL}: No valid execution plans built")
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(cudnn, "FORWARD", declining(real_forward, 0))
+    monkeypatch.setattr(cudnn, "BACKWARD", declining(real_backward, 1))
+    math, scale = kernels.MathKernel(), 128 ** -0.5
+    try:
+        for sq, warned in ((200, True), (200, False), (256, False)):
+            q, k, v, dout = _inputs(sq, sq, 8, 2, 128, torch.bfloat16, seed=sq)
+            with pytest.warns(RuntimeWarning, match="cuDNN declined") if warned else contextlib.nullcontext():
+                out, lse = kernel.forward(q, k, v, True, scale)
+                grads = kernel.backward(BackwardRows(dout, q, out, lse), k, v, True, scale)
+            ref_out, ref_lse = math.forward(q, k, v, True, scale)
+            refs = math.backward(BackwardRows(dout, q, ref_out, ref_lse), k, v, True, scale)
+            assert rel_err(out, ref_out) < TOL[torch.bfloat16][0] and rel_err(lse, ref_lse) < TOL[torch.bfloat16][0]
+            assert all(rel_err(g, r) < TOL[torch.bfloat16][1] for g, r in zip(grads, refs, strict=True))
+        assert seen == [200, 200, 256, 256]  # the declined shape was offered once per direction, never again
+    finally:
+        kernel.refused.clear()  # the kernel is shared by the process's later tests
