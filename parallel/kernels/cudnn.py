@@ -121,7 +121,7 @@ class CudnnAttention(VarlenBySegments):
 
     def _instead(self, key: CallKey, error: RuntimeError) -> AttentionKernel:
         """The kernel to run a call cuDNN declined with ``error`` (``varlen_kernel``), the call remembered and
-        warned about once; ``error`` itself when it is no refusal or there is no other kernel."""
+        warned about once; raises ``error`` itself when it is no refusal or there is no other kernel."""
         if self.varlen_kernel is None or REFUSAL not in str(error):
             raise error
         self.refused.add(key)
