@@ -112,12 +112,16 @@ class ModelConfig:
         return [self.layer_window(i) for i in range(self.num_layers)]
 
     @property
-    def fp8_blocks(self) -> range:
-        """The blocks whose linears compute in FP8 (``parallel/tp/fp8.py``): none without ``fp8``, else all but
-        the first ``fp8_bf16_layers_at_start`` and the last ``fp8_bf16_layers_at_end``."""
-        if self.fp8 == "none":
-            return range(0)
+    def blocks_under_fp8(self) -> range:
+        """The blocks FP8 computes the linears of when it is on: all but the first ``fp8_bf16_layers_at_start``
+        and the last ``fp8_bf16_layers_at_end`` (the planner's ``--precision fp8`` plans them)."""
         return range(self.fp8_bf16_layers_at_start, self.num_layers - self.fp8_bf16_layers_at_end)
+
+    @property
+    def fp8_blocks(self) -> range:
+        """The blocks whose linears compute in FP8 (``parallel/tp/fp8.py``): none without ``fp8``, else
+        ``blocks_under_fp8``."""
+        return range(0) if self.fp8 == "none" else self.blocks_under_fp8
 
     @property
     def has_bias(self) -> tuple[bool, bool]:
@@ -153,7 +157,7 @@ class ModelConfig:
         for name, value in (("fp8_bf16_layers_at_start", start), ("fp8_bf16_layers_at_end", end)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.fp8 != "none" and start + end >= self.num_layers:
+        if self.fp8 != "none" and not self.blocks_under_fp8:
             raise ValueError(f"fp8_bf16_layers_at_start {start} + fp8_bf16_layers_at_end {end} keep all "
                              f"{self.num_layers} blocks out of FP8: lower them, or set fp8=none")
 

@@ -95,12 +95,10 @@ def _check_gpu_config(spec: str) -> None:
 def _linears(config: Config, precision: str) -> str:
     """How the blocks' linears are planned: ``bf16 linears``, ``fp8 linears`` or, with blocks kept out of FP8
     (``model.fp8_bf16_layers_at_start`` / ``_at_end``), which run in fp8."""
-    model = config.model
-    kept = model.fp8_bf16_layers_at_start + model.fp8_bf16_layers_at_end
-    if precision != "fp8" or not kept:
+    blocks, layers = config.model.blocks_under_fp8, config.model.num_layers
+    if precision != "fp8" or len(blocks) == layers:
         return f"{precision} linears"
-    blocks = model.fp8_blocks  # precision fp8 comes from model.fp8 (base_config: one switch)
-    return f"fp8 linears in blocks {blocks.start}-{blocks.stop - 1} ({kept} of {model.num_layers} in bf16)"
+    return f"fp8 linears in blocks {blocks.start}-{blocks.stop - 1} ({layers - len(blocks)} of {layers} in bf16)"
 
 
 def base_config(args: argparse.Namespace) -> Config:

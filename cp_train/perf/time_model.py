@@ -154,12 +154,12 @@ def offload_seconds(moved_per_layer: int, layers: int, forward_s: float, backwar
 
 
 def fp8_share(work: Workload, rates: DeviceRates) -> float:
-    """The share of the blocks whose linears run in fp8: 0 unless ``rates`` plans fp8 linears, else all but
-    ``model.fp8_bf16_layers_at_start`` and ``_at_end`` of them (``ModelConfig.fp8_blocks``)."""
+    """The share of the blocks whose linears run in fp8: 0 unless ``rates`` plans fp8 linears, else that of
+    ``ModelConfig.blocks_under_fp8`` (all but the blocks ``model.fp8_bf16_layers_at_start`` / ``_at_end`` keep)."""
     if rates.precision != "fp8":
         return 0.0
     model = work.config.model
-    return 1.0 - (model.fp8_bf16_layers_at_start + model.fp8_bf16_layers_at_end) / model.num_layers
+    return len(model.blocks_under_fp8) / model.num_layers
 
 
 def gemm_seconds(work: Workload, rates: DeviceRates, mlp_only: bool = False) -> float:

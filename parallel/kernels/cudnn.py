@@ -159,14 +159,13 @@ class CudnnAttention(VarlenBySegments):
         heads = q.shape[2]
         if q.shape[1] == k.shape[1] == 1:  # cuDNN refuses s_q = s_kv = 1 (a one-token document's block)
             return one_key_forward(q, k, v, scale)
-        key = ("forward", q.shape, k.shape, causal)
-        if key in self.refused:
+        if self.refused and ("forward", q.shape, k.shape, causal) in self.refused:  # nothing per call until then
             return self.varlen_kernel.forward(q, k, v, causal, scale)
         try:
             out, lse = FORWARD(op_view(q), self._kv(k, heads), self._kv(v, heads), None, True, 0.0, causal, False,
                                scale=scale)[:2]
         except RuntimeError as error:
-            return self._instead(key, error).forward(q, k, v, causal, scale)
+            return self._instead(("forward", q.shape, k.shape, causal), error).forward(q, k, v, causal, scale)
         return out.transpose(1, 2), lse.view(q.shape[0], heads, q.shape[1])  # [B, H, Sq, 1]; raises if not so
 
     def backward(self, rows: BackwardRows, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -176,8 +175,7 @@ class CudnnAttention(VarlenBySegments):
         heads, kv_heads = q.shape[2], k.shape[2]
         if q.shape[1] == k.shape[1] == 1:
             return one_key_backward(rows, k, v, scale)
-        key = ("backward", q.shape, k.shape, causal)
-        if key in self.refused:
+        if self.refused and ("backward", q.shape, k.shape, causal) in self.refused:
             return self.varlen_kernel.backward(rows, k, v, causal, scale)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG seed and offset: never read
         # PyTorch keys its backward graphs on q/k/v alone and bakes in the first call's out/dout strides: packed,
@@ -189,6 +187,6 @@ class CudnnAttention(VarlenBySegments):
                 lse.contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
                 scale=scale)
         except RuntimeError as error:
-            return self._instead(key, error).backward(rows, k, v, causal, scale)
+            return self._instead(("backward", q.shape, k.shape, causal), error).backward(rows, k, v, causal, scale)
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)

@@ -144,7 +144,7 @@ def _tp_linears(blocks: nn.Module, prefix: str) -> list[tuple[str, ColumnParalle
 
 
 def convert_to_fp8(blocks: nn.ModuleList, recipe: str, device: torch.device, fsdp_shards: int = 0, prefix: str = "",
-                   indices: Iterable[int] | None = None) -> list[str]:
+                   indices: Sequence[int] | None = None) -> list[str]:
     """Make every column- and row-parallel layer inside ``blocks`` (the model's blocks, ``model.layers``; those at
     ``indices`` only when given: ``ModelConfig.fp8_blocks``) compute its local matmul in FP8 by ``recipe``, before
     ``torch.compile`` and FSDP2 wrap them (on the meta device or a real one); emulated unless ``device`` is CUDA.
