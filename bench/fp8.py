@@ -11,7 +11,10 @@ the same data and seed for all: ``launch/configs/gpt-1b-128k-cp8.yaml`` at cp 1 
 logging every ``--interval`` steps. Per variant: the step time (median of the logged intervals after the first,
 which holds the compilation), tokens/s, ``mfu`` (at the bf16 peak), ``mfu_fp8_peak`` (the FP8 linears at the FP8
 peak; ``cp_train/metrics/throughput.py``), the loss at the last step and its relative difference from bf16's,
-tokens/s over bf16's and the peak memory. JSON lines, then a table (``bench.common.emit``).
+tokens/s over bf16's and the peak memory; beside them the planner's prediction for the same run (the one every
+run makes of itself, ``cp_train/perf/run_check.py``: this config, the corpus's documents, ``--hardware`` or the
+GPU's own profile): its tokens/s, its speedup over bf16's, and the measured step time over the planned one.
+JSON lines, then a table (``bench.common.emit``).
 
 The issue's bar on an H100/H200: FP8 within 1% of bf16's loss at step 100, tensorwise at least 1.2x bf16's tokens/s.
 torchao must be installed where it runs (``pip install -e ".[fp8]"``).
@@ -55,7 +58,7 @@ def run_config(args: argparse.Namespace, variant: str, run_dir: Path) -> Config:
         "train.steps": args.steps, "schedule.warmup_steps": max(1, args.steps // 10), "train.valid_interval": 0,
         "train.compile": not args.eager, "train.dtype": "auto", "checkpoint.save": None, "checkpoint.interval": 0,
         "logging.dir": str(run_dir), "logging.interval": args.interval, "logging.wandb": False,
-        "logging.console": False})
+        "logging.console": False, "logging.hardware_profile": args.hardware})
     if args.tiny:
         values.update(TINY_MODEL)
     return build_config([("bench.fp8", values)])
@@ -67,7 +70,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     config = run_config(args, variant, run_dir)
     torch._dynamo.reset()  # each variant compiles its own graphs
     with parallel_context(backend="nccl" if torch.cuda.is_available() else "gloo") as state:
-        result = Trainer(config, state).train()
+        trainer = Trainer(config, state)
+        result = trainer.train()
     records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     intervals = [r for r in records if r.get("kind") == "train"]
     timed = intervals[1:] or intervals  # the first interval holds the compilation
@@ -79,7 +83,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "mfu": statistics.median(r["mfu"] for r in timed),
             "mfu_fp8_peak": statistics.median(r.get("mfu_fp8_peak", r["mfu"]) for r in timed),
-            "loss": result.losses[last], "peak_memory_gib": max(r["peak_memory_gib"] for r in intervals)}
+            "loss": result.losses[last], "peak_memory_gib": max(r["peak_memory_gib"] for r in intervals),
+            "planned": trainer.prediction}
 
 
 def check_variants(args: argparse.Namespace) -> str | None:
@@ -99,11 +104,18 @@ def check_variants(args: argparse.Namespace) -> str | None:
 
 
 def compare(records: list[dict[str, Any]]) -> None:
-    """Each record's loss and tokens/s against the bf16 run's (when there is one)."""
+    """Each record's loss and tokens/s against the bf16 run's (when there is one), and against the planner's."""
     base = next((r for r in records if r["variant"] == "none"), None)
     for record in records:
         record["loss_vs_bf16"] = record["loss"] / base["loss"] - 1 if base else None
         record["speedup_vs_bf16"] = record["tokens_per_s"] / base["tokens_per_s"] if base else None
+        planned = record.pop("planned") or {}
+        record["planned_tokens_per_s"] = planned.get("tokens_per_s_per_device")
+        record["measured_vs_planned"] = (record["step_time_s"] / planned["step_time_s"]) if planned else None
+    planned_base = base["planned_tokens_per_s"] if base else None
+    for record in records:
+        record["planned_speedup_vs_bf16"] = (record["planned_tokens_per_s"] / planned_base
+                                             if planned_base and record["planned_tokens_per_s"] else None)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -115,6 +127,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--eager", action="store_true", help="no train.compile")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 over the one rank (FP8 all-gathers, tensorwise)")
     parser.add_argument("--out", default="runs/bench-fp8", help="the runs' directories")
+    parser.add_argument("--hardware", default=None, help="the planner's profile for the planned columns (default: "
+                                                          "the GPU's own; none on CPU)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, 3 eager steps of 128 tokens (CPU smoke)")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -126,12 +140,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         records = [progress(run_variant(args, variant)) for variant in args.variants]
     compare(records)
     percent = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
+    times = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     emit(records, [("variant", "model.fp8", str), ("step_time_s", "step s", lambda v: f"{v:.3g}"),
                    ("tokens_per_s", "tokens/s", lambda v: f"{v:,.0f}"), ("mfu", "MFU (bf16 peak)", percent),
                    ("mfu_fp8_peak", "MFU (fp8 peak)", percent), ("loss", f"loss@{args.steps}", lambda v: f"{v:.4f}"),
                    ("loss_vs_bf16", "vs bf16", lambda v: "-" if v is None else f"{v:+.2%}"),
-                   ("speedup_vs_bf16", "speedup", lambda v: "-" if v is None else f"{v:.2f}x"),
-                   ("peak_memory_gib", "GiB", lambda v: f"{v:.1f}")])
+                   ("speedup_vs_bf16", "speedup", times), ("peak_memory_gib", "GiB", lambda v: f"{v:.1f}"),
+                   ("planned_tokens_per_s", "planned tokens/s", lambda v: "-" if v is None else f"{v:,.0f}"),
+                   ("planned_speedup_vs_bf16", "planned speedup", times),
+                   ("measured_vs_planned", "step measured/planned", times)])
     return records
 
 

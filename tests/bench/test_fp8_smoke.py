@@ -14,12 +14,17 @@ if fp8_unavailable("tensorwise", torch.device("cpu")):  # the dev extra installs
 
 
 def test_fp8_benchmark_smoke_run(tmp_path, capsys) -> None:
-    records = fp8.main(["--tiny", "--out", str(tmp_path)])
+    records = fp8.main(["--tiny", "--out", str(tmp_path), "--hardware", "h200"])
     assert [r["variant"] for r in records] == ["none", "tensorwise", "rowwise"]
     assert [r["fp8_linears"] for r in records] == [0, 8, 8]  # 2 blocks x 4 linears (gate and up one)
     assert all(r["steps"] == 3 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in records)
     assert records[0]["speedup_vs_bf16"] == 1.0 and records[0]["mfu_fp8_peak"] == records[0]["mfu"]
     assert all(0 < r["mfu_fp8_peak"] < r["mfu"] for r in records[1:])  # the FP8 linears at twice the peak
     assert all(abs(r["loss_vs_bf16"]) < 0.01 for r in records)
+    # the planner's prediction of each run (on the H200 profile, planned as FP8 where the linears are)
+    assert all(r["planned_tokens_per_s"] > 0 for r in records) and records[0]["planned_speedup_vs_bf16"] == 1.0
+    bf16, tensorwise, rowwise = (r["planned_tokens_per_s"] for r in records)
+    assert tensorwise == rowwise != bf16, "FP8 planned as bf16"  # the planner has one FP8 rate for both recipes
+    assert all(r["measured_vs_planned"] > 1 for r in records)  # a CPU is slower than an H200
     out = capsys.readouterr().out
-    assert "MFU (fp8 peak)" in out and "speedup" in out
+    assert "MFU (fp8 peak)" in out and "speedup" in out and "step measured/planned" in out
