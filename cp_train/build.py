@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from cp_train.config.schema import Config, ConfigError
+from cp_train.data.blended import BlendedDataset, blended_sample_counts, parse_blend
 from cp_train.data.default_corpus import prepare_default_corpus
 from cp_train.data.gpt_dataset import GPTDataset, train_valid_split
 from cp_train.data.indexed import IndexedDataset
@@ -78,11 +80,16 @@ def input_errors(what: str) -> Iterator[None]:
 
 @dataclass
 class DataSources:
-    prefix: str
+    prefix: str  # one dataset's prefix or a blend's ``W1 PREFIX1 W2 PREFIX2 ...`` (``data/blended.py``)
     tokenizer: str | None
     eod_id: int
     pad_id: int | None
     vocab_size: int  # the model's (padded) vocabulary
+
+    @property
+    def eval_prefix(self) -> str:
+        """The dataset the long-context eval draws its documents from: the first of a blend."""
+        return parse_blend(self.prefix)[0][1]
 
 
 def resolve_data(config: Config, state: ParallelState) -> DataSources:
@@ -118,39 +125,53 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
 
 
 def build_datasets(config: Config, sources: DataSources, state: ParallelState
-                   ) -> tuple[GPTDataset, GPTDataset | None]:
+                   ) -> tuple[Dataset, Dataset | None]:
     """Train (``steps * global_batch_size`` samples) and validation (``valid_iters`` global batches) datasets
-    over a document split of the data; sample indices are cached (built once per node)."""
-    with input_errors(f"data.prefix {sources.prefix}"):
-        indexed = IndexedDataset(sources.prefix)
-        indexed.check_vocab(sources.vocab_size)
+    over a document split of the data; sample indices are cached (built once per node). A blend
+    (``data.prefix`` ``W1 PREFIX1 W2 ...``, ``data/blended.py``) splits each of its datasets alike and serves
+    their samples in proportion to the weights, the validation samples too."""
     data, train = config.data, config.train
-    if data.valid_fraction > 0:
-        train_docs, valid_docs = train_valid_split(indexed.num_documents, data.valid_fraction)
-        if not valid_docs.size and train.valid_interval > 0:
-            raise ConfigError(f"data.valid_fraction {data.valid_fraction} leaves no validation document of the "
-                              f"{indexed.num_documents} in {sources.prefix}: raise it to at least "
-                              f"{1 / indexed.num_documents:.3g}, or set train.valid_interval=0")
-    else:
-        train_docs, valid_docs = np.arange(indexed.num_documents), np.arange(0)
+    blend = parse_blend(sources.prefix)
+    splits = [_split(config, prefix, sources.vocab_size) for _, prefix in blend]
+    validating = train.valid_interval > 0 and all(valid.size for _, _, valid in splits)
     common = {"seed": data.seed, "eod_id": sources.eod_id, "pad_id": sources.pad_id,
               "mask_eod_loss": data.mask_eod_loss, "reset_position_ids": data.reset_position_ids,
               "cache_dir": data.cache_dir}
+    weights = [weight for weight, _ in blend]
 
-    def make() -> tuple[GPTDataset, GPTDataset | None]:
-        with input_errors(f"data.prefix {sources.prefix}"):
-            training = GPTDataset(indexed, data.seq_len, train.steps * train.global_batch_size,
-                                  documents=train_docs, name="train", **common)
-            valid = None
-            if valid_docs.size and train.valid_interval > 0:
-                valid = GPTDataset(indexed, data.seq_len, train.valid_iters * train.global_batch_size,
-                                   documents=valid_docs, name="valid", **common)
-        return training, valid
+    def datasets(name: str, samples: int) -> Dataset:
+        counts = blended_sample_counts(weights, samples) if len(blend) > 1 else [samples]
+        parts = []
+        for (indexed, train_docs, valid_docs), count in zip(splits, counts, strict=True):
+            with input_errors(f"data.prefix {indexed.prefix}"):
+                parts.append(GPTDataset(indexed, data.seq_len, max(count, 1), name=name,
+                                        documents=train_docs if name == "train" else valid_docs, **common))
+        return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, samples)
+
+    def make() -> tuple[Dataset, Dataset | None]:
+        training = datasets("train", train.steps * train.global_batch_size)
+        return training, datasets("valid", train.valid_iters * train.global_batch_size) if validating else None
 
     return _one_per_node_first(state, make)  # type: ignore[return-value]
 
 
-def build_loader(config: Config, dataset: GPTDataset, state: ParallelState, consumed_samples: int,
+def _split(config: Config, prefix: str, vocab_size: int) -> tuple[IndexedDataset, np.ndarray, np.ndarray]:
+    """The indexed dataset at ``prefix`` and its (train, validation) documents (``data.valid_fraction``)."""
+    with input_errors(f"data.prefix {prefix}"):
+        indexed = IndexedDataset(prefix)
+        indexed.check_vocab(vocab_size)
+    fraction = config.data.valid_fraction
+    if fraction <= 0:
+        return indexed, np.arange(indexed.num_documents), np.arange(0)
+    train_docs, valid_docs = train_valid_split(indexed.num_documents, fraction)
+    if not valid_docs.size and config.train.valid_interval > 0:
+        raise ConfigError(f"data.valid_fraction {fraction} leaves no validation document of the "
+                          f"{indexed.num_documents} in {prefix}: raise it to at least "
+                          f"{1 / indexed.num_documents:.3g}, or set train.valid_interval=0")
+    return indexed, train_docs, valid_docs
+
+
+def build_loader(config: Config, dataset: Dataset, state: ParallelState, consumed_samples: int,
                  device: torch.device, planner: SamplePlanner | None = None) -> StepLoader:
     """This rank's loader: DP rank's samples from ``consumed_samples`` on, CP slice in the model's layout.
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from cp_train import build
 from cp_train.checkpoint.dcp import ShardedState
@@ -29,7 +30,6 @@ from cp_train.config.fp8_shapes import fp8_notes
 from cp_train.config.hf_init import check_hf_weights, hf_init_message
 from cp_train.config.schema import Config, dump_yaml
 from cp_train.config.validate import check_parallel_state, validate
-from cp_train.data.gpt_dataset import GPTDataset
 from cp_train.data.loader import StepLoader
 from cp_train.errors import agree, ensure_writable_dir
 from cp_train.memory.cpu_memory import keep_freed_memory
@@ -158,8 +158,8 @@ class RunData:
     """The datasets, the planner of per-document attention (None without ``data.document_mask``) and this
     rank's train loader."""
 
-    train_data: GPTDataset
-    valid_data: GPTDataset | None
+    train_data: Dataset  # a GPTDataset, or a BlendedDataset of them
+    valid_data: Dataset | None
     planner: SamplePlanner | None
     loader: StepLoader
 

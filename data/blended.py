@@ -1,5 +1,8 @@
 """Blend several datasets by weight into one deterministic stream of samples.
 
+``data.prefix`` names one dataset or a blend in Megatron-LM's ``--data-path`` form, ``W1 PREFIX1 W2 PREFIX2 ...``
+(``parse_blend``).
+
 Sample ``k`` of dataset ``d`` is placed at the ideal time ``(k + 0.5) / w_d`` (weights normalised)
 and all samples are served in order of that time (ties: lower dataset first). Every prefix of
 the stream holds each dataset within ``(D - 1) / 2`` samples of its exact share for ``D >= 2``
@@ -8,10 +11,32 @@ datasets (half a sample for two), with no randomness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
+
+
+def parse_blend(spec: str) -> tuple[tuple[float, str], ...]:
+    """``(weight, prefix)`` pairs of ``data.prefix``: one prefix (weight 1; also one whose path holds spaces, when its
+    ``.idx`` exists), or ``W1 PREFIX1 W2 PREFIX2 ...`` with positive weights (normalised where used). ``ValueError``
+    with the form to use otherwise."""
+    words = spec.split()
+    if len(words) == 1 or (len(words) > 1 and Path(spec + ".idx").is_file()):
+        return ((1.0, spec.strip()),)
+    pairs: list[tuple[float, str]] = []
+    if words and len(words) % 2 == 0:
+        try:
+            pairs = [(float(words[i]), words[i + 1]) for i in range(0, len(words), 2)]
+        except ValueError:
+            pairs = []
+    if not pairs or not all(math.isfinite(weight) and weight > 0 for weight, _ in pairs):
+        raise ValueError(f"data.prefix {spec!r}: a blend of datasets is 'WEIGHT PREFIX WEIGHT PREFIX ...' with "
+                         f"positive weights (as Megatron-LM's --data-path 0.7 data/web 0.3 data/code); one dataset "
+                         f"is its prefix alone")
+    return tuple(pairs)
 
 
 def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:

@@ -50,7 +50,8 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--train-steps": ("train.steps", int, "optimizer steps", ("--train-iters",)),
     "--eval-interval": ("train.valid_interval", int, "steps between validation losses (0: off)", ()),
     "--seed": ("train.seed", int, "runtime RNG seed", ()),
-    "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix (default: the embedded corpus)", ()),
+    "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix, or a blend W1 PREFIX1 W2 PREFIX2 ... (default: "
+                    "the embedded corpus)", ()),
     "--tokenizer-model": ("data.tokenizer", str, "SentencePiece .model, or a HF tokenizer.json or its directory", ()),
     "--save": ("checkpoint.save", str, "checkpoint directory", ()),
     "--load": ("checkpoint.load", str, "checkpoint to resume from", ()),
@@ -157,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, (key, kind, text, aliases) in FLAGS.items():
             if key.startswith(section + "."):
                 name = kind.__name__.upper() if kind is not str.lower else "STR"
+                words = {"nargs": "+", "action": _JoinedWords} if flag in MANY_WORDS else {}
                 group.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=name,
-                                   help=f"{text} [{key}: {described[key]}]")
+                                   help=f"{text} [{key}: {described[key]}]", **words)
         for flag, (key, value, text) in SWITCHES.items():
             if key.startswith(section + "."):
                 group.add_argument(flag, dest=key, action="store_const", const=value, default=None,
@@ -170,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name in TORCHTITAN_KEYS:  # read as ours with a note (foreign_flags.py); not listed
         parser.add_argument(*torchtitan_spellings(name), dest=FOREIGN_DEST + name, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+MANY_WORDS = ("--data-path",)  # Megatron-LM's blend: --data-path 0.7 data/web 0.3 data/code
+
+
+class _JoinedWords(argparse.Action):
+    """A flag's words as one space-separated value (``data.prefix``'s blend form, ``data/blended.py``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, " ".join(values))
 
 
 BOOLEAN_FLAGS = {"--fsdp": "parallel.fsdp", "--compile": "train.compile",  # with --no-... forms

@@ -60,7 +60,7 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    prefix: str | None = None  # Megatron .bin/.idx prefix; None: the embedded default corpus
+    prefix: str | None = None  # Megatron .bin/.idx prefix, or a blend "W1 PREFIX1 W2 ..."; None: the default corpus
     tokenizer: str | None = None  # SentencePiece .model, HF tokenizer.json or its directory; None: the default's
     seq_len: int = 256
     valid_fraction: float = 0.02  # last fraction of the documents, held out for evaluation

@@ -10,6 +10,7 @@ import torch
 
 from cp_train.config.fp8_shapes import check_fp8_shapes
 from cp_train.config.schema import Config, ConfigError, field_type
+from cp_train.data.blended import parse_blend
 from cp_train.errors import InputError
 from cp_train.model.config import NORMS
 from cp_train.model.family import get_model_family
@@ -259,11 +260,17 @@ def check_schedule(config: Config) -> None:
 def check_input_files(config: Config) -> None:
     """The files a run reads must exist: checked first, before any setting derived from them is."""
     data, checkpoint = config.data, config.checkpoint
-    if data.prefix is not None and not data.prefix.endswith((".bin", ".idx")):
+    try:
+        blend = parse_blend(data.prefix) if data.prefix is not None else ()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    for _, prefix in blend:
+        if prefix.endswith((".bin", ".idx")):
+            continue  # IndexedDataset names the prefix to pass instead
         for suffix in (".idx", ".bin"):
-            if not Path(data.prefix + suffix).is_file():
-                name = Path(data.prefix).name
-                raise InputError(f"data.prefix {data.prefix}: {data.prefix}{suffix} is missing; an indexed dataset "
+            if not Path(prefix + suffix).is_file():
+                name = Path(prefix).name
+                raise InputError(f"data.prefix {prefix}: {prefix}{suffix} is missing; an indexed dataset "
                                  f"needs both {name}.idx and {name}.bin (make them with cp-train-preprocess)")
     if data.tokenizer is not None and not Path(data.tokenizer).exists():
         raise InputError(f"data.tokenizer {data.tokenizer} does not exist: pass a SentencePiece .model, a Hugging "

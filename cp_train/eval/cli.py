@@ -104,7 +104,7 @@ def evaluate(argv: list[str]) -> int:
         device = build.select_device(state)
         sources = build.resolve_data(config, state)
         model = load_model(config, state, args.load, device)
-        context = build_context(config, state, model, sources.prefix, sources.tokenizer, sources.eod_id,
+        context = build_context(config, state, model, sources.eval_prefix, sources.tokenizer, sources.eod_id,
                                 sources.pad_id, device, build.autocast_dtype(config, device), args.haystack)
         records = run_tasks(settings, context)
         if state.rank == 0:

@@ -60,8 +60,9 @@ class PeriodicEval:
         env = trainer.env
         if self._context is None:
             sources = env.sources
-            self._context = build_context(env.config, trainer.state, trainer.model, sources.prefix, sources.tokenizer,
-                                          sources.eod_id, sources.pad_id, env.device, env.autocast_dtype)
+            self._context = build_context(env.config, trainer.state, trainer.model, sources.eval_prefix,
+                                          sources.tokenizer, sources.eod_id, sources.pad_id, env.device,
+                                          env.autocast_dtype)
         trainer.model.eval()
         try:
             records = run_tasks(self.settings, self._context)

@@ -1,4 +1,5 @@
-"""Blending datasets by weight: proportions at every prefix, routing, clear errors."""
+"""Blending datasets by weight: proportions at every prefix, routing, clear errors; ``data.prefix`` (and
+``--data-path``) in Megatron-LM's blend form, trained on by the real trainer."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts
+from cp_train.config.flags import parse_args
+from cp_train.config.schema import ConfigError
+from cp_train.config.validate import check_input_files
+from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts, parse_blend
 from cp_train.data.gpt_dataset import GPTDataset
+from cp_train.errors import InputError
+from cp_train.parallel.mesh.state import ParallelState, run_with_parallel
+from cp_train.trainer import Trainer
+from tests import trainer_cases
 from tests.data.test_gpt_dataset import make_indexed
 
 
@@ -54,3 +62,53 @@ def test_blend_errors(tmp_path):
         BlendedDataset([small, other_len], (1, 1), 4)
     with pytest.raises(ValueError, match="2 datasets but 1 weights"):
         BlendedDataset([small, small], (1,), 4)
+
+
+def test_data_prefix_takes_megatrons_blend_form(tmp_path):
+    assert parse_blend("data/web") == ((1.0, "data/web"),)
+    assert parse_blend(" 0.7 data/web  0.3 data/code ") == ((0.7, "data/web"), (0.3, "data/code"))
+    make_indexed(tmp_path / "my data")  # one dataset whose path holds a space is still one dataset
+    assert parse_blend(str(tmp_path / "my data")) == ((1.0, str(tmp_path / "my data")),)
+    for bad in ("", "a b", "0.7 a b", "0 a 1 b", "-1 a 2 b", "x a 1 b", "inf a 1 b"):
+        with pytest.raises(ValueError, match="is 'WEIGHT PREFIX WEIGHT PREFIX ...' with positive weights"):
+            parse_blend(bad)
+
+
+def test_data_path_flag_reads_a_blend_and_each_prefix_is_checked(tmp_path):
+    make_indexed(tmp_path / "web")
+    web, code = str(tmp_path / "web"), str(tmp_path / "code")
+    config, _ = parse_args(["--data-path", "0.7", web, "0.3", code, "--train-steps", "3"])
+    assert config.data.prefix == f"0.7 {web} 0.3 {code}" and config.train.steps == 3
+    with pytest.raises(InputError, match=f"^data.prefix {code}: {code}.idx is missing"):
+        check_input_files(config)  # the second dataset of the blend
+    config.data.prefix = f"0.7 {web} {code}"
+    with pytest.raises(ConfigError, match="blend of datasets is 'WEIGHT PREFIX"):
+        check_input_files(config)
+
+
+def train_on_blend(state: ParallelState, spec: str, run_dir: str) -> dict:
+    """Rank side: two steps of the tiny run on the blend ``spec``, with a validation at step 2."""
+    config = trainer_cases.tiny_config(spec, run_dir, state.dims, **{"train.steps": 2, "train.valid_interval": 2,
+                                                                     "train.valid_iters": 2})
+    trainer = Trainer(config, state)
+    result = trainer.train()
+    train, valid = trainer.train_data, trainer.valid_data
+    return {"types": [type(train).__name__, type(valid).__name__],
+            "parts": [(part.indexed.prefix, part.name) for data in (train, valid) for part in data.datasets],
+            "train_ids": train.dataset_ids.tolist(), "valid_ids": valid.dataset_ids.tolist(),
+            "losses": result.losses, "eval_losses": result.eval_losses}
+
+
+def test_the_trainer_trains_on_a_blend(spawn_world, tmp_path):
+    """``data.prefix: 3 A 1 B``: the train and validation samples come from both datasets 3 to 1, each split into
+    train and validation documents as one dataset would be."""
+    first = trainer_cases.write_corpus(tmp_path / "first", seed=1)
+    second = trainer_cases.write_corpus(tmp_path / "second", num_docs=300, seed=2)
+    got = spawn_world(1).run(run_with_parallel, (1, 1, 1), train_on_blend, f"3 {first} 1 {second}",
+                             str(tmp_path / "run"))[0]
+    assert got["types"] == ["BlendedDataset", "BlendedDataset"]
+    assert got["parts"] == [(first, "train"), (second, "train"), (first, "valid"), (second, "valid")]
+    assert got["train_ids"] == [0, 0, 1, 0, 0, 0, 1, 0]  # 2 steps x 4 samples, 3 to 1 at every prefix
+    assert got["valid_ids"] == [0, 0, 1, 0, 0, 0, 1, 0]  # 2 evaluation batches of 4
+    assert sorted(got["losses"]) == [1, 2] and all(np.isfinite(v) for v in got["losses"].values())
+    assert list(got["eval_losses"]) == [2] and np.isfinite(got["eval_losses"][2])
