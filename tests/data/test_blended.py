@@ -112,3 +112,22 @@ def test_the_trainer_trains_on_a_blend(spawn_world, tmp_path):
     assert got["valid_ids"] == [0, 0, 1, 0, 0, 0, 1, 0]  # 2 evaluation batches of 4
     assert sorted(got["losses"]) == [1, 2] and all(np.isfinite(v) for v in got["losses"].values())
     assert list(got["eval_losses"]) == [2] and np.isfinite(got["eval_losses"][2])
+
+
+def test_a_run_on_a_blend_resumes_bitwise(spawn_world, tmp_path):
+    """Stopped after step 2 and rerun, a run on a blend continues the same stream of samples: step 3's inputs
+    and loss equal the uninterrupted run's, bitwise."""
+    first = trainer_cases.write_corpus(tmp_path / "first", seed=1)
+    second = trainer_cases.write_corpus(tmp_path / "second", num_docs=300, seed=2)
+    spec, world = f"2 {first} 1 {second}", spawn_world(1)
+
+    def run(name: str, until_step: int | None = None) -> dict:
+        overrides = {"train.steps": 3, "train.valid_interval": 0, "checkpoint.save": str(tmp_path / f"{name}-ckpt"),
+                     "checkpoint.interval": 1}
+        return world.run(run_with_parallel, (1, 1, 1), trainer_cases.train_layout, spec, str(tmp_path / name),
+                         overrides, until_step)[0]
+
+    whole, _, resumed = run("whole"), run("stopped", until_step=2), run("stopped")
+    assert resumed["step_at_start"] == 2 and sorted(resumed["losses"]) == [3]
+    assert resumed["batches"][3] == whole["batches"][3] and resumed["losses"][3] == whole["losses"][3]
+    assert whole["batches"][3] != whole["batches"][2]
