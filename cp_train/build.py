@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from cp_train.config.schema import Config, ConfigError
-from cp_train.data.blended import BlendedDataset, blended_sample_counts, parse_blend
+from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts, parse_blend
 from cp_train.data.default_corpus import prepare_default_corpus
 from cp_train.data.gpt_dataset import GPTDataset, train_valid_split
 from cp_train.data.indexed import IndexedDataset
@@ -140,13 +140,14 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
     weights = [weight for weight, _ in blend]
 
     def datasets(name: str, samples: int) -> Dataset:
-        counts = blended_sample_counts(weights, samples) if len(blend) > 1 else [samples]
+        schedule = blend_schedule(weights, samples) if len(blend) > 1 else None  # made once per split
+        counts = blended_sample_counts(weights, samples, schedule) if schedule is not None else [samples]
         parts = []
         for (indexed, train_docs, valid_docs), count in zip(splits, counts, strict=True):
             with input_errors(f"data.prefix {indexed.prefix}"):
                 parts.append(GPTDataset(indexed, data.seq_len, max(count, 1), name=name,
                                         documents=train_docs if name == "train" else valid_docs, **common))
-        return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, samples)
+        return parts[0] if schedule is None else BlendedDataset(parts, weights, samples, schedule)
 
     def make() -> tuple[Dataset, Dataset | None]:
         training = datasets("train", train.steps * train.global_batch_size)

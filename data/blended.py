@@ -58,25 +58,31 @@ def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarr
     return np.concatenate(dataset_ids)[order], np.concatenate(sample_ids)[order]
 
 
-def blended_sample_counts(weights: Sequence[float], num_samples: int) -> list[int]:
-    """How many samples each dataset must have for a blend of ``num_samples``."""
-    dataset_ids, _ = blend_schedule(weights, num_samples)
+Schedule = tuple[np.ndarray, np.ndarray]  # blend_schedule's (dataset ids, sample ids)
+
+
+def blended_sample_counts(weights: Sequence[float], num_samples: int, schedule: Schedule | None = None) -> list[int]:
+    """How many samples each dataset must have for a blend of ``num_samples`` (from ``schedule``, the blend's
+    ``blend_schedule`` when already made)."""
+    dataset_ids, _ = schedule if schedule is not None else blend_schedule(weights, num_samples)
     return np.bincount(dataset_ids, minlength=len(weights)).tolist()
 
 
 class BlendedDataset(torch.utils.data.Dataset):
     """``num_samples`` samples drawn from ``datasets`` in proportion to ``weights``.
 
-    Build each dataset with at least ``blended_sample_counts(weights, num_samples)[d]`` samples.
+    Build each dataset with at least ``blended_sample_counts(weights, num_samples)[d]`` samples; ``schedule``: the
+    ``blend_schedule(weights, num_samples)`` those counts were taken from (made once, not again here).
     """
 
     def __init__(self, datasets: Sequence[torch.utils.data.Dataset], weights: Sequence[float],
-                 num_samples: int) -> None:
+                 num_samples: int, schedule: Schedule | None = None) -> None:
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)
-        self.dataset_ids, self.sample_ids = blend_schedule(weights, num_samples)
-        needed = np.bincount(self.dataset_ids, minlength=len(datasets))
+        schedule = schedule if schedule is not None else blend_schedule(weights, num_samples)
+        self.dataset_ids, self.sample_ids = schedule
+        needed = blended_sample_counts(weights, num_samples, schedule)
         for d, (dataset, count) in enumerate(zip(self.datasets, needed, strict=True)):
             if len(dataset) < count:
                 raise ValueError(f"blended dataset {d} has {len(dataset)} samples but the blend "
