@@ -17,7 +17,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from cp_train.config.schema import Config, ConfigError
-from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts, parse_blend
+from cp_train.data.blended import (
+    BlendedDataset,
+    blend_schedule,
+    blended_sample_counts,
+    parse_blend,
+    size_weights,
+)
 from cp_train.data.default_corpus import prepare_default_corpus
 from cp_train.data.gpt_dataset import GPTDataset, train_valid_split
 from cp_train.data.indexed import IndexedDataset
@@ -85,10 +91,14 @@ class DataSources:
     eod_id: int
     pad_id: int | None
     vocab_size: int  # the model's (padded) vocabulary
+    valid_prefix: str | None = None  # ``data.valid_prefix``: the validation data, read whole
 
     @property
     def eval_prefix(self) -> str:
-        """The dataset the long-context eval draws its documents from: the first of a blend."""
+        """The dataset the long-context eval draws its held-out documents from: the first of the validation data's
+        blend (``data.valid_prefix``), else of the training data's."""
+        if self.valid_prefix:
+            return parse_blend(self.valid_prefix, "data.valid_prefix")[0][1]
         return parse_blend(self.prefix)[0][1]
 
 
@@ -121,47 +131,66 @@ def resolve_data(config: Config, state: ParallelState) -> DataSources:
     if not 0 <= eod < vocab:
         raise ConfigError(f"data.eod_id {eod} is outside the vocabulary of model.vocab_size {vocab}")
     config.model.vocab_size = vocab
-    return DataSources(prefix, tokenizer_path, eod, pad, vocab)
+    return DataSources(prefix, tokenizer_path, eod, pad, vocab, config.data.valid_prefix)
+
+
+Part = tuple[float | None, IndexedDataset, np.ndarray]  # a blend's (weight, dataset, documents of the split)
 
 
 def build_datasets(config: Config, sources: DataSources, state: ParallelState
                    ) -> tuple[Dataset, Dataset | None]:
-    """Train (``steps * global_batch_size`` samples) and validation (``valid_iters`` global batches) datasets
-    over a document split of the data; sample indices are cached (built once per node). A blend
-    (``data.prefix`` ``W1 PREFIX1 W2 ...``, ``data/blended.py``) splits each of its datasets alike and serves
-    their samples in proportion to the weights, the validation samples too."""
+    """Train (``steps * global_batch_size`` samples) and validation (``valid_iters`` global batches) datasets; sample
+    indices are cached (built once per node). Validation reads ``data.valid_prefix`` whole where it is set, else the
+    last ``data.valid_fraction`` of each dataset of ``data.prefix``. A blend (``W1 PREFIX1 W2 ...``, or ``PREFIX1
+    PREFIX2 ...`` weighed by each split's tokens; ``data/blended.py``) serves its datasets' samples in proportion to
+    the weights, in either split."""
     data, train = config.data, config.train
-    blend = parse_blend(sources.prefix)
-    splits = [_split(config, prefix, sources.vocab_size) for _, prefix in blend]
-    validating = train.valid_interval > 0 and all(valid.size for _, _, valid in splits)
+    splits = [(weight, *_split(config, prefix, sources.vocab_size)) for weight, prefix in parse_blend(sources.prefix)]
+    training = [(weight, indexed, train_docs) for weight, indexed, train_docs, _ in splits]
+    validation = [(weight, indexed, valid_docs) for weight, indexed, _, valid_docs in splits]
+    if sources.valid_prefix:
+        validation = [(weight, _open(prefix, "data.valid_prefix", sources.vocab_size), None)
+                      for weight, prefix in parse_blend(sources.valid_prefix, "data.valid_prefix")]
+    validating = train.valid_interval > 0 and all(docs is None or docs.size for _, _, docs in validation)
     common = {"seed": data.seed, "eod_id": sources.eod_id, "pad_id": sources.pad_id,
               "mask_eod_loss": data.mask_eod_loss, "reset_position_ids": data.reset_position_ids,
               "cache_dir": data.cache_dir}
-    weights = [weight for weight, _ in blend]
 
-    def datasets(name: str, samples: int) -> Dataset:
-        schedule = blend_schedule(weights, samples) if len(blend) > 1 else None  # made once per split
+    def datasets(name: str, parts: list[Part], samples: int) -> Dataset:
+        blend = [(weight, indexed.prefix) for weight, indexed, _ in parts]
+        tokens = [int(indexed.sequence_lengths.astype(np.int64).sum() if docs is None else
+                      indexed.sequence_lengths[docs].astype(np.int64).sum()) for _, indexed, docs in parts]
+        weights = size_weights(blend, tokens)
+        schedule = blend_schedule(weights, samples) if len(parts) > 1 else None  # made once per split
         counts = blended_sample_counts(weights, samples, schedule) if schedule is not None else [samples]
-        parts = []
-        for (indexed, train_docs, valid_docs), count in zip(splits, counts, strict=True):
-            with input_errors(f"data.prefix {indexed.prefix}"):
-                parts.append(GPTDataset(indexed, data.seq_len, max(count, 1), name=name,
-                                        documents=train_docs if name == "train" else valid_docs, **common))
-        return parts[0] if schedule is None else BlendedDataset(parts, weights, samples, schedule)
+        made = []
+        for (_, indexed, docs), count in zip(parts, counts, strict=True):
+            key = "data.valid_prefix" if docs is None else "data.prefix"
+            with input_errors(f"{key} {indexed.prefix}"):
+                made.append(GPTDataset(indexed, data.seq_len, max(count, 1), name=name, documents=docs, **common))
+        return made[0] if schedule is None else BlendedDataset(made, weights, samples, schedule)
 
     def make() -> tuple[Dataset, Dataset | None]:
-        training = datasets("train", train.steps * train.global_batch_size)
-        return training, datasets("valid", train.valid_iters * train.global_batch_size) if validating else None
+        samples = train.steps * train.global_batch_size
+        valid_samples = train.valid_iters * train.global_batch_size
+        return (datasets("train", training, samples),
+                datasets("valid", validation, valid_samples) if validating else None)
 
     return _one_per_node_first(state, make)  # type: ignore[return-value]
 
 
-def _split(config: Config, prefix: str, vocab_size: int) -> tuple[IndexedDataset, np.ndarray, np.ndarray]:
-    """The indexed dataset at ``prefix`` and its (train, validation) documents (``data.valid_fraction``)."""
-    with input_errors(f"data.prefix {prefix}"):
+def _open(prefix: str, key: str, vocab_size: int) -> IndexedDataset:
+    """The indexed dataset at ``prefix`` (of config key ``key``), its tokens checked against the vocabulary."""
+    with input_errors(f"{key} {prefix}"):
         indexed = IndexedDataset(prefix)
         indexed.check_vocab(vocab_size)
-    fraction = config.data.valid_fraction
+    return indexed
+
+
+def _split(config: Config, prefix: str, vocab_size: int) -> tuple[IndexedDataset, np.ndarray, np.ndarray]:
+    """The indexed dataset at ``prefix`` and its (train, validation) documents (``data.held_out_fraction``)."""
+    indexed = _open(prefix, "data.prefix", vocab_size)
+    fraction = config.data.held_out_fraction
     if fraction <= 0:
         return indexed, np.arange(indexed.num_documents), np.arange(0)
     train_docs, valid_docs = train_valid_split(indexed.num_documents, fraction)

@@ -1,7 +1,7 @@
 """Blend several datasets by weight into one deterministic stream of samples.
 
-``data.prefix`` names one dataset or a blend in Megatron-LM's ``--data-path`` form, ``W1 PREFIX1 W2 PREFIX2 ...``
-(``parse_blend``).
+``data.prefix`` (and ``data.valid_prefix``) names one dataset or a blend in Megatron-LM's ``--data-path`` form,
+``W1 PREFIX1 W2 PREFIX2 ...``, or ``PREFIX1 PREFIX2 ...`` weighed by their tokens (``parse_blend``).
 
 Sample ``k`` of dataset ``d`` is placed at the ideal time ``(k + 0.5) / w_d`` (weights normalised)
 and all samples are served in order of that time (ties: lower dataset first). Every prefix of
@@ -18,25 +18,40 @@ from pathlib import Path
 import numpy as np
 import torch
 
+Blend = tuple[tuple[float | None, str], ...]  # (weight, prefix) pairs; weight None: by the dataset's size
 
-def parse_blend(spec: str) -> tuple[tuple[float, str], ...]:
-    """``(weight, prefix)`` pairs of ``data.prefix``: one prefix (weight 1; also one whose path holds spaces, when its
-    ``.idx`` exists), or ``W1 PREFIX1 W2 PREFIX2 ...`` with positive weights (normalised where used). ``ValueError``
-    with the form to use otherwise."""
+
+def _weight(word: str) -> float | None:
+    try:
+        return float(word)
+    except ValueError:
+        return None
+
+
+def parse_blend(spec: str, key: str = "data.prefix") -> Blend:
+    """``(weight, prefix)`` pairs of a data key (``key``): one prefix (weight 1; also one whose path holds spaces,
+    when its ``.idx`` exists); ``W1 PREFIX1 W2 PREFIX2 ...`` with positive weights (normalised where used); or
+    ``PREFIX1 PREFIX2 ...`` without weights (each ``None``: weighed by its tokens, as Megatron-LM weighs a blend
+    without weights by the datasets' sizes). ``ValueError`` with the forms to use otherwise."""
     words = spec.split()
     if len(words) == 1 or (len(words) > 1 and Path(spec + ".idx").is_file()):
         return ((1.0, spec.strip()),)
-    pairs: list[tuple[float, str]] = []
-    if words and len(words) % 2 == 0:
-        try:
-            pairs = [(float(words[i]), words[i + 1]) for i in range(0, len(words), 2)]
-        except ValueError:
-            pairs = []
-    if not pairs or not all(math.isfinite(weight) and weight > 0 for weight, _ in pairs):
-        raise ValueError(f"data.prefix {spec!r}: a blend of datasets is 'WEIGHT PREFIX WEIGHT PREFIX ...' with "
-                         f"positive weights (as Megatron-LM's --data-path 0.7 data/web 0.3 data/code); one dataset "
-                         f"is its prefix alone")
+    weights = [_weight(word) for word in words]
+    if len(words) > 1 and all(weight is None for weight in weights):
+        return tuple((None, word) for word in words)
+    pairs: list[tuple[float | None, str]] = []
+    if words and len(words) % 2 == 0 and all(weights[i] is not None for i in range(0, len(words), 2)):
+        pairs = [(weights[i], words[i + 1]) for i in range(0, len(words), 2)]
+    if not pairs or not all(math.isfinite(weight) and weight > 0 for weight, _ in pairs):  # type: ignore[arg-type]
+        raise ValueError(f"{key} {spec!r}: a blend of datasets is 'WEIGHT PREFIX WEIGHT PREFIX ...' with "
+                         f"positive weights (as Megatron-LM's --data-path 0.7 data/web 0.3 data/code), or "
+                         f"'PREFIX PREFIX ...' weighed by their tokens; one dataset is its prefix alone")
     return tuple(pairs)
+
+
+def size_weights(blend: Blend, tokens: Sequence[int]) -> list[float]:
+    """The blend's weights, each unset one (``None``) taken from ``tokens``, its dataset's tokens in the split."""
+    return [float(count) if weight is None else weight for (weight, _), count in zip(blend, tokens, strict=True)]
 
 
 def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:

@@ -31,6 +31,9 @@ MODEL_KEYS = ("model.vocab_size", "model.num_layers", "model.hidden_size", "mode
               "model.norm_eps", "model.rope_scaling", "model.head_dim", "model.qkv_bias", "model.attention_bias",
               "model.qk_norm", "model.attention_sinks")
 GUARDED_KEYS = DATA_STREAM_KEYS + MODEL_KEYS
+# whether it is set decides the training documents (all of data.prefix's, or data.valid_fraction held out); which
+# validation data it names does not change the training stream
+VALID_PREFIX_KEY = "data.valid_prefix"
 QUIET_SECTIONS = ("logging", "checkpoint")  # where a run is written and read: changes are not worth a note
 FP8_KEY = "model.fp8"  # how the linears compute: a resume may switch it (its own note)
 
@@ -80,14 +83,16 @@ def check_resume(saved: dict[str, Any], config: Config, checkpoint: str) -> list
     ``checkpoint.allow_changes`` does not name; return the notes to log about the other changes."""
     changes = config_changes(saved, config.to_dict())
     allowed = set(config.checkpoint.allow_changes)
-    refused = {k: v for k, v in changes.items() if k in GUARDED_KEYS and k not in allowed}
+    guarded = {k for k, (old, new) in changes.items()
+               if k in GUARDED_KEYS or (k == VALID_PREFIX_KEY and bool(old) != bool(new))}
+    refused = {k: v for k, v in changes.items() if k in guarded and k not in allowed}
     if refused:
         raise InputError(
             f"checkpoint {checkpoint} was saved with another data stream or model: {_listing(refused)}; "
             f"resume with the saved values, start a new run (another --save), or accept the change with "
             f"--set checkpoint.allow_changes={','.join(refused)}")
-    accepted = {k: v for k, v in changes.items() if k in GUARDED_KEYS}
-    others = {k: v for k, v in changes.items() if k not in GUARDED_KEYS and k.split(".")[0] not in QUIET_SECTIONS}
+    accepted = {k: v for k, v in changes.items() if k in guarded}
+    others = {k: v for k, v in changes.items() if k not in guarded and k.split(".")[0] not in QUIET_SECTIONS}
     notes = []
     if FP8_KEY in others:  # the same weights either way: said on its own line
         old, new = others.pop(FP8_KEY)

@@ -50,8 +50,10 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--train-steps": ("train.steps", int, "optimizer steps", ("--train-iters",)),
     "--eval-interval": ("train.valid_interval", int, "steps between validation losses (0: off)", ()),
     "--seed": ("train.seed", int, "runtime RNG seed", ()),
-    "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix, or a blend W1 PREFIX1 W2 PREFIX2 ... (default: "
-                    "the embedded corpus)", ()),
+    "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix, or a blend W1 PREFIX1 W2 PREFIX2 ... or PREFIX1 "
+                    "PREFIX2 ... (weighed by tokens) (default: the embedded corpus)", ("--train-data-path",)),
+    "--valid-data-path": ("data.valid_prefix", str, "validation data of its own, read whole: a prefix or a blend "
+                          "(default: the last data.valid_fraction of --data-path)", ()),
     "--tokenizer-model": ("data.tokenizer", str, "SentencePiece .model, or a HF tokenizer.json or its directory", ()),
     "--save": ("checkpoint.save", str, "checkpoint directory", ()),
     "--load": ("checkpoint.load", str, "checkpoint to resume from", ()),
@@ -158,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, (key, kind, text, aliases) in FLAGS.items():
             if key.startswith(section + "."):
                 name = kind.__name__.upper() if kind is not str.lower else "STR"
-                words = {"nargs": "+", "action": _JoinedWords} if flag in MANY_WORDS else {}
+                words = {"nargs": "+", "action": JoinedWords} if flag in MANY_WORDS else {}
                 group.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=name,
                                    help=f"{text} [{key}: {described[key]}]", **words)
         for flag, (key, value, text) in SWITCHES.items():
@@ -174,10 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MANY_WORDS = ("--data-path",)  # Megatron-LM's blend: --data-path 0.7 data/web 0.3 data/code
+MANY_WORDS = ("--data-path", "--valid-data-path")  # Megatron-LM's blend: --data-path 0.7 data/web 0.3 data/code
 
 
-class _JoinedWords(argparse.Action):
+class JoinedWords(argparse.Action):
     """A flag's words as one space-separated value (``data.prefix``'s blend form, ``data/blended.py``)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,

@@ -61,6 +61,9 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     prefix: str | None = None  # Megatron .bin/.idx prefix, or a blend "W1 PREFIX1 W2 ..."; None: the default corpus
+    # validation data of its own (a prefix or a blend, read whole, also by the long-context eval); set, every
+    # document of data.prefix trains (data.valid_fraction is not applied). None: data.valid_fraction of data.prefix
+    valid_prefix: str | None = None
     tokenizer: str | None = None  # SentencePiece .model, HF tokenizer.json or its directory; None: the default's
     seq_len: int = 256
     valid_fraction: float = 0.02  # last fraction of the documents, held out for evaluation
@@ -71,6 +74,11 @@ class DataConfig:
     cache_dir: str | None = None  # sample-index cache; None: next to the data
     num_workers: int | None = None  # loader worker processes; None: 2 on CUDA (prefetching), 0 on CPU
     seed: int = 1234  # document and sample shuffling
+
+    @property
+    def held_out_fraction(self) -> float:
+        """The last fraction of each of ``prefix``'s datasets held out for validation: none with ``valid_prefix``."""
+        return 0.0 if self.valid_prefix else self.valid_fraction
 
 
 @dataclass

@@ -208,9 +208,10 @@ def validate(config: Config, world_size: int) -> int:
                           f"--max-position-embeddings {data.seq_len}; docs/huggingface.md)")
     if not 0 <= data.valid_fraction < 1:
         raise ConfigError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
-    if train.valid_interval > 0 and data.valid_fraction == 0:
-        raise ConfigError(f"train.valid_interval {train.valid_interval} needs a validation split: set "
-                          f"data.valid_fraction > 0 or train.valid_interval=0")
+    if train.valid_interval > 0 and data.held_out_fraction == 0 and not data.valid_prefix:
+        raise ConfigError(f"train.valid_interval {train.valid_interval} needs validation data: set "
+                          f"data.valid_fraction > 0, or data.valid_prefix (--valid-data-path), or "
+                          f"train.valid_interval=0")
     if config.checkpoint.interval > 0 and not config.checkpoint.save:
         raise ConfigError(f"checkpoint.interval {config.checkpoint.interval} needs checkpoint.save (a directory)")
     if data.prefix is not None and data.tokenizer is None and data.eod_id is None:
@@ -260,18 +261,19 @@ def check_schedule(config: Config) -> None:
 def check_input_files(config: Config) -> None:
     """The files a run reads must exist: checked first, before any setting derived from them is."""
     data, checkpoint = config.data, config.checkpoint
-    try:
-        blend = parse_blend(data.prefix) if data.prefix is not None else ()
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    for _, prefix in blend:
-        if prefix.endswith((".bin", ".idx")):
-            continue  # IndexedDataset names the prefix to pass instead
-        for suffix in (".idx", ".bin"):
-            if not Path(prefix + suffix).is_file():
-                name = Path(prefix).name
-                raise InputError(f"data.prefix {prefix}: {prefix}{suffix} is missing; an indexed dataset "
-                                 f"needs both {name}.idx and {name}.bin (make them with cp-train-preprocess)")
+    for key, spec in (("data.prefix", data.prefix), ("data.valid_prefix", data.valid_prefix)):
+        try:
+            blend = parse_blend(spec, key) if spec else ()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        for _, prefix in blend:
+            if prefix.endswith((".bin", ".idx")):
+                continue  # IndexedDataset names the prefix to pass instead
+            for suffix in (".idx", ".bin"):
+                if not Path(prefix + suffix).is_file():
+                    name = Path(prefix).name
+                    raise InputError(f"{key} {prefix}: {prefix}{suffix} is missing; an indexed dataset "
+                                     f"needs both {name}.idx and {name}.bin (make them with cp-train-preprocess)")
     if data.tokenizer is not None and not Path(data.tokenizer).exists():
         raise InputError(f"data.tokenizer {data.tokenizer} does not exist: pass a SentencePiece .model, a Hugging "
                          f"Face tokenizer.json or its directory; train a SentencePiece model on text files with "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cp_train import build
 from cp_train.config.arg_types import positive_int
-from cp_train.config.flags import FLAGS
+from cp_train.config.flags import FLAGS, MANY_WORDS, JoinedWords
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
 from cp_train.errors import DEBUG_FLAG, ensure_writable_dir, run_entry_point, this_rank
@@ -29,7 +29,8 @@ from cp_train.eval.tasks import TASKS, EvalSettings, Record, check_lengths, run_
 from cp_train.parallel.mesh.collectives import explain_collective_failure
 from cp_train.parallel.mesh.state import parallel_context, world_of_one
 
-PASSED_FLAGS = ("parallel.", "data.prefix", "data.tokenizer", "logging.wandb_")  # training flags the eval takes
+# training flags the eval takes
+PASSED_FLAGS = ("parallel.", "data.prefix", "data.valid_prefix", "data.tokenizer", "logging.wandb_")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML config layered over the source's (see launch/configs/)")
     for flag, (key, kind, text, aliases) in FLAGS.items():
         if key.startswith(PASSED_FLAGS):
+            words = {"nargs": "+", "action": JoinedWords} if flag in MANY_WORDS else {}
             parser.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=kind.__name__.upper(),
-                                help=f"{text} [{key}]")
+                                help=f"{text} [{key}]", **words)
     parser.add_argument("--fsdp", dest="parallel.fsdp", action=argparse.BooleanOptionalAction, default=None,
                         help="shard the parameters with FSDP2 [parallel.fsdp]")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -1,7 +1,8 @@
 """An ``EvalContext`` from a run's parts: its model on the current parallel state, tokenizer and data.
 
 Shared by ``cp-train-eval`` and the periodic evaluation inside training. The held-out data is the
-validation split of the run's indexed dataset (``data.valid_fraction``; every document when it is empty),
+validation split of the run's indexed dataset (``data.valid_fraction``; every document when it is empty, as where
+``data.valid_prefix`` names the validation data),
 or ``haystack`` (another indexed dataset's prefix) for the needle's haystack.
 """
 
@@ -82,7 +83,7 @@ def loss_batch_loader(config: Config, prefix: str, eod_id: int, pad_id: int | No
 
     def batches(length: int, count: int) -> Iterator[tuple[dict[str, torch.Tensor], float]]:
         indexed = _open(prefix, "data.prefix")
-        held_out = _held_out(indexed, data.valid_fraction)
+        held_out = _held_out(indexed, data.held_out_fraction)
         make = lambda: GPTDataset(indexed, length, count, seed=data.seed, documents=held_out,
                                   eod_id=eod_id, pad_id=pad_id, mask_eod_loss=data.mask_eod_loss,
                                   reset_position_ids=data.reset_position_ids, cache_dir=data.cache_dir,
@@ -103,13 +104,13 @@ def build_context(config: Config, state: ParallelState, model: GPTModel, prefix:
     if tokenizer_path is None:
         raise InputError("the evaluation needs the run's tokenizer: pass --tokenizer-model (data.tokenizer)")
     tokenizer = load_tokenizer(tokenizer_path)
-    stack = haystack or prefix
+    stack, held_out = haystack or prefix, config.data.held_out_fraction
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     if autocast_dtype is not None:
         autocast = lambda: torch.autocast(device.type, dtype=autocast_dtype)
     return EvalContext(
         forward=gpt_forward(model), groups=groups_of(state, model), tokenizer=tokenizer,
-        haystack=haystack_loader(stack, tokenizer, 0.0 if haystack else config.data.valid_fraction) if stack else None,
+        haystack=haystack_loader(stack, tokenizer, 0.0 if haystack else held_out) if stack else None,
         loss_batches=loss_batch_loader(config, prefix, eod_id, pad_id, state) if prefix else None,
         document_mask=config.data.document_mask, device=device, autocast=autocast)
 

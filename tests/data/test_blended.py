@@ -7,12 +7,15 @@ import numpy as np
 import pytest
 import torch
 
+from cp_train.build import DataSources
 from cp_train.config.flags import parse_args
 from cp_train.config.schema import ConfigError
 from cp_train.config.validate import check_input_files
-from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts, parse_blend
+from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts, parse_blend, size_weights
 from cp_train.data.gpt_dataset import GPTDataset
+from cp_train.data.indexed import IndexedDataset
 from cp_train.errors import InputError
+from cp_train.eval.cli import build_parser as eval_parser
 from cp_train.parallel.mesh.state import ParallelState, run_with_parallel
 from cp_train.trainer import Trainer
 from tests import trainer_cases
@@ -67,9 +70,12 @@ def test_blend_errors(tmp_path):
 def test_data_prefix_takes_megatrons_blend_form(tmp_path):
     assert parse_blend("data/web") == ((1.0, "data/web"),)
     assert parse_blend(" 0.7 data/web  0.3 data/code ") == ((0.7, "data/web"), (0.3, "data/code"))
+    assert parse_blend("data/web data/code") == ((None, "data/web"), (None, "data/code"))  # weighed by tokens
+    assert size_weights(parse_blend("a b"), [300, 100]) == [300.0, 100.0]
+    assert size_weights(parse_blend("2 a 1 b"), [300, 100]) == [2.0, 1.0]
     make_indexed(tmp_path / "my data")  # one dataset whose path holds a space is still one dataset
     assert parse_blend(str(tmp_path / "my data")) == ((1.0, str(tmp_path / "my data")),)
-    for bad in ("", "a b", "0.7 a b", "0 a 1 b", "-1 a 2 b", "x a 1 b", "inf a 1 b"):
+    for bad in ("", "0.7 a b", "a 0.3 b", "0 a 1 b", "-1 a 2 b", "x a 1 b", "inf a 1 b"):
         with pytest.raises(ValueError, match="is 'WEIGHT PREFIX WEIGHT PREFIX ...' with positive weights"):
             parse_blend(bad)
 
@@ -84,18 +90,30 @@ def test_data_path_flag_reads_a_blend_and_each_prefix_is_checked(tmp_path):
     config.data.prefix = f"0.7 {web} {code}"
     with pytest.raises(ConfigError, match="blend of datasets is 'WEIGHT PREFIX"):
         check_input_files(config)
+    config, _ = parse_args(["--train-data-path", web, web, "--valid-data-path", "1", web, "3", code])  # Megatron's
+    assert (config.data.prefix, config.data.valid_prefix) == (f"{web} {web}", f"1 {web} 3 {code}")
+    with pytest.raises(InputError, match=f"^data.valid_prefix {code}: {code}.idx is missing"):
+        check_input_files(config)
+    evaluation = eval_parser().parse_args(["--load", "x", "--data-path", "2", web, "1", web, "--valid-data-path", web])
+    assert (getattr(evaluation, "data.prefix"), getattr(evaluation, "data.valid_prefix")) == (f"2 {web} 1 {web}", web)
+    with pytest.raises(ConfigError, match="no test split: evaluate a checkpoint on that data with cp-train-eval "
+                                          f"--load CHECKPOINT --valid-data-path {code} \\(see"):
+        parse_args(["--test-data-path", code])
 
 
-def train_on_blend(state: ParallelState, spec: str, run_dir: str) -> dict:
+def train_on_blend(state: ParallelState, spec: str, run_dir: str, **overrides: object) -> dict:
     """Rank side: two steps of the tiny run on the blend ``spec``, with a validation at step 2."""
     config = trainer_cases.tiny_config(spec, run_dir, state.dims, **{"train.steps": 2, "train.valid_interval": 2,
-                                                                     "train.valid_iters": 2})
+                                                                     "train.valid_iters": 2, **overrides})
     trainer = Trainer(config, state)
     result = trainer.train()
     train, valid = trainer.train_data, trainer.valid_data
+    parts = lambda data: getattr(data, "datasets", [data])  # noqa: E731 - a blend's datasets, or the one
     return {"types": [type(train).__name__, type(valid).__name__],
-            "parts": [(part.indexed.prefix, part.name) for data in (train, valid) for part in data.datasets],
-            "train_ids": train.dataset_ids.tolist(), "valid_ids": valid.dataset_ids.tolist(),
+            "parts": [(part.indexed.prefix, part.name) for data in (train, valid) for part in parts(data)],
+            "documents": [np.unique(part.indices.document_index).size for data in (train, valid)
+                          for part in parts(data)],
+            "train_ids": train.dataset_ids.tolist(), "valid_ids": getattr(valid, "dataset_ids", np.zeros(0)).tolist(),
             "losses": result.losses, "eval_losses": result.eval_losses}
 
 
@@ -110,8 +128,28 @@ def test_the_trainer_trains_on_a_blend(spawn_world, tmp_path):
     assert got["parts"] == [(first, "train"), (second, "train"), (first, "valid"), (second, "valid")]
     assert got["train_ids"] == [0, 0, 1, 0, 0, 0, 1, 0]  # 2 steps x 4 samples, 3 to 1 at every prefix
     assert got["valid_ids"] == [0, 0, 1, 0, 0, 0, 1, 0]  # 2 evaluation batches of 4
+    assert got["documents"] == [540, 270, 60, 30]  # data.valid_fraction 0.1 of each held out
     assert sorted(got["losses"]) == [1, 2] and all(np.isfinite(v) for v in got["losses"].values())
     assert list(got["eval_losses"]) == [2] and np.isfinite(got["eval_losses"][2])
+
+
+def test_validation_data_of_its_own_and_a_blend_weighed_by_tokens(spawn_world, tmp_path):
+    """``data.prefix: A B`` (no weights: by tokens, as Megatron-LM) and ``data.valid_prefix: C``: every document of
+    A and B trains, 2 to 1 as their tokens, and validation reads C whole (also for the long-context eval)."""
+    first = trainer_cases.write_corpus(tmp_path / "first", seed=1)
+    second = trainer_cases.write_corpus(tmp_path / "second", num_docs=300, seed=2)
+    held_out = trainer_cases.write_corpus(tmp_path / "held-out", num_docs=50, seed=3)
+    tokens = [IndexedDataset(prefix).num_tokens for prefix in (first, second)]
+    assert 1.8 < tokens[0] / tokens[1] < 2.2
+    got = spawn_world(1).run(run_with_parallel, (1, 1, 1), train_on_blend, f"{first} {second}", str(tmp_path / "run"),
+                             **{"data.valid_prefix": held_out})[0]
+    assert got["types"] == ["BlendedDataset", "GPTDataset"]
+    assert got["parts"] == [(first, "train"), (second, "train"), (held_out, "valid")]
+    assert got["documents"] == [600, 300, 50]  # nothing held out of A and B; C whole
+    assert got["train_ids"] == blend_schedule(tokens, 8)[0].tolist() and got["train_ids"].count(1) in (2, 3)
+    assert list(got["eval_losses"]) == [2] and np.isfinite(got["eval_losses"][2])
+    sources = DataSources(f"{first} {second}", None, 0, None, 64, valid_prefix=f"1 {held_out} 1 {second}")
+    assert sources.eval_prefix == held_out
 
 
 def test_a_run_on_a_blend_resumes_bitwise(spawn_world, tmp_path):

@@ -160,6 +160,12 @@ def test_resume_refuses_data_and_model_changes_unless_allowed() -> None:
     assert check_resume(saved, changed, "ck") == [
         "accepted changes since the checkpoint (checkpoint.allow_changes): train.global_batch_size 8 -> 16",
         "changed since the checkpoint: train.steps 100 -> 500"]
+    # setting data.valid_prefix changes the training documents (none held out); renaming it does not
+    with_valid = build_config([("t", {"data.valid_prefix": "data/held-out"})])
+    with pytest.raises(InputError, match=r"data\.valid_prefix None -> 'data/held-out'; .*allow_changes=data\."):
+        check_resume(build_config([]).to_dict(), with_valid, "ck")
+    assert check_resume({**with_valid.to_dict(), "data": {**with_valid.to_dict()["data"], "valid_prefix": "v2"}},
+                        with_valid, "ck") == ["changed since the checkpoint: data.valid_prefix 'v2' -> 'data/held-out'"]
 
 
 def test_metrics_after_a_resume_drop_the_redone_steps(tmp_path) -> None:
