@@ -1,5 +1,5 @@
-"""The records a training run logs, built from the trainer's state: setup, intervals (with the max over ranks
-of step time and memory), evaluations, and the event of a layout change on resume."""
+"""The records a training run logs, built from the trainer's state: the run's opening lines, setup, intervals (with
+the max over ranks of step time and memory), evaluations, and the event of a layout change on resume."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cp_train import run_parts
 from cp_train.metrics.throughput import (
     FP8_PEAK_RATIO,
     IntervalMeter,
@@ -16,17 +17,55 @@ from cp_train.metrics.throughput import (
     max_over_ranks,
     peak_memory_gib,
     peak_memory_reserved_gib,
+    peak_tflops,
 )
 from cp_train.metrics.window_bytes import kv_bytes_per_layer
 from cp_train.parallel.kernels.select import chosen_backends
 from cp_train.parallel.mesh.rank_groups import compute_rank_groups, crossing_nodes
 from cp_train.parallel.tp.fp8 import fp8_layers
+from cp_train.perf.run_check import PlannerCheck
 from cp_train.results import StepResult
 
 if TYPE_CHECKING:
     from cp_train.metrics.writers import MetricWriters
 
 Trainer = Any  # the running ``cp_train.trainer.Trainer`` (not imported: it imports this module)
+
+
+def open_run(trainer: Trainer) -> tuple[MetricWriters, dict[str, int], PlannerCheck, IntervalMeter]:
+    """The run's writers (resuming its wandb run), its parameter counts, the planner's check of its steps and the
+    interval meter; logs the layout change since the checkpoint, the start line and the planner's notes."""
+    config, state, env = trainer.config, trainer.state, trainer.env
+    writers = run_parts.open_writers(env, trainer.step, (trainer.resumed_meta or {}).get("wandb"))
+    trainer._wandb = writers.wandb_state()
+    for event in layout_event(trainer.resumed_meta, trainer):
+        writers.log(event)
+    sizes = trainer.training.sizes(state)
+    peak, peak_source = peak_tflops(trainer.device, config.logging.peak_tflops, config.logging.cpu_peak_tflops)
+    writers.message(run_parts.start_line(env, state, sizes, f"{peak} TFLOP/s per device ({peak_source})"))
+    check = PlannerCheck(config, state.world_size, trainer.device, peak, peak_source, trainer.data.train_data)
+    trainer.prediction = check.prediction
+    for line in check.notes:
+        trainer._note(line)
+    trainer._flush(writers)
+    meter = IntervalMeter.for_model(config.model, config.data.seq_len, config.train.global_batch_size,
+                                    state.world_size, peak)
+    return writers, sizes, check, meter
+
+
+def log_interval(trainer: Trainer, writers: MetricWriters, meter: IntervalMeter, out: StepResult,
+                 cp_error: float | None, check: PlannerCheck) -> None:
+    """Log the record of the interval ending at ``trainer.step`` (with the CP check's error, ``cp_error``, where the
+    step was checked), compare the ranks' collectives (``parallel.check_collectives``) and the planner's prediction."""
+    record = interval_record(trainer, meter, out)
+    if cp_error is not None:
+        record["cp_check_rel_err"] = cp_error
+    writers.log(record)
+    if trainer.collectives is not None:
+        trainer.collectives.at_log_step(trainer.step)
+    for line in check.observe(record):
+        trainer._note(line)
+    trainer._flush(writers)
 
 
 def interval_record(trainer: Trainer, meter: IntervalMeter, out: StepResult) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from cp_train.model.gpt import GPTModel
 from cp_train.optim import LRSchedule, build_optimizer
 from cp_train.parallel.cp.plan.batch_plan import SamplePlanner
 from cp_train.parallel.mesh.state import ParallelState
+from cp_train.runtime.profiling import check_profile_device
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     dp = validate(config, state.world_size)
     check_parallel_state(config, state, dp)
     device = build.select_device(state)
+    check_profile_device(config, device)  # logging.memory_snapshot: CUDA's allocator
     if config.train.deterministic:
         build.use_deterministic_algorithms()
     if device.type == "cpu" and config.train.cpu_keep_freed_memory:

@@ -31,17 +31,17 @@ from cp_train.eval.periodic import PeriodicEval
 from cp_train.loss import device_sums, global_loss_tokens, masked_loss_sum, reduce_loss
 from cp_train.memory.fsdp_reduce import fsdp_reduce_for_run
 from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
-from cp_train.metrics.throughput import IntervalMeter, peak_tflops, reset_peak_memory
+from cp_train.metrics.throughput import reset_peak_memory
 from cp_train.optim import clip_gradients, global_grad_norm
 from cp_train.parallel.dp.ddp import gradient_sync
 from cp_train.parallel.tp.fp8 import precompute_fp8_scales
-from cp_train.perf.run_check import PlannerCheck
 from cp_train.preemption import Preemption
 from cp_train.results import NonFiniteLossError, StepResult, TrainResult
 from cp_train.runtime.collective_check import CollectiveGuard
 from cp_train.runtime.collector import ScheduledCollection
 from cp_train.runtime.cp_check import CPCheck
 from cp_train.runtime.device_batches import MicroBatch, loss_tokens, to_device
+from cp_train.runtime.profiling import StepProfiler
 from cp_train.runtime.validation import validation_loss
 
 if TYPE_CHECKING:
@@ -211,28 +211,19 @@ class Trainer:
         collector runs on the run's schedule (``train.gc_interval``, ``runtime/collector.py``)."""
         config, state = self.config, self.state
         last = min(config.train.steps, until_step or config.train.steps)
-        writers = run_parts.open_writers(self.env, self.step, (self.resumed_meta or {}).get("wandb"))
-        self._wandb = writers.wandb_state()
-        for event in run_log.layout_event(self.resumed_meta, self):
-            writers.log(event)
-        sizes = self.training.sizes(state)
-        peak, peak_source = peak_tflops(self.device, config.logging.peak_tflops, config.logging.cpu_peak_tflops)
-        writers.message(run_parts.start_line(self.env, state, sizes, f"{peak} TFLOP/s per device ({peak_source})"))
-        check = PlannerCheck(config, state.world_size, self.device, peak, peak_source, self.data.train_data)
-        self.prediction = check.prediction
-        for line in check.notes:
-            self._note(line)
-        self._flush(writers)
-        meter = IntervalMeter.for_model(config.model, config.data.seq_len, config.train.global_batch_size,
-                                        state.world_size, peak)
+        writers, sizes, check, meter = run_log.open_run(self)  # the first lines; the planner's prediction
         reset_peak_memory(self.device)
         batches = iter(self.loader)
         first = self.step
         times: dict[int, tuple[float, float]] = {}  # step -> (step time, data time), until the meter has it
         halted: str | None = None  # the signal that stopped the run
         try:
-            with Preemption() as preemption, ScheduledCollection(config.train.gc_interval) as collection:
+            with Preemption() as preemption, ScheduledCollection(config.train.gc_interval) as collection, \
+                    StepProfiler(config.logging, state.rank, self.device, self.run_dir, first) as profiler:
+                if profiler.note():  # logging.profile: resumed past its steps
+                    self._note(profiler.note())
                 while self.step < last:
+                    profiler.before_step(self.step + 1)  # logging.profile (runtime/profiling.py)
                     started = time.perf_counter()
                     micro_batches = next(batches)
                     loaded = time.perf_counter()
@@ -252,17 +243,12 @@ class Trainer:
                     if stop and not read:  # the last step before the stop is read and logged as a log step's
                         read, log = self.read_steps(), True
                     meter.add_steps(read, times)
-                    if log:
-                        record = run_log.interval_record(self, meter, read[-1][1])
-                        if cp_error is not None:
-                            record["cp_check_rel_err"] = cp_error
-                        writers.log(record)
-                        if self.collectives is not None:
-                            self.collectives.at_log_step(self.step)
-                        for line in check.observe(record):
-                            self._note(line)
-                        self._flush(writers)
+                    if log:  # the interval's record, checked against the planner's prediction
+                        run_log.log_interval(self, writers, meter, read[-1][1], cp_error, check)
                     paused = time.perf_counter()
+                    profiled = profiler.after_step(self.step)  # the trace written after its last step
+                    if profiled is not None:
+                        writers.log(profiled)
                     if evaluate and not stop:
                         run_log.log_eval(self, writers)
                     if self.long_eval.due(self.step, last) and not stop:

@@ -60,6 +60,9 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--init-from-hf": ("checkpoint.init_from_hf", str, "Hugging Face Llama directory to start from", ()),
     "--save-interval": ("checkpoint.interval", int, "steps between checkpoints (0: off)", ()),
     "--log-interval": ("logging.interval", int, "steps between metric records", ()),
+    "--profile-step-start": ("logging.profile_step_start", int, "--profile: the first step recorded", ()),
+    "--profile-step-end": ("logging.profile_step_end", int, "--profile: the step after the last recorded", ()),
+    "--profile-ranks": ("logging.profile_ranks", str, "--profile: the ranks that record (default 0)", ()),
     "--run-dir": ("logging.dir", str, "run directory (JSONL, wandb, config)", ()),
     "--wandb-project": ("logging.wandb_project", str, "wandb project", ()),
     "--wandb-mode": ("logging.wandb_mode", str, "online, offline or disabled (default: online only with "
@@ -89,6 +92,11 @@ SWITCHES: dict[str, tuple[str, object, str]] = {
     "--sequence-parallel": ("parallel.sequence_parallel", True, "shard the residual stream over TP"),
     "--restart-schedule": ("schedule.restart", True, "on a resume that changed train.steps, restart the LR "
                            "schedule instead of continuing it"),
+    "--profile": ("logging.profile", True, "torch.profiler traces of steps --profile-step-start .. "
+                  "--profile-step-end - 1 in <run dir>/profile, and their idle fraction"),
+    "--use-pytorch-profiler": ("logging.profile", True, "Megatron-LM's name of --profile"),
+    "--record-memory-history": ("logging.memory_snapshot", True, "with --profile on CUDA: the caching allocator's "
+                                "history over the profiled steps"),
 }
 
 
@@ -160,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, (key, kind, text, aliases) in FLAGS.items():
             if key.startswith(section + "."):
                 name = kind.__name__.upper() if kind is not str.lower else "STR"
-                words = {"nargs": "+", "action": JoinedWords} if flag in MANY_WORDS else {}
+                words = {"nargs": "+", "action": MANY_WORDS[flag]} if flag in MANY_WORDS else {}
                 group.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=name,
                                    help=f"{text} [{key}: {described[key]}]", **words)
         for flag, (key, value, text) in SWITCHES.items():
@@ -176,15 +184,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MANY_WORDS = ("--data-path", "--valid-data-path")  # Megatron-LM's blend: --data-path 0.7 data/web 0.3 data/code
-
-
 class JoinedWords(argparse.Action):
     """A flag's words as one space-separated value (``data.prefix``'s blend form, ``data/blended.py``)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         setattr(namespace, self.dest, " ".join(values))
+
+
+class ListWords(argparse.Action):
+    """A flag's words as a list key's comma-separated value (``--profile-ranks 0 4`` is ``0,4``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, ",".join(values))
+
+
+# the flags that take several words; Megatron-LM's blend: --data-path 0.7 data/web 0.3 data/code
+MANY_WORDS: dict[str, type[argparse.Action]] = {"--data-path": JoinedWords, "--valid-data-path": JoinedWords,
+                                                "--profile-ranks": ListWords}
 
 
 BOOLEAN_FLAGS = {"--fsdp": "parallel.fsdp", "--compile": "train.compile",  # with --no-... forms

@@ -155,6 +155,13 @@ class LoggingConfig:
     # --calibrate); None: the CUDA device's own profile, no prediction on CPU
     hardware_profile: str | None = None
     console: bool = True
+    # torch.profiler over steps profile_step_start .. profile_step_end - 1 on profile_ranks (Megatron-LM's --profile;
+    # cp_train/runtime/profiling.py): Chrome traces in <run dir>/profile, a profile record (idle fraction, kernels)
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    memory_snapshot: bool = False  # with profile, on CUDA: the allocator's history over those steps (a pickle)
 
 
 @dataclass

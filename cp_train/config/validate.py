@@ -168,6 +168,7 @@ def validate(config: Config, world_size: int) -> int:
         raise ConfigError(f"schedule.decay_fraction must be in (0, 1], got {config.schedule.decay_fraction}")
     _check_impls(config)
     _choice("logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
+    _check_profile(config, world_size)
     if train.gradient_accumulation_steps is not None:
         _positive(config, ("train.gradient_accumulation_steps",), 1)
         if train.global_batch_size != train.micro_batch_size * dp * train.gradient_accumulation_steps:
@@ -229,6 +230,25 @@ def validate(config: Config, world_size: int) -> int:
         raise ConfigError(f"model: {error}") from None
     check_fp8_shapes(config)  # the GPU's FP8 GEMMs: weight dims and tokens, multiples of 16
     return dp
+
+
+def _check_profile(config: Config, world_size: int) -> None:
+    """``logging.profile``: steps start .. end - 1 of the run, on ranks of the world (runtime/profiling.py)."""
+    logging, steps = config.logging, config.train.steps
+    start, end = logging.profile_step_start, logging.profile_step_end
+    if logging.memory_snapshot and not logging.profile:
+        raise ConfigError("logging.memory_snapshot records over the profiled steps: set logging.profile=true "
+                          "(--profile) too")
+    if not logging.profile:
+        return
+    if not 1 <= start < end or end - 1 > steps:
+        raise ConfigError(f"logging.profile records steps profile_step_start .. profile_step_end - 1, here {start} .. "
+                          f"{end - 1}: they must be steps of the run (1 .. train.steps {steps}), e.g. "
+                          f"--profile-step-start {min(10, max(1, steps - 1))} --profile-step-end {min(12, steps + 1)}")
+    outside = [rank for rank in logging.profile_ranks if not 0 <= rank < world_size]
+    if outside or not logging.profile_ranks:
+        raise ConfigError(f"logging.profile_ranks {logging.profile_ranks}: name ranks of this run's world of "
+                          f"{world_size} (0 .. {world_size - 1}), e.g. --profile-ranks 0")
 
 
 def check_parallel_state(config: Config, state: ParallelState, dp: int) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cp_train import build
 from cp_train.config.arg_types import positive_int
-from cp_train.config.flags import FLAGS, MANY_WORDS, JoinedWords
+from cp_train.config.flags import FLAGS, MANY_WORDS
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
 from cp_train.errors import DEBUG_FLAG, ensure_writable_dir, run_entry_point, this_rank
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML config layered over the source's (see launch/configs/)")
     for flag, (key, kind, text, aliases) in FLAGS.items():
         if key.startswith(PASSED_FLAGS):
-            words = {"nargs": "+", "action": JoinedWords} if flag in MANY_WORDS else {}
+            words = {"nargs": "+", "action": MANY_WORDS[flag]} if flag in MANY_WORDS else {}
             parser.add_argument(flag, *aliases, dest=key, type=kind, default=None, metavar=kind.__name__.upper(),
                                 help=f"{text} [{key}]", **words)
     parser.add_argument("--fsdp", dest="parallel.fsdp", action=argparse.BooleanOptionalAction, default=None,

@@ -79,6 +79,12 @@ def console_line(record: dict[str, Any], total_steps: int, started: float, first
                 f"{gib['gradient']:.3f}, optimizer {gib['optimizer']:.3f}; the largest rank)")
     if record.get("kind") == "event":
         return f"event step {step}: {record['event']} {record.get('detail', '')}".rstrip()
+    if record.get("kind") == "profile":  # runtime/profiling.py
+        kinds = ", ".join(f"{kind} {seconds:.3g} s" for kind, seconds in list(record["by_kind_s"].items())[:4])
+        first, last = record["profiled_steps"]
+        return (f"profile of steps {first}-{last} on rank {record['rank']}: {record['step_s']:.3f} s/step, the "
+                f"{record['device']} idle {100 * record['idle_fraction']:.1f}% of it ({kinds} per step); trace "
+                f"{record['trace']}")
     if record.get("kind") == "eval":
         return f"eval  step {step:>{len(str(total_steps))}}/{total_steps} | val loss {record['loss']:.4f} | " \
                f"val ppl {record['perplexity']:.2f}"
@@ -239,7 +245,7 @@ class MetricWriters:
         elif self.wandb_run is not None and record.get("kind") == "event":
             self.wandb_run.log({f"event/{record['event']}": 1}, step=record["step"])
         elif self.wandb_run is not None:
-            prefix = "eval/" if record.get("kind") == "eval" else "train/"
+            prefix = {"eval": "eval/", "profile": "profile/"}.get(record.get("kind"), "train/")
             self.wandb_run.log({prefix + k: v for k, v in record.items() if isinstance(v, int | float)
                                 and k != "step"}, step=record["step"])
 

@@ -143,6 +143,13 @@ VALIDATION_ERRORS = [
     ({"train.valid_interval": 5, "data.valid_fraction": 0.0}, 2,
      "train.valid_interval 5 needs validation data: set data.valid_fraction > 0, or data.valid_prefix"),
     ({"data.valid_fraction": 1.5}, 2, r"data.valid_fraction must be in \[0, 1\), got 1.5"),
+    ({"logging.profile": True, "logging.profile_step_start": 5, "logging.profile_step_end": 5}, 2,
+     r"logging.profile records steps profile_step_start .. profile_step_end - 1, here 5 .. 4: they must be steps"),
+    ({"logging.profile": True, "logging.profile_step_end": 102}, 2, r"here 10 .. 101: .* \(1 .. train.steps 100\)"),
+    ({"logging.profile": True, "logging.profile_ranks": [0, 2]}, 2,
+     r"logging.profile_ranks \[0, 2\]: name ranks of this run's world of 2 \(0 .. 1\)"),
+    ({"logging.memory_snapshot": True}, 2, "logging.memory_snapshot records over the profiled steps: set "
+                                           "logging.profile=true"),
     ({"optimizer.lr": 0.0}, 2, "optimizer.lr must be > 0"),
     ({"optimizer.min_lr": 1.0}, 2, "optimizer.min_lr 1.0 is larger than optimizer.lr"),
     ({"optimizer.beta2": 1.0}, 2, r"optimizer.beta2 must be in \[0, 1\)"),

@@ -25,7 +25,7 @@ CPU_TINY = str(ROOT / "launch" / "configs" / "cpu-tiny.yaml")
 VALUES = {int: "3", float: "0.5", str: "cosine", str.lower: "linear"}
 STRINGS = {"--cp-layout": "stripe", "--cp-algorithm": "ulysses", "--recompute-granularity": "full",
            "--wandb-mode": "offline", "--data-path": "x", "--tokenizer-model": "t.model", "--save": "c",
-           "--load": "c", "--run-dir": "r", "--wandb-project": "p"}
+           "--load": "c", "--run-dir": "r", "--wandb-project": "p", "--valid-data-path": "v", "--profile-ranks": "1"}
 
 
 @pytest.mark.parametrize("flag", [name for flag, spec in FLAGS.items() for name in (flag, *spec[3])

@@ -1,5 +1,6 @@
 """``train.py`` on one GPU: bf16 autocast, a checkpoint (saved in the step, or written behind training from its
-page-locked host copy with ``--async-save``), and a resume whose losses equal the uninterrupted run's."""
+page-locked host copy with ``--async-save``), a resume whose losses equal the uninterrupted run's, and a profiled
+run."""
 
 from __future__ import annotations
 
@@ -43,3 +44,16 @@ def test_train_save_and_exact_resume_on_one_gpu(tmp_path: Path, save: str) -> No
     resumed = _train(tmp_path, "resumed", "--load", str(checkpoints / f"step_{SAVE_AT:08d}"))
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     assert all(resumed[step] == full[step] for step in resumed), {s: (full[s], resumed[s]) for s in resumed}
+
+
+def test_a_profiled_run_traces_the_kernels_and_the_allocator(tmp_path: Path) -> None:
+    """``--profile --record-memory-history`` on CUDA: steps 4-5 traced with the device's kernels (matmuls among
+    them), their idle fraction a fraction, and the caching allocator's history written beside the trace."""
+    _train(tmp_path, "profiled", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
+           "--record-memory-history")
+    run_dir = tmp_path / "profiled"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (profile,) = [r for r in records if r.get("kind") == "profile"]
+    assert profile["device"] == "cuda" and profile["profiled_steps"] == [4, 5]
+    assert profile["by_kind_s"].get("matmul", 0) > 0 and 0 <= profile["idle_fraction"] < 1
+    assert Path(profile["trace"]).is_file() and Path(profile["memory_snapshot"]).stat().st_size > 0
