@@ -67,6 +67,7 @@ for part in $PARTS; do
             --set logging.interval=5 --set logging.wandb=false --set checkpoint.save=null --set checkpoint.interval=0 \
             --set train.valid_interval=0 --set logging.dir=/tmp/profile-run --skip 6 --active 3
         cp /tmp/profile-run/metrics.jsonl "$OUT/profile_metrics.jsonl" 2> /dev/null
+        cp /tmp/profile-run/profile/*.json.gz "$OUT/" 2> /dev/null  # the recorded steps' Chrome trace
         grep -E '^PROFILE \{|^PROFILE .*ms/step' "$OUT/profile.log" | head -12
         grep -iE 'mfu|step [0-9]+ |planner|measured' "$OUT/profile.log" | tail -8
         ;;

@@ -26,6 +26,7 @@ from cp_train.checkpoint.dcp import ShardedState
 from cp_train.checkpoint.files import check_save_root, resume_hint, resume_source
 from cp_train.checkpoint.resume import check_save_directory, restore_run
 from cp_train.checkpoint.rng import derived_seed, seed_everything
+from cp_train.checkpoint.weights import init_source, load_dcp_weights
 from cp_train.config.fp8_shapes import fp8_notes
 from cp_train.config.hf_init import check_hf_weights, hf_init_message
 from cp_train.config.schema import Config, dump_yaml
@@ -57,6 +58,7 @@ class RunEnvironment:
     resumed_from: Path | None  # the checkpoint this run resumes from
     hf_dir: str | None  # the Hugging Face weights a fresh run starts from
     notes: tuple[str, ...]  # to log at the start (HF initialisation, deprecated keys)
+    init_from: Path | None = None  # the cp-train checkpoint whose weights a fresh run starts from
 
     def where_to_resume(self) -> str:
         """Where to resume after a failure: the newest complete checkpoint saved, else ``resumed_from``."""
@@ -85,13 +87,16 @@ def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     resumed_from = agree(lambda: resume_source(ckpt.load, ckpt.save if ckpt.auto_resume else None, share))
     agree(lambda: check_save_directory(ckpt.save, resumed_from) if state.rank == 0 else None)  # nothing overwritten
     hf_dir = None if resumed_from is not None else ckpt.init_from_hf
+    init_from, init_notes = None, []  # a cp-train checkpoint's weights (checkpoint/weights.py)
+    if resumed_from is None and ckpt.init_from:
+        init_from, init_notes = agree(lambda: init_source(ckpt.init_from, config, share))
     if hf_dir is not None:  # its weights load at the end of the model's build: checked before it
         agree(lambda: check_hf_weights(hf_dir, config.model))
     notes = ((hf_init_message(config),) if hf_dir is not None else ()) + tuple(config.deprecations)
-    notes += cp_tokens_warning(config)
+    notes += tuple(init_notes) + cp_tokens_warning(config)
     notes += fp8_notes(config, dp, device.type == "cuda")  # eager FP8 on CUDA; layers that gather in bf16 (FSDP)
     return RunEnvironment(config, state, dp, device, autocast_dtype, sources, run_name, run_dir, resumed_from, hf_dir,
-                          notes)
+                          notes, init_from)
 
 
 CP_MIN_TOKENS = 512  # tokens per CP rank below which CP's exchanges cost more than the attention they split
@@ -146,9 +151,12 @@ class TrainingState:
 
 
 def build_training_state(env: RunEnvironment) -> TrainingState:
-    """The model (fresh, or from ``env.hf_dir``), the optimizer and schedule, and their sharded state."""
+    """The model (fresh, or from ``env.hf_dir`` or ``env.init_from``), the optimizer and schedule, and their sharded
+    state."""
     config = env.config
     model, module = build.build_model(config, env.state, env.device, env.hf_dir, env.autocast_dtype)
+    if env.init_from is not None:
+        load_dcp_weights(model, env.init_from, env.state)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, config.optimizer, env.device)
     schedule = LRSchedule(config.optimizer, config.schedule, config.train.steps)

@@ -58,6 +58,8 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--save": ("checkpoint.save", str, "checkpoint directory", ()),
     "--load": ("checkpoint.load", str, "checkpoint to resume from", ()),
     "--init-from-hf": ("checkpoint.init_from_hf", str, "Hugging Face Llama directory to start from", ()),
+    "--init-from": ("checkpoint.init_from", str, "a cp-train checkpoint whose model weights start a new run (step 0, "
+                    "a fresh optimizer and data stream)", ()),
     "--save-interval": ("checkpoint.interval", int, "steps between checkpoints (0: off)", ()),
     "--log-interval": ("logging.interval", int, "steps between metric records", ()),
     "--profile-step-start": ("logging.profile_step_start", int, "--profile: the first step recorded", ()),

@@ -4,8 +4,9 @@
   has are read as ours, each with a one-line note naming our flag (``config.deprecations``, logged at the start of
   the run); one given with our own flag for the same key is an error;
 - Megatron-LM's flags that have no alias here (``--use-distributed-optimizer``, ``--rotary-base``, ``--split``,
-  ``--test-data-path``, the FP8 ones: ``--fp8-format``, ``--fp8-recipe``, ``--first-last-layers-bf16``,
-  ``--num-layers-at-start-in-bf16``, ``--num-layers-at-end-in-bf16``) are refused with a one-line hint naming ours.
+  ``--test-data-path``, ``--finetune``, ``--no-load-optim``, the FP8 ones: ``--fp8-format``, ``--fp8-recipe``,
+  ``--first-last-layers-bf16``, ``--num-layers-at-start-in-bf16``, ``--num-layers-at-end-in-bf16``) are refused
+  with a one-line hint naming ours.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ MEGATRON_HINTS = {
     "rotary-base": lambda value: f"use --set model.rope_theta={value or 'THETA'}",
     "split": lambda value: f"use --set data.valid_fraction={_valid_fraction(value)} (the last fraction of the "
                            f"documents is held out; there is no test split)",
+    "finetune": lambda value: "use --init-from CHECKPOINT in place of --load CHECKPOINT --finetune (its model "
+                              "weights, resharded: step 0, a fresh optimizer, schedule and data stream)",
+    "no-load-optim": lambda value: "use --init-from CHECKPOINT in place of --load CHECKPOINT (its model weights "
+                                   "only: a fresh optimizer, and step 0)",
     "test-data-path": lambda value: f"there is no test split: evaluate a checkpoint on that data with cp-train-eval "
                                     f"--load CHECKPOINT --valid-data-path {value or 'PREFIX'}",
     "fp8-format": lambda value: "use --set model.fp8=tensorwise (torchao's float8 training: e4m3 forward, e5m2 "

@@ -135,6 +135,9 @@ class CheckpointConfig:
     interval: int = 0  # steps between saves; 0: off (a final save still happens when save is set)
     auto_resume: bool = True  # with no load, resume from save's `latest` when there is one
     init_from_hf: str | None = None  # HF Llama directory: model shape from its config.json, weights unless resuming
+    # a cp-train checkpoint (a save directory or one step_*): its model weights, resharded, start a new run at step 0
+    # with a fresh optimizer, schedule and data stream, unless resuming (checkpoint/weights.py; Megatron's --finetune)
+    init_from: str | None = None
     keep: int = 2  # complete checkpoints kept in `save` (older ones are deleted); 0: keep all
     async_save: bool = False  # write behind training: the step waits only for the copy to host memory
     # keys whose change since the checkpoint a resume may accept (resume.py; e.g. [train.global_batch_size])

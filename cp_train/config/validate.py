@@ -299,7 +299,11 @@ def check_input_files(config: Config) -> None:
                          f"Face tokenizer.json or its directory; train a SentencePiece model on text files with "
                          f"python -m cp_train.cli.train_tokenizer --input FILE... --vocab-size 8000 "
                          f"--output-prefix tok")
+    if checkpoint.init_from and checkpoint.init_from_hf:
+        raise ConfigError(f"checkpoint.init_from {checkpoint.init_from} and checkpoint.init_from_hf "
+                          f"{checkpoint.init_from_hf} both name the weights a new run starts from: keep one")
     for key, path in (("checkpoint.init_from_hf (--init-from-hf)", checkpoint.init_from_hf),
+                      ("checkpoint.init_from (--init-from)", checkpoint.init_from),
                       ("checkpoint.load (--load)", checkpoint.load)):
         if path and not Path(path).exists():
             raise InputError(f"{key} {path} does not exist")

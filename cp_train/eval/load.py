@@ -13,19 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from cp_train import build
-from cp_train.checkpoint.dcp import ShardedState
 from cp_train.checkpoint.files import find_checkpoint, read_meta
-from cp_train.checkpoint.legacy import loading_view
+from cp_train.checkpoint.weights import load_dcp_weights
 from cp_train.config.hf_init import check_hf_weights
 from cp_train.config.schema import Config
 from cp_train.config.sources import build_config, flatten, parse_override, read_yaml
 from cp_train.errors import InputError
 from cp_train.model.gpt import GPTModel
-from cp_train.model.shards import local_tensor
 from cp_train.parallel.mesh.state import ParallelState
 
 # a checkpoint's keys the evaluation does not inherit: where it was written, and its layout's sizes (DCP reshards)
@@ -67,27 +63,6 @@ def eval_config(load: str, config_file: str | None, flags: dict[str, Any], overr
     layers.append(("command-line flags", flags))
     layers.append(("--set", dict(parse_override(o) for o in overrides)))
     return build_config(layers)
-
-
-@torch.no_grad()
-def load_dcp_weights(model: GPTModel, path: Path, state: ParallelState) -> None:
-    """Copy the model part of DCP checkpoint ``path`` into ``model``'s local shards (resharded by DCP)."""
-    sharded = ShardedState(model, None, state)  # type: ignore[arg-type]  # the model part only: no optimizer
-    target = {"model": {k: sharded._wrap(k, v) for k, v in get_model_state_dict(model).items()}}
-    reader = dcp.FileSystemReader(path)
-    to_load, split = loading_view(path, reader, model.config.ffn_hidden_size, target)  # ``legacy.py``
-    try:
-        dcp.load(to_load, storage_reader=reader)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as error:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
-        raise InputError(f"checkpoint {path} does not load into this model ({str(error).splitlines()[0]})") from None
-    if split is not None:
-        split.write_back()
-    for name, param in model.named_parameters():
-        source, destination = local_tensor(target["model"][name]), local_tensor(param)
-        if source.data_ptr() != destination.data_ptr():
-            destination.copy_(source)
 
 
 def load_model(config: Config, state: ParallelState, load: str, device: torch.device) -> GPTModel:
