@@ -30,6 +30,9 @@ from cp_train.memory.offload import (
 class DryRunReport(NamedTuple):
     text: str
     fits: bool  # the largest rank's total within the device memory (and offloaded activations within the host's)
+    largest_gib: float = 0.0  # the largest rank's planned total
+    usable_gib: float = 0.0  # the device's memory less the reserve
+    hint: str = ""  # what to change to need less device memory (``shrink_hint``), said whether or not it fits
 
 
 def report(config: Config, world: int, device_gib: float, source: str = "the config",
@@ -96,7 +99,8 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
         lines.append(f"does NOT fit the host: {' and '.join(name for name, _ in held)} need "
                      f"{sig3(host_need / GIB)} GiB per node of {sig3(host.usable_gib)} GiB usable ({host.source})")
         lines.append(f"to fit: {'; '.join(hint for _, hint in held)}")
-    return DryRunReport("\n".join(lines), fits and host_fits)
+    return DryRunReport("\n".join(lines), fits and host_fits, worst.total_bytes / GIB, usable,
+                        shrink_hint(config, worst, assumed["accumulation"]))
 
 
 def host_lines(plan: OffloadPlan | None, staging: int, cuda: bool, host: HostMemory | None,

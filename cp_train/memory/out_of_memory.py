@@ -1,0 +1,37 @@
+"""A device that runs out of memory mid-run, said in one line with what to change: torch's own first words, the
+peak, and the dry run of the run's config (``dry_run_report.py``: the largest rank's plan against the device's
+usable memory, and its ``to fit`` hint)."""
+
+from __future__ import annotations
+
+import torch
+
+from cp_train.config.schema import Config
+from cp_train.errors import RunFailure, one_line
+from cp_train.memory.dry_run import reserve_gib, sig3
+from cp_train.memory.dry_run_report import report
+from cp_train.metrics.throughput import device_memory_gib, peak_memory_gib
+
+
+class OutOfDeviceMemory(RunFailure):
+    """The device ran out of memory (exit code 1) on the ranks that raise it, each of which says so."""
+
+    everywhere = False
+
+
+def out_of_memory(config: Config, world: int, rank: int, step: int, device: torch.device,
+                  error: BaseException) -> OutOfDeviceMemory:
+    """The error to raise in place of torch's ``OutOfMemoryError`` ``error`` on ``rank`` in step ``step``."""
+    said = ". ".join(one_line(str(error)).split(". ")[:2]).rstrip(".")  # "CUDA out of memory. Tried to allocate .."
+    line = (f"the {device.type} device ran out of memory on rank {rank} in step {step} ({said}; peak "
+            f"{peak_memory_gib(device):.1f} GiB allocated)")
+    try:
+        total = device_memory_gib(device) or 80.0
+        plan = report(config, world, total, reserve_gib=reserve_gib(total))
+    except Exception as planning:  # noqa: BLE001 - the plan helps; it never hides the error itself
+        return OutOfDeviceMemory(f"{line}; the dry run could not plan this config ({one_line(str(planning))})")
+    verdict = ("" if plan.largest_gib > plan.usable_gib else
+               ", within it: the dry run underestimates this run, or the reserve (--reserve-gib) is too small")
+    return OutOfDeviceMemory(f"{line}: the dry run plans {sig3(plan.largest_gib)} GiB for the largest rank of "
+                             f"{sig3(plan.usable_gib)} GiB usable{verdict}; to fit: {plan.hint} (plan a change with "
+                             f"python train.py ... --dry-run)")

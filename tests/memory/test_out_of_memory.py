@@ -1,0 +1,48 @@
+"""A device out of memory mid-run is one line on the rank that ran out: torch's first words, the peak, and the dry
+run's plan of the run's config with what to change."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from cp_train.memory.out_of_memory import OutOfDeviceMemory
+from cp_train.parallel.mesh.state import ParallelState, run_with_parallel
+from cp_train.trainer import Trainer
+from tests import trainer_cases
+
+TORCH_SAYS = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+              "1.02 GiB is free. Including non-PyTorch memory, this process has 78.15 GiB memory in use.")
+
+
+def run_out_of_memory_in_step_2(state: ParallelState, corpus: str, run_dir: str) -> tuple[str, bool, int]:
+    """Rank side: the tiny run whose second step's forward raises torch's out-of-memory error."""
+    trainer = Trainer(trainer_cases.tiny_config(corpus, run_dir, state.dims, **{"train.steps": 3,
+                                                                                "train.valid_interval": 0}), state)
+    forward_backward = trainer.forward_backward
+
+    def failing(micro_batches: list) -> object:
+        if trainer.step == 1:
+            raise torch.OutOfMemoryError(TORCH_SAYS)
+        return forward_backward(micro_batches)
+
+    trainer.forward_backward = failing  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    except OutOfDeviceMemory as error:
+        return str(error), error.everywhere, error.exit_code
+    raise AssertionError("the run did not fail")
+
+
+def test_out_of_memory_says_the_plan_and_what_to_change(spawn_world, tmp_path) -> None:
+    corpus = trainer_cases.write_corpus(tmp_path / "docs")
+    line, everywhere, code = spawn_world(1).run(run_with_parallel, (1, 1, 1), run_out_of_memory_in_step_2, corpus,
+                                                str(tmp_path / "run"))[0]
+    assert line.startswith("the cpu device ran out of memory on rank 0 in step 2 (CUDA out of memory. Tried to "
+                           "allocate 2.00 GiB; peak "), line
+    assert re.search(r" GiB allocated\): the dry run plans [\d.]+ GiB for the largest rank of [\d.]+ GiB usable, "
+                     r"within it: the dry run underestimates this run, or the reserve \(--reserve-gib\) is too "
+                     r"small; to fit: --fsdp \(shards parameters, gradients and optimizer state over dp x cp\); .+ "
+                     r"\(plan a change with python train.py ... --dry-run\)$", line), line
+    assert "\n" not in line and not everywhere and code == 1  # said by the rank that ran out
