@@ -1,4 +1,5 @@
-"""argparse types for the commands' numeric flags, and a parser whose usage errors are one line.
+"""argparse types for the commands' numeric flags, actions for flags of several words, and a parser whose usage
+errors are one line.
 
 A bad value is argparse's error naming the flag and what it takes (``argument --gpus: must be a positive
 integer, got '0'``); ``OneLineParser`` makes any usage error an ``InputError``, which ``run_entry_point`` prints
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from cp_train.errors import InputError
 
@@ -63,3 +64,19 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise InputError(f"{message} (see {self.prog} --help)")
+
+
+class JoinedWords(argparse.Action):
+    """A flag's words as one space-separated value (``data.prefix``'s blend form, ``data/blended.py``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, " ".join(values))
+
+
+class ListWords(argparse.Action):
+    """A flag's words as a list key's comma-separated value (``--profile-ranks 0 4`` is ``0,4``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, ",".join(values))

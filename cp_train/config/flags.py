@@ -19,11 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cp_train.config.arg_types import fraction, non_negative_float, positive_float
+from cp_train.config.arg_types import JoinedWords, ListWords, fraction, non_negative_float, positive_float
 from cp_train.config.foreign_flags import (
     FOREIGN_DEST,
+    MEGATRON_AS_ALWAYS,
+    MEGATRON_DEST,
     TORCHTITAN_KEYS,
     megatron_hint,
+    read_megatron_as_always,
     read_torchtitan,
     torchtitan_spellings,
 )
@@ -70,6 +73,17 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--wandb-mode": ("logging.wandb_mode", str, "online, offline or disabled (default: online only with "
                      "WANDB_API_KEY)", ()),
     # Megatron-LM's names for the model, the schedule and the optimizer
+    "--adam-beta1": ("optimizer.beta1", float, "AdamW's beta1", ()),
+    "--adam-beta2": ("optimizer.beta2", float, "AdamW's beta2", ()),
+    "--adam-eps": ("optimizer.eps", float, "AdamW's epsilon", ()),
+    "--init-method-std": ("model.init_std", float, "the weights' initial standard deviation", ()),
+    "--norm-epsilon": ("model.norm_eps", float, "RMSNorm's epsilon", ()),
+    "--vocab-size": ("model.vocab_size", int, "token ids (default: the tokenizer's, padded to 128)", ()),
+    "--kv-channels": ("model.head_dim", int, "the attention heads' width (default: hidden / heads)", ()),
+    "--num-workers": ("data.num_workers", int, "loader worker processes", ()),
+    "--data-cache-path": ("data.cache_dir", str, "the sample-index cache (default: next to the data)", ()),
+    "--distributed-timeout-minutes": ("parallel.timeout_minutes", float, "the bound on every collective", ()),
+    "--wandb-exp-name": ("logging.run_name", str, "the run name's prefix (tp/cp/dp and seq_len appended)", ()),
     "--num-layers": ("model.num_layers", int, "transformer blocks", ()),
     "--hidden-size": ("model.hidden_size", int, "model width", ()),
     "--num-attention-heads": ("model.num_heads", int, "attention heads", ()),
@@ -94,6 +108,12 @@ SWITCHES: dict[str, tuple[str, object, str]] = {
     "--sequence-parallel": ("parallel.sequence_parallel", True, "shard the residual stream over TP"),
     "--restart-schedule": ("schedule.restart", True, "on a resume that changed train.steps, restart the LR "
                            "schedule instead of continuing it"),
+    "--qk-layernorm": ("model.qk_norm", True, "an RMSNorm over each head's queries and keys"),
+    "--add-qkv-bias": ("model.qkv_bias", True, "biases on the q, k and v projections"),
+    "--untie-embeddings-and-output-weights": ("model.tie_embeddings", False, "the LM head a weight of its own"),
+    "--reset-position-ids": ("data.reset_position_ids", True, "positions restart in every packed document"),
+    "--reset-attention-mask": ("data.document_mask", True, "attention inside each packed document"),
+    "--eod-mask-loss": ("data.mask_eod_loss", True, "no loss on the end-of-document tokens"),
     "--profile": ("logging.profile", True, "torch.profiler traces of steps --profile-step-start .. "
                   "--profile-step-end - 1 in <run dir>/profile, and their idle fraction"),
     "--use-pytorch-profiler": ("logging.profile", True, "Megatron-LM's name of --profile"),
@@ -183,23 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    help=f"[{key}: {described[key]}]")
     for name in TORCHTITAN_KEYS:  # read as ours with a note (foreign_flags.py); not listed
         parser.add_argument(*torchtitan_spellings(name), dest=FOREIGN_DEST + name, default=None, help=argparse.SUPPRESS)
+    for name, (accepted, _) in MEGATRON_AS_ALWAYS.items():  # accepted with a note (foreign_flags.py); not listed
+        switch = {"action": "store_const", "const": True} if accepted == () else {}
+        parser.add_argument(f"--{name}", dest=MEGATRON_DEST + name, default=None, help=argparse.SUPPRESS, **switch)
     return parser
-
-
-class JoinedWords(argparse.Action):
-    """A flag's words as one space-separated value (``data.prefix``'s blend form, ``data/blended.py``)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, " ".join(values))
-
-
-class ListWords(argparse.Action):
-    """A flag's words as a list key's comma-separated value (``--profile-ranks 0 4`` is ``0,4``)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, ",".join(values))
 
 
 # the flags that take several words; Megatron-LM's blend: --data-path 0.7 data/web 0.3 data/code
@@ -266,7 +273,9 @@ def parse_args(argv: Sequence[str] | None = None, default_config: str | Path | N
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{suggestion(unknown)}")
     options = {key: value for key, value in vars(args).items() if key not in NOT_CONFIG and value is not None}
-    flags = {key: value for key, value in options.items() if not key.startswith(FOREIGN_DEST)}
+    flags = {key: value for key, value in options.items() if not key.startswith((FOREIGN_DEST, MEGATRON_DEST))}
+    stated = read_megatron_as_always({key[len(MEGATRON_DEST):]: value for key, value in options.items()
+                                      if key.startswith(MEGATRON_DEST)})
     foreign, notes = read_torchtitan({key[len(FOREIGN_DEST):]: value for key, value in options.items()
                                       if key.startswith(FOREIGN_DEST)}, flags,
                                      {key: flag for key in TORCHTITAN_KEYS.values() if (flag := _flag_of(key))})
@@ -284,7 +293,7 @@ def parse_args(argv: Sequence[str] | None = None, default_config: str | Path | N
     layers += [("command-line flags", flags), ("--set", overrides)]
     config = build_config(layers)
     _batch_by_layer(config, file_keys, set(flags) | set(overrides))
-    config.deprecations = (*config.deprecations, *notes)
+    config.deprecations = (*config.deprecations, *notes, *stated)
     return config, args
 
 

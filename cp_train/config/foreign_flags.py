@@ -3,10 +3,14 @@
 - torchtitan's dotted names (``--parallelism.context_parallel_degree 2``, also with dashes) for the keys cp-train
   has are read as ours, each with a one-line note naming our flag (``config.deprecations``, logged at the start of
   the run); one given with our own flag for the same key is an error;
+- Megatron-LM's flags that say what cp-train always does (``--swiglu``, ``--normalization RMSNorm``,
+  ``--disable-bias-linear``, ``--overlap-grad-reduce``, ...; ``MEGATRON_AS_ALWAYS``) are accepted, each with a note;
+  a value that asks for something else (``--normalization LayerNorm``) is an error naming what cp-train does;
 - Megatron-LM's flags that have no alias here (``--use-distributed-optimizer``, ``--rotary-base``, ``--split``,
-  ``--test-data-path``, ``--finetune``, ``--no-load-optim``, the FP8 ones: ``--fp8-format``, ``--fp8-recipe``,
-  ``--first-last-layers-bf16``, ``--num-layers-at-start-in-bf16``, ``--num-layers-at-end-in-bf16``) are refused
-  with a one-line hint naming ours.
+  ``--test-data-path``, ``--finetune``, ``--fp16``, ``--exit-duration-in-mins``, ...; ``MEGATRON_HINTS``) are
+  refused with a one-line hint naming ours.
+
+So a Megatron-LM Llama script's command line runs here as it is, or says in one line what to change.
 """
 
 from __future__ import annotations
@@ -96,6 +100,70 @@ MEGATRON_HINTS = {
     "num-layers-at-start-in-bf16": lambda value: f"use --set model.fp8_bf16_layers_at_start={value or 'N'}",
     "num-layers-at-end-in-bf16": lambda value: f"use --set model.fp8_bf16_layers_at_end={value or 'N'}",
 }
+
+
+MEGATRON_HINTS |= {
+    "fp16": lambda value: "cp-train computes in bf16 (--bf16, train.dtype=bf16) or fp32, with fp32 weights",
+    "lr-warmup-fraction": lambda value: "use --lr-warmup-iters N (schedule.warmup_steps: that fraction of "
+                                        "--train-steps)",
+    "train-samples": lambda value: "use --train-steps N (the samples / --global-batch-size)",
+    "rampup-batch-size": lambda value: "there is no batch-size ramp-up: set --global-batch-size, and change it on a "
+                                       "resume with --set checkpoint.allow_changes=train.global_batch_size",
+    "exit-interval": lambda value: f"use --train-steps {value or 'N'} (a later run with more steps resumes it)",
+    "exit-duration-in-mins": lambda value: "under Slurm, sbatch --signal=USR1@120 makes the run save and stop before "
+                                           "its time limit, and the same command resumes it (docs/failures.md)",
+    "tensorboard-dir": lambda value: "metrics go to wandb and <run dir>/metrics.jsonl (--wandb-project, --run-dir)",
+    "no-save-optim": lambda value: "checkpoints hold the optimizer; --init-from CHECKPOINT starts a run from the "
+                                   "weights alone",
+    "no-load-rng": lambda value: "a resume restores the RNG; --init-from CHECKPOINT starts from train.seed",
+    "use-checkpoint-args": lambda value: "a resume compares the checkpoint's config with the run's and names each "
+                                         "change (checkpoint.allow_changes accepts one)",
+}
+MEGATRON_DEST = "megatron:"  # argparse dest prefix of the flags below
+
+# Megatron-LM's flags that state what cp-train always does: flag -> (the values that say it, lower case; () for a
+# switch; None for any value), what cp-train does
+MEGATRON_AS_ALWAYS: dict[str, tuple[tuple[str, ...] | None, str]] = {
+    "swiglu": ((), "the MLP is SwiGLU"),
+    "normalization": (("RMSNorm",), "the norms are RMSNorm"),
+    "position-embedding-type": (("rope",), "positions are RoPE (model.rope_theta, model.rope_scaling)"),
+    "use-rotary-position-embeddings": ((), "positions are RoPE"),
+    "disable-bias-linear": ((), "the linears have no bias (--add-qkv-bias adds the q, k and v projections')"),
+    "group-query-attention": ((), "the key/value heads are --num-query-groups (model.num_kv_heads)"),
+    "attention-dropout": (("0", "0.0"), "there is no dropout"),
+    "hidden-dropout": (("0", "0.0"), "there is no dropout"),
+    "use-mcore-models": ((), "the model is cp-train's"),
+    "transformer-impl": (("local", "transformer_engine"), "the layers are cp-train's own, fused by --compile"),
+    "no-masked-softmax-fusion": ((), "attention runs in flash kernels"),
+    "no-bias-swiglu-fusion": ((), "SwiGLU is fused by --compile"),
+    "no-bias-dropout-fusion": ((), "there is no dropout"),
+    "no-rope-fusion": ((), "RoPE is fused by --compile"),
+    "overlap-grad-reduce": ((), "DDP's buckets and FSDP2 reduce gradients during the backward"),
+    "overlap-param-gather": ((), "FSDP2 gathers the next block's parameters during the current one's compute"),
+    "no-gradient-accumulation-fusion": ((), "gradients accumulate in fp32 parameters' .grad"),
+    "log-throughput": ((), "every record carries tokens/s and MFU"),
+    "timing-log-level": (None, "every record carries the step and data times"),
+    "log-timers-to-tensorboard": ((), "every record carries the step and data times"),
+    "ckpt-format": (("torch_dist",), "checkpoints are PyTorch DCP, torch_dist's format"),
+    "make-vocab-size-divisible-by": (("128",), "the vocabulary is padded to a multiple of 128 (--vocab-size sets it)"),
+    "tokenizer-type": (None, "the tokenizer's kind is read from --tokenizer-model's file"),
+    "recompute-method": (("uniform",), "--recompute-granularity full recomputes every block"),
+    "recompute-num-layers": (("1",), "--recompute-granularity full recomputes every block"),
+}
+
+
+def read_megatron_as_always(given: dict[str, Any]) -> list[str]:
+    """The note (one line, or none) for Megatron-LM's flags ``given`` (name -> value; True for a switch) that say
+    what cp-train always does; ConfigError for a value that asks for something else."""
+    shown = []
+    for name, value in given.items():
+        accepted, what = MEGATRON_AS_ALWAYS[name]
+        flag = f"--{name}" if value is True else f"--{name} {value}"
+        if accepted and str(value).strip().lower() not in {a.lower() for a in accepted}:
+            raise ConfigError(f"Megatron-LM's {flag}: here {what}; drop the flag (or pass --{name} {accepted[0]})")
+        shown.append(flag)
+    return [f"command line: Megatron-LM's {', '.join(shown)}: what cp-train does anyway, nothing to set "
+            f"(cp_train/config/foreign_flags.py)"] if shown else []
 
 
 def megatron_hint(name: str, value: str | None) -> str | None:

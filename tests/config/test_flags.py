@@ -151,3 +151,45 @@ def test_errors_come_in_the_right_order_with_the_obvious_hint(tmp_path) -> None:
         assert_one_line(outcomes[name], 2, pattern)  # one line: rank 0's alone, also for wandb
         assert "step 1/" not in outcomes[name].output, name
     assert "[cp-train] no --config: using " in outcomes["no config"].output
+
+
+MEGATRON_LLAMA = (  # the model, optimizer, data and logging flags of a Megatron-LM Llama pretraining script
+    "--use-mcore-models --transformer-impl transformer_engine --num-layers 2 --hidden-size 64 --ffn-hidden-size 160 "
+    "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 128 "
+    "--max-position-embeddings 128 --position-embedding-type rope --rotary-base 10000 --normalization RMSNorm "
+    "--norm-epsilon 1e-5 --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.0 "
+    "--hidden-dropout 0.0 --init-method-std 0.01 --micro-batch-size 1 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 "
+    "--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 "
+    "0.95 --adam-eps 1e-8 --bf16 --overlap-grad-reduce --overlap-param-gather --no-masked-softmax-fusion "
+    "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 128 --data-path 0.5 a 0.5 b "
+    "--data-cache-path cache --num-workers 2 --eod-mask-loss --reset-attention-mask --log-throughput "
+    "--ckpt-format torch_dist --distributed-timeout-minutes 30 --wandb-exp-name llama").split()
+
+
+def test_a_megatron_llama_command_line_reads_as_ours() -> None:
+    """Megatron-LM's flags: its names of our keys set them; those that say what cp-train does anyway are one note;
+    one that asks for something else, or has no equivalent, is one line saying what to do (``--rotary-base``)."""
+    with pytest.raises(ConfigError, match=r"--rotary-base has no alias here: use --set model.rope_theta=10000"):
+        parse_config(MEGATRON_LLAMA)
+    config = parse_config([arg for arg in MEGATRON_LLAMA if arg not in ("--rotary-base", "10000")])
+    model, optimizer, data = config.model, config.optimizer, config.data
+    assert (model.num_kv_heads, model.head_dim, model.norm_eps, model.init_std, model.tie_embeddings) == (
+        2, 16, 1e-5, 0.01, False)
+    assert (optimizer.beta1, optimizer.beta2, optimizer.eps, config.train.dtype) == (0.9, 0.95, 1e-8, "bf16")
+    assert (data.prefix, data.cache_dir, data.num_workers, data.mask_eod_loss, data.document_mask) == (
+        "0.5 a 0.5 b", "cache", 2, True, True)
+    assert (config.parallel.timeout_minutes, config.logging.run_name) == (30.0, "llama")
+    (note,) = [n for n in config.deprecations if "what cp-train does anyway" in n]
+    assert note.startswith("command line: Megatron-LM's --") and note.endswith(": what cp-train does anyway, nothing "
+                                                                        "to set (cp_train/config/foreign_flags.py)")
+    for flag in ("--use-mcore-models", "--transformer-impl transformer_engine", "--normalization RMSNorm", "--swiglu",
+                 "--attention-dropout 0.0", "--overlap-param-gather", "--make-vocab-size-divisible-by 128"):
+        assert f" {flag}," in note or f" {flag}:" in note, flag
+    for argv, line in ((["--normalization", "LayerNorm"], "Megatron-LM's --normalization LayerNorm: here the norms are "
+                        "RMSNorm; drop the flag (or pass --normalization RMSNorm)"),
+                       (["--attention-dropout", "0.1"], "Megatron-LM's --attention-dropout 0.1: here there is no "
+                        "dropout; drop the flag (or pass --attention-dropout 0)"),
+                       (["--fp16"], "Megatron-LM's --fp16 has no alias here: cp-train computes in bf16 (--bf16"),
+                       (["--exit-duration-in-mins", "230"], "sbatch --signal=USR1@120 makes the run save and stop")):
+        with pytest.raises(ConfigError, match=re.escape(line)):
+            parse_config(argv)
