@@ -149,6 +149,13 @@ MEGATRON_AS_ALWAYS: dict[str, tuple[tuple[str, ...] | None, str]] = {
     "tokenizer-type": (None, "the tokenizer's kind is read from --tokenizer-model's file"),
     "recompute-method": (("uniform",), "--recompute-granularity full recomputes every block"),
     "recompute-num-layers": (("1",), "--recompute-granularity full recomputes every block"),
+    "no-position-embedding": ((), "there is no learned position embedding: positions are RoPE"),
+    "attention-softmax-in-fp32": ((), "the attention's softmax is fp32 inside the flash kernels"),
+    "accumulate-allreduce-grads-in-fp32": ((), "gradients are fp32, accumulated and reduced in fp32"),
+    "calculate-per-token-loss": ((), "the loss is the mean over the global batch's loss tokens, exact over dp x cp"),
+    "log-validation-ppl-to-tensorboard": ((), "every validation record carries the perplexity"),
+    "log-memory-to-tensorboard": ((), "every record carries the peak memory"),
+    "log-world-size-to-tensorboard": ((), "the setup record carries the layout"),
 }
 
 

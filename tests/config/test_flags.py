@@ -163,7 +163,8 @@ MEGATRON_LLAMA = (  # the model, optimizer, data and logging flags of a Megatron
     "0.95 --adam-eps 1e-8 --bf16 --overlap-grad-reduce --overlap-param-gather --no-masked-softmax-fusion "
     "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 128 --data-path 0.5 a 0.5 b "
     "--data-cache-path cache --num-workers 2 --eod-mask-loss --reset-attention-mask --log-throughput "
-    "--ckpt-format torch_dist --distributed-timeout-minutes 30 --wandb-exp-name llama").split()
+    "--ckpt-format torch_dist --distributed-timeout-minutes 30 --wandb-exp-name llama --attention-softmax-in-fp32 "
+    "--accumulate-allreduce-grads-in-fp32 --calculate-per-token-loss --log-memory-to-tensorboard").split()
 
 
 def test_a_megatron_llama_command_line_reads_as_ours() -> None:
@@ -183,7 +184,8 @@ def test_a_megatron_llama_command_line_reads_as_ours() -> None:
     assert note.startswith("command line: Megatron-LM's --") and note.endswith(": what cp-train does anyway, nothing "
                                                                         "to set (cp_train/config/foreign_flags.py)")
     for flag in ("--use-mcore-models", "--transformer-impl transformer_engine", "--normalization RMSNorm", "--swiglu",
-                 "--attention-dropout 0.0", "--overlap-param-gather", "--make-vocab-size-divisible-by 128"):
+                 "--attention-dropout 0.0", "--overlap-param-gather", "--make-vocab-size-divisible-by 128",
+                 "--calculate-per-token-loss"):
         assert f" {flag}," in note or f" {flag}:" in note, flag
     for argv, line in ((["--normalization", "LayerNorm"], "Megatron-LM's --normalization LayerNorm: here the norms are "
                         "RMSNorm; drop the flag (or pass --normalization RMSNorm)"),
