@@ -62,7 +62,10 @@ class Trainer:
         self.collectives = (CollectiveGuard(state, config.parallel.timeout_minutes)
                             if config.parallel.check_collectives else None)  # recording from here on
         self.env = run_parts.prepare_environment(config, state)  # checks, device, seed, data sources, resume source
-        self.training = run_parts.build_training_state(self.env)  # model, module, optimizer, schedule, sharded
+        try:  # model, module, optimizer, schedule, sharded
+            self.training = run_parts.build_training_state(self.env)
+        except torch.OutOfMemoryError as error:  # one line: the dry run's plan and what to change
+            raise out_of_memory(config, state, "building the model", self.env.device, error) from None
         # parallel.fsdp_reduce with auto resolved as the dry run does (against this device's memory on CUDA)
         self.fsdp_reduce, why = fsdp_reduce_for_run(config, state.world_size, self.env.device)
         self.result = TrainResult(run_dir=str(self.env.run_dir))
@@ -272,7 +275,7 @@ class Trainer:
                 self._note(Preemption.stopped(halted, self.step, bool(config.checkpoint.save)))
             self._flush(writers)
         except torch.OutOfMemoryError as error:  # one line: the dry run's plan and what to change
-            raise out_of_memory(config, state.world_size, state.rank, self.step + 1, self.device, error) from None
+            raise out_of_memory(config, state, f"in step {self.step + 1}", self.device, error) from None
         finally:
             try:  # a failed run still completes the save in flight; the run's error stays the one raised
                 self.saver.close()

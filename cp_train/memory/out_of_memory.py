@@ -11,6 +11,7 @@ from cp_train.errors import RunFailure, one_line
 from cp_train.memory.dry_run import reserve_gib, sig3
 from cp_train.memory.dry_run_report import report
 from cp_train.metrics.throughput import device_memory_gib, peak_memory_gib
+from cp_train.parallel.mesh.state import ParallelState
 
 
 class OutOfDeviceMemory(RunFailure):
@@ -19,11 +20,13 @@ class OutOfDeviceMemory(RunFailure):
     everywhere = False
 
 
-def out_of_memory(config: Config, world: int, rank: int, step: int, device: torch.device,
+def out_of_memory(config: Config, state: ParallelState, where: str, device: torch.device,
                   error: BaseException) -> OutOfDeviceMemory:
-    """The error to raise in place of torch's ``OutOfMemoryError`` ``error`` on ``rank`` in step ``step``."""
+    """The error to raise in place of torch's ``OutOfMemoryError`` ``error`` on this rank of ``state``; ``where``:
+    ``in step 3``, ``building the model``."""
+    world, rank = state.world_size, state.rank
     said = ". ".join(one_line(str(error)).split(". ")[:2]).rstrip(".")  # "CUDA out of memory. Tried to allocate .."
-    line = (f"the {device.type} device ran out of memory on rank {rank} in step {step} ({said}; peak "
+    line = (f"the {device.type} device ran out of memory on rank {rank} {where} ({said}; peak "
             f"{peak_memory_gib(device):.1f} GiB allocated)")
     try:
         total = device_memory_gib(device) or 80.0

@@ -1,5 +1,5 @@
-"""A device out of memory mid-run is one line on the rank that ran out: torch's first words, the peak, and the dry
-run's plan of the run's config with what to change."""
+"""A device out of memory, in a step or while the model is built, is one line on the rank that ran out: torch's
+first words, the peak, and the dry run's plan of the run's config with what to change."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 
 import torch
 
+from cp_train import run_parts
 from cp_train.memory.out_of_memory import OutOfDeviceMemory
 from cp_train.parallel.mesh.state import ParallelState, run_with_parallel
 from cp_train.trainer import Trainer
@@ -35,10 +36,33 @@ def run_out_of_memory_in_step_2(state: ParallelState, corpus: str, run_dir: str)
     raise AssertionError("the run did not fail")
 
 
+def run_out_of_memory_building_the_model(state: ParallelState, corpus: str, run_dir: str) -> str:
+    """Rank side: the tiny run whose model's build raises torch's out-of-memory error."""
+    build = run_parts.build_training_state
+
+    def failing(env: object) -> object:
+        raise torch.OutOfMemoryError(TORCH_SAYS)
+
+    run_parts.build_training_state = failing
+    try:
+        Trainer(trainer_cases.tiny_config(corpus, run_dir, state.dims), state)
+    except OutOfDeviceMemory as error:
+        return str(error)
+    finally:
+        run_parts.build_training_state = build
+    raise AssertionError("the build did not fail")
+
+
 def test_out_of_memory_says_the_plan_and_what_to_change(spawn_world, tmp_path) -> None:
     corpus = trainer_cases.write_corpus(tmp_path / "docs")
-    line, everywhere, code = spawn_world(1).run(run_with_parallel, (1, 1, 1), run_out_of_memory_in_step_2, corpus,
-                                                str(tmp_path / "run"))[0]
+    world = spawn_world(1)
+    building = world.run(run_with_parallel, (1, 1, 1), run_out_of_memory_building_the_model, corpus,
+                         str(tmp_path / "build"))[0]
+    assert building.startswith("the cpu device ran out of memory on rank 0 building the model (CUDA out of memory. "
+                               "Tried to allocate 2.00 GiB; peak "), building
+    assert "; to fit: --fsdp (shards parameters" in building
+    line, everywhere, code = world.run(run_with_parallel, (1, 1, 1), run_out_of_memory_in_step_2, corpus,
+                                       str(tmp_path / "run"))[0]
     assert line.startswith("the cpu device ran out of memory on rank 0 in step 2 (CUDA out of memory. Tried to "
                            "allocate 2.00 GiB; peak "), line
     assert re.search(r" GiB allocated\): the dry run plans [\d.]+ GiB for the largest rank of [\d.]+ GiB usable, "
