@@ -158,8 +158,8 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
 
     def datasets(name: str, parts: list[Part], samples: int) -> Dataset:
         blend = [(weight, indexed.prefix) for weight, indexed, _ in parts]
-        tokens = [int(indexed.sequence_lengths.astype(np.int64).sum() if docs is None else
-                      indexed.sequence_lengths[docs].astype(np.int64).sum()) for _, indexed, docs in parts]
+        tokens = [indexed.num_tokens if docs is None else int(indexed.sequence_lengths[docs].astype(np.int64).sum())
+                  for _, indexed, docs in parts]
         weights = size_weights(blend, tokens)
         schedule = blend_schedule(weights, samples) if len(parts) > 1 else None  # made once per split
         counts = blended_sample_counts(weights, samples, schedule) if schedule is not None else [samples]

@@ -224,8 +224,8 @@ class Trainer:
         try:
             with Preemption() as preemption, ScheduledCollection(config.train.gc_interval) as collection, \
                     StepProfiler(config.logging, state.rank, self.device, self.run_dir, first) as profiler:
-                if profiler.note():  # logging.profile: resumed past its steps
-                    self._note(profiler.note())
+                if note := profiler.note():  # logging.profile: resumed past its steps
+                    self._note(note)
                 while self.step < last:
                     profiler.before_step(self.step + 1)  # logging.profile (runtime/profiling.py)
                     started = time.perf_counter()

@@ -99,10 +99,6 @@ MEGATRON_HINTS = {
                                             "model.fp8_bf16_layers_at_end=1",
     "num-layers-at-start-in-bf16": lambda value: f"use --set model.fp8_bf16_layers_at_start={value or 'N'}",
     "num-layers-at-end-in-bf16": lambda value: f"use --set model.fp8_bf16_layers_at_end={value or 'N'}",
-}
-
-
-MEGATRON_HINTS |= {
     "fp16": lambda value: "cp-train computes in bf16 (--bf16, train.dtype=bf16) or fp32, with fp32 weights",
     "lr-warmup-fraction": lambda value: "use --lr-warmup-iters N (schedule.warmup_steps: that fraction of "
                                         "--train-steps)",
@@ -119,10 +115,12 @@ MEGATRON_HINTS |= {
     "use-checkpoint-args": lambda value: "a resume compares the checkpoint's config with the run's and names each "
                                          "change (checkpoint.allow_changes accepts one)",
 }
+
+
 MEGATRON_DEST = "megatron:"  # argparse dest prefix of the flags below
 
-# Megatron-LM's flags that state what cp-train always does: flag -> (the values that say it, lower case; () for a
-# switch; None for any value), what cp-train does
+# Megatron-LM's flags that state what cp-train always does: flag -> (the values that say it, in any case; () for
+# a switch; None for any value), what cp-train does
 MEGATRON_AS_ALWAYS: dict[str, tuple[tuple[str, ...] | None, str]] = {
     "swiglu": ((), "the MLP is SwiGLU"),
     "normalization": (("RMSNorm",), "the norms are RMSNorm"),

@@ -209,7 +209,7 @@ def validate(config: Config, world_size: int) -> int:
                           f"--max-position-embeddings {data.seq_len}; docs/huggingface.md)")
     if not 0 <= data.valid_fraction < 1:
         raise ConfigError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
-    if train.valid_interval > 0 and data.held_out_fraction == 0 and not data.valid_prefix:
+    if train.valid_interval > 0 and data.valid_fraction == 0 and not data.valid_prefix:
         raise ConfigError(f"train.valid_interval {train.valid_interval} needs validation data: set "
                           f"data.valid_fraction > 0, or data.valid_prefix (--valid-data-path), or "
                           f"train.valid_interval=0")
