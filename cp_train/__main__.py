@@ -1,7 +1,6 @@
 """``python -m cp_train`` (or ``torchrun --nproc-per-node N -m cp_train``): the same command as ``train.py``."""
 
-import sys
-
 from cp_train.cli.train import main
+from cp_train.errors import exit_now
 
-sys.exit(main(prog="cp_train"))
+exit_now(main(prog="cp_train"))

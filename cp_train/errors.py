@@ -17,21 +17,31 @@ until torchrun stops them, which it does as soon as rank 0 has exited, so torchr
 root cause. Should rank 0 not report within ``REPORT_WAIT_S`` (a rank on another node, say), each such rank prints
 the line itself. Ctrl-C prints one line (``interrupted``) from rank 0, none under ``cp-train-launch``, whose own
 line says it (``LAUNCHER_ENV``).
+
+A command ends with ``exit_now(code)`` after its ``main`` returned: the interpreter's exit without its teardown of
+the modules' objects, about a second of CPU per rank after torch, Dynamo and the trainer were imported
+(``python -c "import torch._dynamo, cp_train.trainer"``: 4.5 s, 3.5 s when it ends with ``os._exit``), half a
+second per launcher. The threads that are not daemons finish, the ``atexit`` handlers run (logging's, wandb's,
+torch's) and stdout and stderr are flushed first; a file left open without being closed would lose what it
+buffered (cp-train closes every file it writes before its command returns). ``main`` itself returns its code
+(the tests call it in the test process).
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 DEBUG_ENV = "CP_TRAIN_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -208,3 +218,30 @@ def ensure_writable_dir(path: Path, key: str, create: bool = True) -> None:
     except OSError as error:
         raise InputError(f"{key} {path} is not a writable directory ({error.strerror or error}): "
                          f"choose another one or fix its permissions") from None
+
+def wait_for_threads() -> None:
+    """Join the threads that are not daemons, as the interpreter's exit does (``threading._shutdown``, which also
+    runs ``concurrent.futures``' exit hooks), or one by one where that private function is missing."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+
+
+def exit_now(code: int | None) -> NoReturn:
+    """End this process with exit code ``code`` (None: 0) after the threads, the ``atexit`` handlers and a flush
+    of stdout and stderr; skips freeing the modules (the module docstring). Call it from the main thread."""
+    status = 0 if code is None else int(code)
+    try:
+        wait_for_threads()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more can be written to it
+                pass
+        os._exit(status)

@@ -7,7 +7,8 @@ are the request's, the environment is replaced by the request's, stdout and stde
 code is the interpreter's (``sys.exit``'s code; 1 and a traceback for an uncaught exception; minus the signal for
 a child killed by one). What differs from a fresh interpreter: modules are imported before the environment is
 applied, so a variable read at import time (none in the project; ``OMP_NUM_THREADS`` in torch) keeps this
-process's value, and ``/proc/self/environ`` is this process's start-up environment.
+process's value, ``/proc/self/environ`` is this process's start-up environment, and the modules are never torn
+down (the project's commands skip that anyway: ``cp_train.errors``).
 
 Protocol (one JSON object per line): a request ``{"script", "args", "cwd", "env", "output"}`` on stdin; the
 reply ``{"pid": P}`` on stdout, P leading the process group of the run; when the run ends its exit code is
@@ -29,6 +30,7 @@ import torch._dynamo  # noqa: F401 - what a run's first optimizer construction i
 
 import cp_train.cli.train  # noqa: F401 - what train.py imports
 import cp_train.trainer  # noqa: F401 - and what a run imports next
+from cp_train.errors import wait_for_threads
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -65,6 +67,7 @@ def _run_script(request: dict[str, Any]) -> int:
         sys.excepthook(type(error), error.with_traceback(frames), frames)
         code = 1
     try:
+        wait_for_threads()  # as the interpreter's exit: the threads that are not daemons finish first
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()

@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, get_args_parser, run
 
-from cp_train.errors import LAUNCHER_ENV, InputError
+from cp_train.errors import LAUNCHER_ENV, InputError, exit_now
 
 PROG = "cp_train.cli.launch"
 # log each failure and each signal: the summary line says it all
@@ -175,5 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0  # after a SIGTERM or Ctrl-C passed on: the ranks' own line says where they stopped
 
 
+def console_main() -> NoReturn:
+    """The ``cp-train-launch`` console script: ``main`` and the end of the process (``exit_now``: without the
+    interpreter's teardown of torchrun's modules)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

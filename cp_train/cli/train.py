@@ -13,10 +13,10 @@ traceback (``cp_train/errors.py``).
 from __future__ import annotations
 
 import os
-import sys
 from argparse import Namespace
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -24,7 +24,7 @@ from cp_train.cli.launch import stop_with_launcher
 from cp_train.config.flags import parse_args
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import check_input_files, check_schedule, validate, with_accumulation
-from cp_train.errors import run_entry_point, this_rank
+from cp_train.errors import exit_now, run_entry_point, this_rank
 from cp_train.parallel.mesh.collectives import explain_collective_failure, trace_collectives
 from cp_train.parallel.mesh.state import parallel_context, world_of_one
 
@@ -110,10 +110,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "train.py") -> int:
     return run_entry_point(prog, train, argv, explain=explain_collective_failure)
 
 
-def console_main() -> int:
-    """The ``cp-train`` console script: ``train.py`` under another name."""
-    return main(prog="cp-train")
+def console_main() -> NoReturn:
+    """The ``cp-train`` console script: ``train.py`` under another name (ends the process: ``exit_now``)."""
+    exit_now(main(prog="cp-train"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

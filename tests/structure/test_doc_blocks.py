@@ -192,7 +192,7 @@ def check_command(argv: list[str]) -> None:
     assert program in SCRIPTS, f"{program}: not a command these docs may name (mark the block <!-- not run: ... -->)"
     if SCRIPTS[program] == "cp_train.cli.train:console_main":
         return check_train(args)
-    if SCRIPTS[program] == "cp_train.cli.launch:main":
+    if SCRIPTS[program] == "cp_train.cli.launch:console_main":
         raise AssertionError("unreachable: cp-train-launch is a launcher")
     return check_main(SCRIPTS[program], args)
 

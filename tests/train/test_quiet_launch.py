@@ -22,7 +22,7 @@ def test_the_console_script_is_the_launcher_with_torchruns_flags(capsys) -> None
     entry = re.search(r'^cp-train-launch = "([\w.]+):(\w+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
     assert entry, "pyproject.toml [project.scripts] names cp-train-launch"
     module, name = entry.groups()
-    assert getattr(importlib.import_module(module), name) is launch.main
+    assert getattr(importlib.import_module(module), name) is launch.console_main
     with pytest.raises(SystemExit) as stop:
         launch.main(["--help"])
     text = capsys.readouterr().out
