@@ -14,6 +14,7 @@ draw random numbers or run collectives). The pieces themselves are made by ``bui
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class RunEnvironment:
     hf_dir: str | None  # the Hugging Face weights a fresh run starts from
     notes: tuple[str, ...]  # to log at the start (HF initialisation, deprecated keys)
     init_from: Path | None = None  # the cp-train checkpoint whose weights a fresh run starts from
+    started: float = 0.0  # time.monotonic() when the run's setup began (train.exit_duration_minutes)
 
     def where_to_resume(self) -> str:
         """Where to resume after a failure: the newest complete checkpoint saved, else ``resumed_from``."""
@@ -68,6 +70,7 @@ class RunEnvironment:
 def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     """Check ``config`` against ``state``, pick the device and kernels, seed the RNG, resolve the data (filling
     ``model.vocab_size``), check the run's directories and find the checkpoint to resume from (collective)."""
+    started = time.monotonic()
     dp = validate(config, state.world_size)
     check_parallel_state(config, state, dp)
     device = build.select_device(state)
@@ -96,7 +99,7 @@ def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     notes += tuple(init_notes) + cp_tokens_warning(config)
     notes += fp8_notes(config, dp, device.type == "cuda")  # eager FP8 on CUDA; layers that gather in bf16 (FSDP)
     return RunEnvironment(config, state, dp, device, autocast_dtype, sources, run_name, run_dir, resumed_from, hf_dir,
-                          notes, init_from)
+                          notes, init_from, started)
 
 
 CP_MIN_TOKENS = 512  # tokens per CP rank below which CP's exchanges cost more than the attention they split

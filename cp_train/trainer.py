@@ -147,8 +147,7 @@ class Trainer:
                 loss_sum = masked_loss_sum(token_losses, mb["loss_mask"])
                 (loss_sum / divisor).backward()
             local_sum += loss_sum.detach().double()
-            if index == 0:
-                first = loss_sum.detach()
+            first = loss_sum.detach() if index == 0 else first
             if plan is not None:  # the pairs each layer's (window's) plan counts, averaged over the layers
                 areas = [a + b for a, b in zip(areas, plan.areas, strict=True)]
                 pairs += plan.pairs if self.model.layer_pairs is None else self.model.layer_pairs
@@ -220,9 +219,10 @@ class Trainer:
         batches = iter(self.loader)
         first = self.step
         times: dict[int, tuple[float, float]] = {}  # step -> (step time, data time), until the meter has it
-        halted: str | None = None  # the signal that stopped the run
+        halted: str | None = None  # why the run stopped early (preemption.py)
         try:
-            with Preemption() as preemption, ScheduledCollection(config.train.gc_interval) as collection, \
+            with Preemption(config.train, self.env.started) as preemption, \
+                    ScheduledCollection(config.train.gc_interval) as collection, \
                     StepProfiler(config.logging, state.rank, self.device, self.run_dir, first) as profiler:
                 if note := profiler.note():  # logging.profile: resumed past its steps
                     self._note(note)
@@ -243,7 +243,7 @@ class Trainer:
                     if self.step == first + 1:  # gradients and optimizer state exist now: measure them
                         writers.log(run_log.setup_record(self, sizes, first))
                     times[self.step] = (time.perf_counter() - started - checking, loaded - started)
-                    stop = preemption.agreed(state.host_group)  # a signal on any rank: save and stop now
+                    stop = preemption.agreed(state.host_group, self.step, last)  # a signal, the time: save, stop
                     if stop and not read:  # the last step before the stop is read and logged as a log step's
                         read, log = self.read_steps(), True
                     meter.add_steps(read, times)
@@ -282,7 +282,7 @@ class Trainer:
             except Exception as error:  # noqa: BLE001 - reported beside the run's error, never lost
                 self._note(f"the checkpoint written behind training failed as well: {error}")
                 self._flush(writers)
-            writers.close(quiet=halted is not None)  # a signal's stop: its line is the last
+            writers.close(quiet=halted is not None)  # an early stop: its line is the last
             if self.collectives is not None:
                 self.collectives.close()
         self.result.final_step = self.step

@@ -51,6 +51,8 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--lr": ("optimizer.lr", float, "peak learning rate", ()),
     "--min-lr": ("optimizer.min_lr", float, "final learning rate of the decay", ()),
     "--train-steps": ("train.steps", int, "optimizer steps", ("--train-iters",)),
+    "--exit-interval": ("train.exit_interval", int, "save and stop after each step that is a multiple of it", ()),
+    "--exit-duration-in-mins": ("train.exit_duration_minutes", float, "save and stop after the first step past it", ()),
     "--eval-interval": ("train.valid_interval", int, "steps between validation losses (0: off)", ()),
     "--seed": ("train.seed", int, "runtime RNG seed", ()),
     "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix, or a blend W1 PREFIX1 W2 PREFIX2 ... or PREFIX1 "

@@ -105,9 +105,6 @@ MEGATRON_HINTS = {
     "train-samples": lambda value: "use --train-steps N (the samples / --global-batch-size)",
     "rampup-batch-size": lambda value: "there is no batch-size ramp-up: set --global-batch-size, and change it on a "
                                        "resume with --set checkpoint.allow_changes=train.global_batch_size",
-    "exit-interval": lambda value: f"use --train-steps {value or 'N'} (a later run with more steps resumes it)",
-    "exit-duration-in-mins": lambda value: "under Slurm, sbatch --signal=USR1@120 makes the run save and stop before "
-                                           "its time limit, and the same command resumes it (docs/failures.md)",
     "tensorboard-dir": lambda value: "metrics go to wandb and <run dir>/metrics.jsonl (--wandb-project, --run-dir)",
     "no-save-optim": lambda value: "checkpoints hold the optimizer; --init-from CHECKPOINT starts a run from the "
                                    "weights alone",
@@ -137,6 +134,7 @@ MEGATRON_AS_ALWAYS: dict[str, tuple[tuple[str, ...] | None, str]] = {
     "no-bias-dropout-fusion": ((), "there is no dropout"),
     "no-rope-fusion": ((), "RoPE is fused by --compile"),
     "overlap-grad-reduce": ((), "DDP's buckets and FSDP2 reduce gradients during the backward"),
+    "exit-signal-handler": ((), "SIGTERM, SIGUSR1 and Ctrl-C save a checkpoint after the step and stop"),
     "overlap-param-gather": ((), "FSDP2 gathers the next block's parameters during the current one's compute"),
     "no-gradient-accumulation-fusion": ((), "gradients accumulate in fp32 parameters' .grad"),
     "log-throughput": ((), "every record carries tokens/s and MFU"),

@@ -106,6 +106,9 @@ class ScheduleConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
+    exit_interval: int = 0  # save and stop after each step that is a multiple of it; the rerun resumes (0: off)
+    exit_duration_minutes: float = 0.0  # save and stop after the first step that ends this long after the start
+    # of the run's setup; the rerun resumes (0: off). Both: cp_train/preemption.py
     micro_batch_size: int = 1
     global_batch_size: int = 8
     gradient_accumulation_steps: int | None = None  # set: global_batch_size = micro_batch_size * dp * this

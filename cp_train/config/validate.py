@@ -140,7 +140,7 @@ def validate(config: Config, world_size: int) -> int:
     _positive(config, ("train.valid_interval", "checkpoint.interval", "checkpoint.keep", "schedule.warmup_steps",
                        "data.num_workers", "optimizer.weight_decay", "optimizer.clip_grad",
                        "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops", "train.gc_interval",
-                       "train.check_cp_every"), 0)
+                       "train.check_cp_every", "train.exit_interval", "train.exit_duration_minutes"), 0)
     if train.check_cp_tolerance is not None and not train.check_cp_tolerance > 0:
         raise ConfigError(f"train.check_cp_tolerance must be > 0 (or null: by dtype), got {train.check_cp_tolerance}")
     if not config.parallel.timeout_minutes > 0:
@@ -215,6 +215,11 @@ def validate(config: Config, world_size: int) -> int:
                           f"train.valid_interval=0")
     if config.checkpoint.interval > 0 and not config.checkpoint.save:
         raise ConfigError(f"checkpoint.interval {config.checkpoint.interval} needs checkpoint.save (a directory)")
+    for key, value in (("train.exit_interval", train.exit_interval), ("train.exit_duration_minutes",
+                                                                      train.exit_duration_minutes)):
+        if value and not config.checkpoint.save:
+            raise ConfigError(f"{key} {value:g} needs checkpoint.save (--save DIR): the run saves there before it "
+                              f"stops, and the same command resumes from it")
     if data.prefix is not None and data.tokenizer is None and data.eod_id is None:
         raise ConfigError("data.prefix without data.tokenizer needs data.eod_id (the end-of-document id)")
     if data.prefix is not None and data.tokenizer is None and model.vocab_size is None:

@@ -139,6 +139,8 @@ VALIDATION_ERRORS = [
     ({"logging.interval": 0}, 2, "logging.interval must be >= 1"),
     ({"train.valid_interval": -1}, 2, "train.valid_interval must be >= 0"),
     ({"checkpoint.interval": -5}, 2, "checkpoint.interval must be >= 0"),
+    ({"train.exit_duration_minutes": -1.0}, 2, "train.exit_duration_minutes must be >= 0"),
+    ({"train.exit_interval": 100}, 2, r"train.exit_interval 100 needs checkpoint.save \(--save DIR\): the run saves"),
     ({"checkpoint.interval": 10}, 2, "checkpoint.interval 10 needs checkpoint.save"),
     ({"train.valid_interval": 5, "data.valid_fraction": 0.0}, 2,
      "train.valid_interval 5 needs validation data: set data.valid_fraction > 0, or data.valid_prefix"),

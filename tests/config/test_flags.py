@@ -164,7 +164,8 @@ MEGATRON_LLAMA = (  # the model, optimizer, data and logging flags of a Megatron
     "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 128 --data-path 0.5 a 0.5 b "
     "--data-cache-path cache --num-workers 2 --eod-mask-loss --reset-attention-mask --log-throughput "
     "--ckpt-format torch_dist --distributed-timeout-minutes 30 --wandb-exp-name llama --attention-softmax-in-fp32 "
-    "--accumulate-allreduce-grads-in-fp32 --calculate-per-token-loss --log-memory-to-tensorboard").split()
+    "--accumulate-allreduce-grads-in-fp32 --calculate-per-token-loss --log-memory-to-tensorboard --exit-interval 500 "
+    "--exit-duration-in-mins 230 --exit-signal-handler").split()
 
 
 def test_a_megatron_llama_command_line_reads_as_ours() -> None:
@@ -180,18 +181,20 @@ def test_a_megatron_llama_command_line_reads_as_ours() -> None:
     assert (data.prefix, data.cache_dir, data.num_workers, data.mask_eod_loss, data.document_mask) == (
         "0.5 a 0.5 b", "cache", 2, True, True)
     assert (config.parallel.timeout_minutes, config.logging.run_name) == (30.0, "llama")
+    assert (config.train.exit_interval, config.train.exit_duration_minutes) == (500, 230.0)
     (note,) = [n for n in config.deprecations if "what cp-train does anyway" in n]
     assert note.startswith("command line: Megatron-LM's --") and note.endswith(": what cp-train does anyway, nothing "
                                                                         "to set (cp_train/config/foreign_flags.py)")
     for flag in ("--use-mcore-models", "--transformer-impl transformer_engine", "--normalization RMSNorm", "--swiglu",
                  "--attention-dropout 0.0", "--overlap-param-gather", "--make-vocab-size-divisible-by 128",
-                 "--calculate-per-token-loss"):
+                 "--calculate-per-token-loss", "--exit-signal-handler"):
         assert f" {flag}," in note or f" {flag}:" in note, flag
     for argv, line in ((["--normalization", "LayerNorm"], "Megatron-LM's --normalization LayerNorm: here the norms are "
                         "RMSNorm; drop the flag (or pass --normalization RMSNorm)"),
                        (["--attention-dropout", "0.1"], "Megatron-LM's --attention-dropout 0.1: here there is no "
                         "dropout; drop the flag (or pass --attention-dropout 0)"),
                        (["--fp16"], "Megatron-LM's --fp16 has no alias here: cp-train computes in bf16 (--bf16"),
-                       (["--exit-duration-in-mins", "230"], "sbatch --signal=USR1@120 makes the run save and stop")):
+                       (["--train-samples", "1000"], "Megatron-LM's --train-samples has no alias here: use "
+                                                     "--train-steps N")):
         with pytest.raises(ConfigError, match=re.escape(line)):
             parse_config(argv)

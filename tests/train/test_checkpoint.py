@@ -227,3 +227,24 @@ def test_a_checkpoint_with_gate_and_up_apart_resumes_and_exports_the_same(spawn_
     tensors = [load_file(path / "model.safetensors") for path in exports]
     assert "model.layers.0.mlp.up_proj.weight" in tensors[0]
     assert_same_tensors(tensors[1], tensors[0], "HF export")
+
+
+def test_exit_interval_and_time_limit_save_stop_and_the_same_call_resumes(spawn_world, saved, corpus,
+                                                                          tmp_path) -> None:
+    """Megatron-LM's ``--exit-interval 3`` (``train.exit_interval``): the first call saves after step 3 and stops
+    with one line, the same call again after step 6, the third ends the run at step 8; together the uninterrupted
+    run's losses, bitwise. ``--exit-duration-in-mins`` (``train.exit_duration_minutes``) already past when step 1
+    ends: the run stops after step 1 with the time limit's line."""
+    calls = [run(spawn_world(2), LAYOUT, corpus, tmp_path / "run", **{"train.exit_interval": 3,
+                                                                      "checkpoint.save": str(tmp_path / "ckpt")})[0]
+             for _ in range(3)]
+    assert [call["step_at_start"] for call in calls] == [0, 3, 6]
+    assert [[m for m in call["messages"] if "stopped at step" in m] for call in calls] == [
+        [f"train.exit_interval 3 reached: stopped at step {step} after saving a checkpoint; rerun the same command to "
+         f"resume"] for step in (3, 6)] + [[]]
+    assert {step: loss for call in calls for step, loss in call["losses"].items()} == saved["losses"]
+    timed = run(spawn_world(2), LAYOUT, corpus, tmp_path / "timed", **{"train.exit_duration_minutes": 1e-5,
+                                                                        "checkpoint.save": str(tmp_path / "timed")})[0]
+    assert sorted(timed["losses"]) == [1] and timed["messages"][-1] == (
+        "the time limit (train.exit_duration_minutes 1e-05) reached: stopped at step 1 after saving a checkpoint; "
+        "rerun the same command to resume")
