@@ -1,7 +1,7 @@
 """What the test suite pays per job and per process: the strict communication layer on a training job, a
-spawned world's start, a command's start and the compilation of the project's source.
+spawned world's start, a command's start and end and the compilation of the project's source.
 
-    python -m bench.suite_costs [--rounds 3] [--layout 1,4,1] [--steps 12] [--world 8]
+    python -m bench.suite_costs [--rounds 3] [--layout 1,4,1] [--steps 12] [--world 8] [--only end ...]
 
 ``job``: the suite's tiny fp32 training run (``tests/trainer_cases.train_layout``: 12 steps, documents, two
 evaluations) at (tp, cp, dp) ``--layout`` in three spawned gloo worlds kept alive side by side: ``plain`` (no
@@ -14,7 +14,9 @@ and checked, nothing built) against ``python -c "import torch"``, alternating. `
 building an optimizer, as every training job does: torch's first one imports Dynamo) and closed, spawned (a fresh
 interpreter per rank) against forked from a server that preloaded the trainer, and one that preloaded Dynamo and
 Inductor too (the suite's ``tests/conftest.py``; each case in a process of its own, whose server's start is a
-warm-up world not counted), alternating. ``compile``: compiling the source of the project's modules that
+warm-up world not counted), alternating. ``end``: a 2-rank run through ``cp_train.cli.launch`` whose launcher and
+ranks end through the interpreter's teardown of their modules, against the commands' ``exit_now``, alternating.
+``compile``: compiling the source of the project's modules that
 ``train.py`` and the trainer import, what every fresh interpreter pays where ``PYTHONDONTWRITEBYTECODE`` keeps it
 from caching the bytecode (the suite byte-compiles the project first). Prints JSON lines, then a table (medians;
 ``vs`` is the ratio to the first row of its kind).
@@ -23,6 +25,7 @@ from caching the bytecode (the suite byte-compiles the project first). Prints JS
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -124,6 +127,33 @@ def starts(rounds: int, root: Path) -> list[dict]:
              "runs": t} for name, t in times.items()]
 
 
+def ends(rounds: int, root: Path) -> list[dict]:
+    """A 2-rank run of the tiny job (12 steps at cp 2) through ``python -m cp_train.cli.launch``: the launcher and
+    ``train.py`` ending through the interpreter's teardown (``sys.exit(main())``, as before ``exit_now``) against
+    the commands as they end now (``cp_train.errors.exit_now``), alternating."""
+    corpus = trainer_cases.write_corpus(root / "end-docs")
+    config = root / "end.yaml"
+    config.write_text(dump_yaml(trainer_cases.tiny_config(corpus, str(root / "end"), ParallelDims(cp=2), **{
+        "train.steps": 12, "train.valid_interval": 0, "parallel.dp": None})))
+    old_train = root / "train_sys_exit.py"
+    old_train.write_text("import sys\nfrom cp_train.cli.train import main\nsys.exit(main())\n")
+    old_launch = [sys.executable, "-c", "import sys; from cp_train.cli.launch import main; sys.exit(main())"]
+    commands = {"sys.exit (the interpreter's teardown)": [*old_launch, "--nproc-per-node", "2", str(old_train)],
+                "exit_now (the commands now)": [sys.executable, "-m", "cp_train.cli.launch", "--nproc-per-node", "2",
+                                                str(ROOT / "train.py")]}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for round_index in range(rounds):
+        for name, command in commands.items():
+            start = time.perf_counter()
+            subprocess.run([*command, "--config", str(config), "--run-dir", str(root / f"end-{round_index}")],
+                           cwd=ROOT, env=env, capture_output=True, check=True)
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(next(iter(times.values())))
+    return [{"kind": "end", "case": f"2-rank launch, 12 steps, {name}", "seconds": statistics.median(t),
+             "vs": statistics.median(t) / base, "runs": t} for name, t in times.items()]
+
+
 def compile_costs(rounds: int) -> list[dict]:
     """Compiling, as a fresh interpreter without cached bytecode does, the source of every project module that
     ``train.py`` and the trainer import (this process imported them: ``cp_train.cli.train``, ``cp_train.trainer``)."""
@@ -144,17 +174,26 @@ def compile_costs(rounds: int) -> list[dict]:
              statistics.median(times), "vs": 1.0, "runs": times}]
 
 
+KINDS = ["job", "world", "start", "end", "compile"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layout", default="1,4,1", help="tp,cp,dp of the training job")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--world", type=int, default=8, help="ranks of the world whose start is timed")
+    parser.add_argument("--only", nargs="+", choices=KINDS, default=KINDS, help="the kinds to time (default: all)")
     args = parser.parse_args()
     layout = tuple(int(part) for part in args.layout.split(","))
+    records: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        records = (jobs(layout, args.rounds, args.steps, Path(tmp)) + world_starts(args.world, args.rounds)
-                   + starts(2 * args.rounds, Path(tmp)) + compile_costs(args.rounds))
+        parts = {"job": lambda: jobs(layout, args.rounds, args.steps, Path(tmp)),
+                 "world": lambda: world_starts(args.world, args.rounds),
+                 "start": lambda: starts(2 * args.rounds, Path(tmp)), "end": lambda: ends(args.rounds, Path(tmp)),
+                 "compile": lambda: compile_costs(args.rounds)}
+        for kind in args.only:
+            records += parts[kind]()
     emit(records, [("kind", "kind", str), ("case", "case", str), ("seconds", "median s", lambda v: f"{v:.2f}"),
                    ("vs", "vs", lambda v: f"{v:.2f}")])
 

@@ -30,7 +30,7 @@ from cp_train.data.loader import CP_PLAN
 from cp_train.eval.periodic import PeriodicEval
 from cp_train.loss import device_sums, global_loss_tokens, masked_loss_sum, reduce_loss
 from cp_train.memory.fsdp_reduce import fsdp_reduce_for_run
-from cp_train.memory.out_of_memory import out_of_memory
+from cp_train.memory.out_of_memory import out_of_memory, where_in_run
 from cp_train.metrics.step_scalars import DeviceBatch, DeviceStep, UnreadSteps, divergence
 from cp_train.metrics.throughput import reset_peak_memory
 from cp_train.optim import clip_gradients, global_grad_norm
@@ -275,7 +275,7 @@ class Trainer:
                 self._note(Preemption.stopped(halted, self.step, bool(config.checkpoint.save)))
             self._flush(writers)
         except torch.OutOfMemoryError as error:  # one line: the dry run's plan and what to change
-            raise out_of_memory(config, state, f"in step {self.step + 1}", self.device, error) from None
+            raise out_of_memory(config, state, where_in_run(error, self.step), self.device, error) from None
         finally:
             try:  # a failed run still completes the save in flight; the run's error stays the one raised
                 self.saver.close()

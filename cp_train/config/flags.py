@@ -5,7 +5,7 @@ accumulation: set in one layer, both must agree (``validate``); set in different
 (``--gradient-accumulation-steps`` over a YAML's ``global_batch_size``, ``--global-batch-size`` over a YAML's
 ``gradient_accumulation_steps``). A default config (``parse_args``' ``default_config``: the CPU demo when no
 ``--config`` is given) gives way to ``--init-from-hf``: the HF model's shape replaces its ``model.*`` keys.
-torchtitan's names and Megatron-LM's other flags: ``foreign_flags.py``.
+torchtitan's names and Megatron-LM's other flags: ``foreign_flags.py``; Megatron-LM's counts: ``megatron_counts.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from cp_train.config.foreign_flags import (
     torchtitan_spellings,
 )
 from cp_train.config.hf_init import hf_model_keys
+from cp_train.config.megatron_counts import MEGATRON_COUNT_DEST, add_megatron_counts, read_megatron_counts
 from cp_train.config.schema import Config, ConfigError, field_type
 from cp_train.config.sources import build_config, flatten, parse_override, read_yaml
 from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, this_rank
@@ -94,7 +95,6 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--max-position-embeddings": ("model.max_position_embeddings", int, "longest sequence the model takes", ()),
     "--recompute-granularity": ("model.activation_checkpointing", str, "full or selective recomputation", ()),
     "--lr-warmup-iters": ("schedule.warmup_steps", int, "linear warmup steps", ("--warmup-steps",)),
-    "--lr-decay-iters": ("schedule.decay_steps", int, "decay steps (default: the rest of the run)", ()),
     "--lr-decay-style": ("schedule.decay", str.lower, "cosine, linear, wsd or constant", ()),
     "--weight-decay": ("optimizer.weight_decay", float, "AdamW weight decay", ()),
     "--clip-grad": ("optimizer.clip_grad", float, "global gradient-norm clip (0: off)", ()),
@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
             if key.startswith(section + "."):
                 group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None,
                                    help=f"[{key}: {described[key]}]")
+    add_megatron_counts(parser)  # --train-samples, --lr-decay-iters, ... (megatron_counts.py)
     for name in TORCHTITAN_KEYS:  # read as ours with a note (foreign_flags.py); not listed
         parser.add_argument(*torchtitan_spellings(name), dest=FOREIGN_DEST + name, default=None, help=argparse.SUPPRESS)
     for name, (accepted, _) in MEGATRON_AS_ALWAYS.items():  # accepted with a note (foreign_flags.py); not listed
@@ -275,7 +276,8 @@ def parse_args(argv: Sequence[str] | None = None, default_config: str | Path | N
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{suggestion(unknown)}")
     options = {key: value for key, value in vars(args).items() if key not in NOT_CONFIG and value is not None}
-    flags = {key: value for key, value in options.items() if not key.startswith((FOREIGN_DEST, MEGATRON_DEST))}
+    flags = {key: value for key, value in options.items()
+             if not key.startswith((FOREIGN_DEST, MEGATRON_DEST, MEGATRON_COUNT_DEST))}
     stated = read_megatron_as_always({key[len(MEGATRON_DEST):]: value for key, value in options.items()
                                       if key.startswith(MEGATRON_DEST)})
     foreign, notes = read_torchtitan({key[len(FOREIGN_DEST):]: value for key, value in options.items()
@@ -295,7 +297,9 @@ def parse_args(argv: Sequence[str] | None = None, default_config: str | Path | N
     layers += [("command-line flags", flags), ("--set", overrides)]
     config = build_config(layers)
     _batch_by_layer(config, file_keys, set(flags) | set(overrides))
-    config.deprecations = (*config.deprecations, *notes, *stated)
+    counts = read_megatron_counts(config, {key[len(MEGATRON_COUNT_DEST):]: value for key, value in options.items()
+                                           if key.startswith(MEGATRON_COUNT_DEST)}, set(flags), set(overrides))
+    config.deprecations = (*config.deprecations, *notes, *stated, *counts)
     return config, args
 
 

@@ -7,7 +7,7 @@
   ``--disable-bias-linear``, ``--overlap-grad-reduce``, ...; ``MEGATRON_AS_ALWAYS``) are accepted, each with a note;
   a value that asks for something else (``--normalization LayerNorm``) is an error naming what cp-train does;
 - Megatron-LM's flags that have no alias here (``--use-distributed-optimizer``, ``--rotary-base``, ``--split``,
-  ``--test-data-path``, ``--finetune``, ``--fp16``, ``--exit-duration-in-mins``, ...; ``MEGATRON_HINTS``) are
+  ``--test-data-path``, ``--finetune``, ``--fp16``, ``--rampup-batch-size``, ...; ``MEGATRON_HINTS``) are
   refused with a one-line hint naming ours.
 
 So a Megatron-LM Llama script's command line runs here as it is, or says in one line what to change.
@@ -100,9 +100,6 @@ MEGATRON_HINTS = {
     "num-layers-at-start-in-bf16": lambda value: f"use --set model.fp8_bf16_layers_at_start={value or 'N'}",
     "num-layers-at-end-in-bf16": lambda value: f"use --set model.fp8_bf16_layers_at_end={value or 'N'}",
     "fp16": lambda value: "cp-train computes in bf16 (--bf16, train.dtype=bf16) or fp32, with fp32 weights",
-    "lr-warmup-fraction": lambda value: "use --lr-warmup-iters N (schedule.warmup_steps: that fraction of "
-                                        "--train-steps)",
-    "train-samples": lambda value: "use --train-steps N (the samples / --global-batch-size)",
     "rampup-batch-size": lambda value: "there is no batch-size ramp-up: set --global-batch-size, and change it on a "
                                        "resume with --set checkpoint.allow_changes=train.global_batch_size",
     "tensorboard-dir": lambda value: "metrics go to wandb and <run dir>/metrics.jsonl (--wandb-project, --run-dir)",

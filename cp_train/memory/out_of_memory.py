@@ -4,6 +4,8 @@ usable memory, and its ``to fit`` hint)."""
 
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 from cp_train.config.schema import Config
@@ -12,6 +14,22 @@ from cp_train.memory.dry_run import reserve_gib, sig3
 from cp_train.memory.dry_run_report import report
 from cp_train.metrics.throughput import device_memory_gib, peak_memory_gib
 from cp_train.parallel.mesh.state import ParallelState
+
+# where in the training loop, by the project's module the error passed through after the step (the first found)
+PHASES = (("runtime/validation.py", "in the validation after step {step}"),
+          ("eval/", "in the long-context eval after step {step}"),
+          ("checkpoint/", "saving the checkpoint of step {step}"))
+
+
+def where_in_run(error: BaseException, step: int) -> str:
+    """Where in the training loop ``error`` was raised, ``step`` steps done: ``in step {step + 1}``, or the
+    validation, the long-context eval or the checkpoint's save after step ``step`` (from its traceback)."""
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = frame.filename.replace("\\", "/")
+        for module, phase in PHASES:
+            if f"/cp_train/{module}" in path or path.startswith(f"cp_train/{module}"):
+                return phase.format(step=step)
+    return f"in step {step + 1}"
 
 
 class OutOfDeviceMemory(RunFailure):

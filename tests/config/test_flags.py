@@ -194,7 +194,7 @@ def test_a_megatron_llama_command_line_reads_as_ours() -> None:
                        (["--attention-dropout", "0.1"], "Megatron-LM's --attention-dropout 0.1: here there is no "
                         "dropout; drop the flag (or pass --attention-dropout 0)"),
                        (["--fp16"], "Megatron-LM's --fp16 has no alias here: cp-train computes in bf16 (--bf16"),
-                       (["--train-samples", "1000"], "Megatron-LM's --train-samples has no alias here: use "
-                                                     "--train-steps N")):
+                       (["--rampup-batch-size", "16", "16", "1000"], "Megatron-LM's --rampup-batch-size has no "
+                                                                     "alias here: there is no batch-size ramp-up")):
         with pytest.raises(ConfigError, match=re.escape(line)):
             parse_config(argv)

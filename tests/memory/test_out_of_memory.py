@@ -1,5 +1,6 @@
-"""A device out of memory, in a step or while the model is built, is one line on the rank that ran out: torch's
-first words, the peak, and the dry run's plan of the run's config with what to change."""
+"""A device out of memory, in a step, in the validation after one or while the model is built, is one line on the
+rank that ran out: torch's first words, where, the peak, and the dry run's plan of the run's config with what to
+change."""
 
 from __future__ import annotations
 
@@ -17,18 +18,20 @@ TORCH_SAYS = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total
               "1.02 GiB is free. Including non-PyTorch memory, this process has 78.15 GiB memory in use.")
 
 
-def run_out_of_memory_in_step_2(state: ParallelState, corpus: str, run_dir: str) -> tuple[str, bool, int]:
-    """Rank side: the tiny run whose second step's forward raises torch's out-of-memory error."""
-    trainer = Trainer(trainer_cases.tiny_config(corpus, run_dir, state.dims, **{"train.steps": 3,
-                                                                                "train.valid_interval": 0}), state)
-    forward_backward = trainer.forward_backward
+def run_out_of_memory_in_step_2(state: ParallelState, corpus: str, run_dir: str,
+                                 in_validation: bool = False) -> tuple[str, bool, int]:
+    """Rank side: the tiny run whose second step's forward raises torch's out-of-memory error, or
+    (``in_validation``) the forward of the validation after step 2."""
+    trainer = Trainer(trainer_cases.tiny_config(corpus, run_dir, state.dims, **{
+        "train.steps": 3, "train.valid_interval": 2 if in_validation else 0}), state)
+    losses = trainer._losses
 
-    def failing(micro_batches: list) -> object:
-        if trainer.step == 1:
+    def failing(mb: dict) -> object:
+        if trainer.step == (2 if in_validation else 1) and trainer.module.training != in_validation:
             raise torch.OutOfMemoryError(TORCH_SAYS)
-        return forward_backward(micro_batches)
+        return losses(mb)
 
-    trainer.forward_backward = failing  # type: ignore[method-assign]
+    trainer._losses = failing  # type: ignore[method-assign]
     try:
         trainer.train()
     except OutOfDeviceMemory as error:
@@ -70,3 +73,7 @@ def test_out_of_memory_says_the_plan_and_what_to_change(spawn_world, tmp_path) -
                      r"small; to fit: --fsdp \(shards parameters, gradients and optimizer state over dp x cp\); .+ "
                      r"\(plan a change with python train.py ... --dry-run\)$", line), line
     assert "\n" not in line and not everywhere and code == 1  # said by the rank that ran out
+    line = world.run(run_with_parallel, (1, 1, 1), run_out_of_memory_in_step_2, corpus, str(tmp_path / "valid"),
+                     True)[0][0]
+    assert line.startswith("the cpu device ran out of memory on rank 0 in the validation after step 2 (CUDA out of "
+                           "memory. Tried to allocate 2.00 GiB; peak "), line
