@@ -1,7 +1,6 @@
 """``python -m cp_train.eval``: the same command as ``cp-train-eval``."""
 
-import sys
-
+from cp_train.errors import exit_now
 from cp_train.eval.cli import main
 
-sys.exit(main(prog="python -m cp_train.eval"))
+exit_now(main(prog="python -m cp_train.eval"))
