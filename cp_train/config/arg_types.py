@@ -58,6 +58,20 @@ def fraction(text: str) -> float:
     return value
 
 
+def megatron_split(text: str) -> float:
+    """Megatron-LM's ``--split 969,30,1`` (train, valid and test weights of the documents, in that order; commas or
+    slashes, missing ones 0) as the held-out share of the documents: (valid + test) / all. The training documents
+    are then Megatron-LM's (the first), and the validation reads its valid and test documents."""
+    try:
+        weights = [float(word) for word in text.replace("/", ",").split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or not weights[0] > 0:
+        raise argparse.ArgumentTypeError(f"takes the train,valid,test weights of the documents, such as 969,30,1, "
+                                         f"got {text!r}")
+    return sum(weights[1:]) / sum(weights)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors raise ``InputError`` (``MESSAGE (see PROG --help)``), not the usage
     text and ``SystemExit``; ``--help`` still prints and exits 0."""

@@ -5,7 +5,8 @@ accumulation: set in one layer, both must agree (``validate``); set in different
 (``--gradient-accumulation-steps`` over a YAML's ``global_batch_size``, ``--global-batch-size`` over a YAML's
 ``gradient_accumulation_steps``). A default config (``parse_args``' ``default_config``: the CPU demo when no
 ``--config`` is given) gives way to ``--init-from-hf``: the HF model's shape replaces its ``model.*`` keys.
-torchtitan's names and Megatron-LM's other flags: ``foreign_flags.py``; Megatron-LM's counts: ``megatron_counts.py``.
+The flags: ``flag_table.py``; torchtitan's names and Megatron-LM's other flags: ``foreign_flags.py``; Megatron-LM's
+counts: ``megatron_counts.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cp_train.config.arg_types import JoinedWords, ListWords, fraction, non_negative_float, positive_float
+from cp_train.config.arg_types import fraction, non_negative_float, positive_float
+from cp_train.config.flag_table import BOOLEAN_FLAGS, BOOLEAN_FLAGS_SPEC, FLAGS, MANY_WORDS, SWITCHES
 from cp_train.config.foreign_flags import (
     FOREIGN_DEST,
     MEGATRON_AS_ALWAYS,
@@ -35,93 +37,6 @@ from cp_train.config.megatron_counts import MEGATRON_COUNT_DEST, add_megatron_co
 from cp_train.config.schema import Config, ConfigError, field_type
 from cp_train.config.sources import build_config, flatten, parse_override, read_yaml
 from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, this_rank
-
-# flag -> (dotted key, type, help); Megatron's long names are accepted as aliases
-FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
-    "--tp-size": ("parallel.tp", int, "tensor-parallel size", ("--tensor-model-parallel-size",)),
-    "--cp-size": ("parallel.cp", int, "context-parallel size", ("--context-parallel-size",)),
-    "--dp-size": ("parallel.dp", int, "data-parallel size (default: world / (tp*cp))", ()),
-    "--cp-layout": ("parallel.cp_layout", str, "contiguous, zigzag, stripe or balanced", ()),
-    "--cp-algorithm": ("parallel.cp_algorithm", str, "ring, allgather, ulysses or hybrid (or p2p, all_gather, a2a, "
-                       "a2a+p2p)", ("--cp-comm-type",)),
-    "--ulysses-size": ("parallel.ulysses_size", int, "hybrid: CP ranks per Ulysses group",
-                       ("--hierarchical-context-parallel-size",)),
-    "--seq-len": ("data.seq_len", int, "tokens per sample", ("--seq-length",)),
-    "--micro-batch-size": ("train.micro_batch_size", int, "samples per micro-batch per DP rank", ()),
-    "--global-batch-size": ("train.global_batch_size", int, "samples per optimizer step", ()),
-    "--lr": ("optimizer.lr", float, "peak learning rate", ()),
-    "--min-lr": ("optimizer.min_lr", float, "final learning rate of the decay", ()),
-    "--train-steps": ("train.steps", int, "optimizer steps", ("--train-iters",)),
-    "--exit-interval": ("train.exit_interval", int, "save and stop after each step that is a multiple of it", ()),
-    "--exit-duration-in-mins": ("train.exit_duration_minutes", float, "save and stop after the first step past it", ()),
-    "--eval-interval": ("train.valid_interval", int, "steps between validation losses (0: off)", ()),
-    "--seed": ("train.seed", int, "runtime RNG seed", ()),
-    "--data-path": ("data.prefix", str, "Megatron .bin/.idx prefix, or a blend W1 PREFIX1 W2 PREFIX2 ... or PREFIX1 "
-                    "PREFIX2 ... (weighed by tokens) (default: the embedded corpus)", ("--train-data-path",)),
-    "--valid-data-path": ("data.valid_prefix", str, "validation data of its own, read whole: a prefix or a blend "
-                          "(default: the last data.valid_fraction of --data-path)", ()),
-    "--tokenizer-model": ("data.tokenizer", str, "SentencePiece .model, or a HF tokenizer.json or its directory", ()),
-    "--save": ("checkpoint.save", str, "checkpoint directory", ()),
-    "--load": ("checkpoint.load", str, "checkpoint to resume from", ()),
-    "--init-from-hf": ("checkpoint.init_from_hf", str, "Hugging Face Llama directory to start from", ()),
-    "--init-from": ("checkpoint.init_from", str, "a cp-train checkpoint whose model weights start a new run (step 0, "
-                    "a fresh optimizer and data stream)", ()),
-    "--save-interval": ("checkpoint.interval", int, "steps between checkpoints (0: off)", ()),
-    "--log-interval": ("logging.interval", int, "steps between metric records", ()),
-    "--profile-step-start": ("logging.profile_step_start", int, "--profile: the first step recorded", ()),
-    "--profile-step-end": ("logging.profile_step_end", int, "--profile: the step after the last recorded", ()),
-    "--profile-ranks": ("logging.profile_ranks", str, "--profile: the ranks that record (default 0)", ()),
-    "--run-dir": ("logging.dir", str, "run directory (JSONL, wandb, config)", ()),
-    "--wandb-project": ("logging.wandb_project", str, "wandb project", ()),
-    "--wandb-mode": ("logging.wandb_mode", str, "online, offline or disabled (default: online only with "
-                     "WANDB_API_KEY)", ()),
-    # Megatron-LM's names for the model, the schedule and the optimizer
-    "--adam-beta1": ("optimizer.beta1", float, "AdamW's beta1", ()),
-    "--adam-beta2": ("optimizer.beta2", float, "AdamW's beta2", ()),
-    "--adam-eps": ("optimizer.eps", float, "AdamW's epsilon", ()),
-    "--init-method-std": ("model.init_std", float, "the weights' initial standard deviation", ()),
-    "--norm-epsilon": ("model.norm_eps", float, "RMSNorm's epsilon", ()),
-    "--vocab-size": ("model.vocab_size", int, "token ids (default: the tokenizer's, padded to 128)", ()),
-    "--kv-channels": ("model.head_dim", int, "the attention heads' width (default: hidden / heads)", ()),
-    "--num-workers": ("data.num_workers", int, "loader worker processes", ()),
-    "--data-cache-path": ("data.cache_dir", str, "the sample-index cache (default: next to the data)", ()),
-    "--distributed-timeout-minutes": ("parallel.timeout_minutes", float, "the bound on every collective", ()),
-    "--wandb-exp-name": ("logging.run_name", str, "the run name's prefix (tp/cp/dp and seq_len appended)", ()),
-    "--num-layers": ("model.num_layers", int, "transformer blocks", ()),
-    "--hidden-size": ("model.hidden_size", int, "model width", ()),
-    "--num-attention-heads": ("model.num_heads", int, "attention heads", ()),
-    "--num-query-groups": ("model.num_kv_heads", int, "key/value heads (GQA)", ()),
-    "--ffn-hidden-size": ("model.ffn_hidden_size", int, "MLP width", ()),
-    "--max-position-embeddings": ("model.max_position_embeddings", int, "longest sequence the model takes", ()),
-    "--recompute-granularity": ("model.activation_checkpointing", str, "full or selective recomputation", ()),
-    "--lr-warmup-iters": ("schedule.warmup_steps", int, "linear warmup steps", ("--warmup-steps",)),
-    "--lr-decay-style": ("schedule.decay", str.lower, "cosine, linear, wsd or constant", ()),
-    "--weight-decay": ("optimizer.weight_decay", float, "AdamW weight decay", ()),
-    "--clip-grad": ("optimizer.clip_grad", float, "global gradient-norm clip (0: off)", ()),
-    "--eval-iters": ("train.valid_iters", int, "validation batches per validation", ()),
-    "--gradient-accumulation-steps": ("train.gradient_accumulation_steps", int, "micro-batches per step and DP "
-                                      "rank (sets the global batch)", ()),
-}
-# switches: flag -> (dotted key, value set, help)
-SWITCHES: dict[str, tuple[str, object, str]] = {
-    "--bf16": ("train.dtype", "bf16", "bf16 autocast"),
-    "--recompute-activations": ("model.activation_checkpointing", "selective", "selective recomputation"),
-    "--use-flash-attn": ("model.attention_kernel", "flash_attn", "flash-attn kernels (CUDA)"),
-    "--sequence-parallel": ("parallel.sequence_parallel", True, "shard the residual stream over TP"),
-    "--restart-schedule": ("schedule.restart", True, "on a resume that changed train.steps, restart the LR "
-                           "schedule instead of continuing it"),
-    "--qk-layernorm": ("model.qk_norm", True, "an RMSNorm over each head's queries and keys"),
-    "--add-qkv-bias": ("model.qkv_bias", True, "biases on the q, k and v projections"),
-    "--untie-embeddings-and-output-weights": ("model.tie_embeddings", False, "the LM head a weight of its own"),
-    "--reset-position-ids": ("data.reset_position_ids", True, "positions restart in every packed document"),
-    "--reset-attention-mask": ("data.document_mask", True, "attention inside each packed document"),
-    "--eod-mask-loss": ("data.mask_eod_loss", True, "no loss on the end-of-document tokens"),
-    "--profile": ("logging.profile", True, "torch.profiler traces of steps --profile-step-start .. "
-                  "--profile-step-end - 1 in <run dir>/profile, and their idle fraction"),
-    "--use-pytorch-profiler": ("logging.profile", True, "Megatron-LM's name of --profile"),
-    "--record-memory-history": ("logging.memory_snapshot", True, "with --profile on CUDA: the caching allocator's "
-                                "history over the profiled steps"),
-}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -212,14 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# the flags that take several words; Megatron-LM's blend: --data-path 0.7 data/web 0.3 data/code
-MANY_WORDS: dict[str, type[argparse.Action]] = {"--data-path": JoinedWords, "--valid-data-path": JoinedWords,
-                                                "--profile-ranks": ListWords}
-
-
-BOOLEAN_FLAGS = {"--fsdp": "parallel.fsdp", "--compile": "train.compile",  # with --no-... forms
-                 "--async-save": "checkpoint.async_save"}  # Megatron-LM's name
-BOOLEAN_FLAGS_SPEC = {flag: (key,) for flag, key in BOOLEAN_FLAGS.items()}
 # options of the command itself
 NOT_CONFIG = ("config", "overrides", "debug", "dry_run", "device_memory_gib", "reserve_gib", "reserve_fraction")
 

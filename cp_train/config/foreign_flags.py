@@ -6,9 +6,9 @@
 - Megatron-LM's flags that say what cp-train always does (``--swiglu``, ``--normalization RMSNorm``,
   ``--disable-bias-linear``, ``--overlap-grad-reduce``, ...; ``MEGATRON_AS_ALWAYS``) are accepted, each with a note;
   a value that asks for something else (``--normalization LayerNorm``) is an error naming what cp-train does;
-- Megatron-LM's flags that have no alias here (``--use-distributed-optimizer``, ``--rotary-base``, ``--split``,
-  ``--test-data-path``, ``--finetune``, ``--fp16``, ``--rampup-batch-size``, ...; ``MEGATRON_HINTS``) are
-  refused with a one-line hint naming ours.
+- Megatron-LM's flags that have no alias here (``--use-distributed-optimizer``, ``--test-data-path``,
+  ``--finetune``, ``--fp16``, ``--rampup-batch-size``, ...; ``MEGATRON_HINTS``) are refused with a one-line hint
+  naming ours.
 
 So a Megatron-LM Llama script's command line runs here as it is, or says in one line what to change.
 """
@@ -70,21 +70,9 @@ def read_torchtitan(given: dict[str, Any], flags: dict[str, Any], flag_of: dict[
     return values, notes
 
 
-def _valid_fraction(split: str | None) -> str:
-    """Megatron's ``--split 969,30,1`` (train, valid, test weights) as ``data.valid_fraction``."""
-    try:
-        weights = [float(w) for w in (split or "").replace("/", ",").split(",")]
-        return f"{weights[1] / sum(weights):g}"
-    except (ValueError, IndexError, ZeroDivisionError):
-        return "F"
-
-
 MEGATRON_HINTS = {
     "use-distributed-optimizer": lambda value: "use --fsdp (parallel.fsdp=true: FSDP2 shards the optimizer state, "
                                                "the gradients and the parameters over dp x cp)",
-    "rotary-base": lambda value: f"use --set model.rope_theta={value or 'THETA'}",
-    "split": lambda value: f"use --set data.valid_fraction={_valid_fraction(value)} (the last fraction of the "
-                           f"documents is held out; there is no test split)",
     "finetune": lambda value: "use --init-from CHECKPOINT in place of --load CHECKPOINT --finetune (its model "
                               "weights, resharded: step 0, a fresh optimizer, schedule and data stream)",
     "no-load-optim": lambda value: "use --init-from CHECKPOINT in place of --load CHECKPOINT (its model weights "

@@ -5,8 +5,8 @@
 - with no ``--config``, training and ``--dry-run`` use the same default config, and ``--init-from-hf`` takes the
   model's shape over it (a config the user names still conflicts);
 - torchtitan's ``--parallelism.*``/``--training.*``/... names are read as ours with a one-line note; Megatron-LM's
-  ``--use-distributed-optimizer``, ``--rotary-base``, ``--split`` and the FP8 flags are refused with a hint naming
-  ours.
+  ``--rotary-base`` and ``--split`` are ours, its ``--use-distributed-optimizer`` and FP8 flags are refused with a
+  hint naming ours.
 """
 
 from __future__ import annotations
@@ -109,9 +109,7 @@ def test_torchtitan_edge_cases() -> None:
 
 @pytest.mark.parametrize(("argv", "hint"), [
     (["--use-distributed-optimizer"], "use --fsdp (parallel.fsdp=true: FSDP2 shards the optimizer state"),
-    (["--rotary-base", "500000"], "use --set model.rope_theta=500000"),
-    (["--rotary_base=500000"], "use --set model.rope_theta=500000"),
-    (["--split", "969,30,1"], "use --set data.valid_fraction=0.03 (the last fraction of the documents is held out"),
+    (["--use_distributed_optimizer"], "use --fsdp (parallel.fsdp=true: FSDP2 shards the optimizer state"),
     (["--fp8-format", "hybrid"], "use --set model.fp8=tensorwise (torchao's float8 training"),
     (["--fp8-recipe", "rowwise"], "use --set model.fp8=rowwise (torchao's dynamic scaling"),
     (["--fp8-recipe", "delayed"], "use --set model.fp8=tensorwise (torchao's dynamic scaling"),
@@ -123,3 +121,16 @@ def test_megatron_flags_without_an_alias_get_a_hint(argv: list[str], hint: str) 
         parse_config(argv)
     message = str(error.value)
     assert "\n" not in message and f"Megatron-LM's {argv[0].split('=')[0]} has no alias here: {hint}" in message
+
+
+def test_megatron_rotary_base_and_split_are_ours() -> None:
+    """``--rotary-base`` is RoPE's base; ``--split 969,30,1`` holds out the valid and test documents (the last 3.1%),
+    so that the training documents are Megatron-LM's."""
+    config = parse_config(["--rotary-base", "500000", "--split", "969,30,1"])
+    assert config.model.rope_theta == 500000.0 and config.data.valid_fraction == pytest.approx(0.031)
+    assert parse_config(["--split", "98/2"]).data.valid_fraction == pytest.approx(0.02)
+    assert parse_config(["--split", "100"]).data.valid_fraction == 0.0
+    for bad in ("0,1,1", "90,5,5,1", "a,b", "90,-5,5"):
+        with pytest.raises(ConfigError, match=r"^argument --split: takes the train,valid,test weights of the "
+                                              r"documents, such as 969,30,1, got '"):
+            parse_config(["--split", bad])

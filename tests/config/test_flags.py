@@ -26,14 +26,16 @@ VALUES = {int: "3", float: "0.5", str: "cosine", str.lower: "linear"}
 STRINGS = {"--cp-layout": "stripe", "--cp-algorithm": "ulysses", "--recompute-granularity": "full",
            "--wandb-mode": "offline", "--data-path": "x", "--tokenizer-model": "t.model", "--save": "c",
            "--load": "c", "--run-dir": "r", "--wandb-project": "p", "--valid-data-path": "v", "--profile-ranks": "1"}
+CONVERTED = {"--split": ("98,1,1", "0.02")}  # flag -> (its value, the key's)
 
 
 @pytest.mark.parametrize("flag", [name for flag, spec in FLAGS.items() for name in (flag, *spec[3])
                                   if spec[0] != "checkpoint.init_from_hf"])
 def test_every_flag_and_alias_maps_to_its_set_form(flag) -> None:
     key, kind = next((spec[0], spec[1]) for name, spec in FLAGS.items() if flag in (name, *spec[3]))
-    value = STRINGS.get(flag, VALUES[kind])
-    assert parse_config([flag, value]).to_dict() == parse_config(["--set", f"{key}={value}"]).to_dict()
+    value = STRINGS.get(flag, VALUES.get(kind))
+    value, set_value = CONVERTED.get(flag, (value, value))
+    assert parse_config([flag, value]).to_dict() == parse_config(["--set", f"{key}={set_value}"]).to_dict()
 
 
 def test_switches_map_to_their_set_form_and_help_lists_every_key() -> None:
@@ -50,7 +52,8 @@ def test_switches_map_to_their_set_form_and_help_lists_every_key() -> None:
 
 @pytest.mark.parametrize("argv,hint", [
     (["--n-layers", "2"], "did you mean --num-layers 2 (--set model.num_layers=2)?"),
-    (["--rope-thetta", "5e5"], "did you mean --set model.rope_theta=5e5?"),
+    (["--rope-thetta", "5e5"], "did you mean --rope-theta 5e5 (--set model.rope_theta=5e5)?"),
+    (["--decay-steps", "10"], "did you mean --set schedule.decay_steps=10?"),
     (["--tensor-parallel", "2"], "did you mean --tensor-model-parallel-size 2 (--set parallel.tp=2)?"),
 ])
 def test_an_unknown_flag_suggests_the_nearest_key(argv, hint) -> None:
@@ -156,7 +159,7 @@ def test_errors_come_in_the_right_order_with_the_obvious_hint(tmp_path) -> None:
 MEGATRON_LLAMA = (  # the model, optimizer, data and logging flags of a Megatron-LM Llama pretraining script
     "--use-mcore-models --transformer-impl transformer_engine --num-layers 2 --hidden-size 64 --ffn-hidden-size 160 "
     "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 128 "
-    "--max-position-embeddings 128 --position-embedding-type rope --rotary-base 10000 --normalization RMSNorm "
+    "--max-position-embeddings 128 --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm "
     "--norm-epsilon 1e-5 --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.0 "
     "--hidden-dropout 0.0 --init-method-std 0.01 --micro-batch-size 1 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 "
     "--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 "
@@ -170,11 +173,13 @@ MEGATRON_LLAMA = (  # the model, optimizer, data and logging flags of a Megatron
 
 def test_a_megatron_llama_command_line_reads_as_ours() -> None:
     """Megatron-LM's flags: its names of our keys set them; those that say what cp-train does anyway are one note;
-    one that asks for something else, or has no equivalent, is one line saying what to do (``--rotary-base``)."""
-    with pytest.raises(ConfigError, match=r"--rotary-base has no alias here: use --set model.rope_theta=10000"):
-        parse_config(MEGATRON_LLAMA)
-    config = parse_config([arg for arg in MEGATRON_LLAMA if arg not in ("--rotary-base", "10000")])
+    one that asks for something else, or has no equivalent, is one line saying what to do
+    (``--use-distributed-optimizer``)."""
+    with pytest.raises(ConfigError, match=r"--use-distributed-optimizer has no alias here: use --fsdp"):
+        parse_config([*MEGATRON_LLAMA, "--use-distributed-optimizer"])
+    config = parse_config(MEGATRON_LLAMA)
     model, optimizer, data = config.model, config.optimizer, config.data
+    assert model.rope_theta == 500000.0
     assert (model.num_kv_heads, model.head_dim, model.norm_eps, model.init_std, model.tie_embeddings) == (
         2, 16, 1e-5, 0.01, False)
     assert (optimizer.beta1, optimizer.beta2, optimizer.eps, config.train.dtype) == (0.9, 0.95, 1e-8, "bf16")
