@@ -171,22 +171,36 @@ def global_grad_norm(parameters: list[nn.Parameter], tp_group: dist.ProcessGroup
     group; plain gradients are the whole sum, the same on every rank of the group, and counted once. Then
     TP-sharded parameters (``tensor_model_parallel``) are summed over ``tp_group``, replicated ones counted once.
     """
-    grads: dict[tuple[bool, bool], list[torch.Tensor]] = {}  # (TP-sharded, sharded over data) -> local grads
-    for param in parameters:
-        if param.grad is not None:
-            key = (tensor_parallel_dim(param) is not None, bool(data_shards(param.grad)))
-            grads.setdefault(key, []).append(local_tensor(param.grad))
-    device = next(g for group in grads.values() for g in group).device
+    return _global_norm([(param, param.grad) for param in parameters if param.grad is not None], tp_group,
+                        data_group)
+
+
+@torch.no_grad()
+def global_param_norm(parameters: list[nn.Parameter], tp_group: dist.ProcessGroup | None,
+                      data_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """L2 norm of the parameters themselves (Megatron-LM's params norm; fp32, the same on every rank): FSDP's
+    shards summed over ``data_group``, TP's over ``tp_group``, as ``global_grad_norm`` does."""
+    return _global_norm([(param, param) for param in parameters], tp_group, data_group)
+
+
+def _global_norm(pairs: list[tuple[nn.Parameter, torch.Tensor]], tp_group: dist.ProcessGroup | None,
+                 data_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """L2 norm of the tensors of ``pairs`` ((parameter, its gradient or itself)) over every rank."""
+    found: dict[tuple[bool, bool], list[torch.Tensor]] = {}  # (TP-sharded, sharded over data) -> local tensors
+    for param, tensor in pairs:
+        key = (tensor_parallel_dim(param) is not None, bool(data_shards(tensor)))
+        found.setdefault(key, []).append(local_tensor(tensor))
+    device = next(t for group in found.values() for t in group).device
 
     def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
         if not tensors:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack(torch._foreach_norm([g.float() for g in tensors])).square().sum()
+        return torch.stack(torch._foreach_norm([t.float() for t in tensors])).square().sum()
 
     # [tp-sharded, replicated over tp] x [sharded over data, whole]
-    sums = torch.stack([sum_of_squares(grads.get((tp, data), [])) for tp in (True, False) for data in (True, False)])
+    sums = torch.stack([sum_of_squares(found.get((tp, data), [])) for tp in (True, False) for data in (True, False)])
     sharded_over_data = sums[0::2].contiguous()
-    if data_group is not None and dist.get_world_size(data_group) > 1 and any(data for _, data in grads):
+    if data_group is not None and dist.get_world_size(data_group) > 1 and any(data for _, data in found):
         dist.all_reduce(sharded_over_data, group=data_group)
     tp_sharded, replicated = sharded_over_data + sums[1::2]
     if tp_group is not None and dist.get_world_size(tp_group) > 1:

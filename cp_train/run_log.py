@@ -20,6 +20,7 @@ from cp_train.metrics.throughput import (
     peak_tflops,
 )
 from cp_train.metrics.window_bytes import kv_bytes_per_layer
+from cp_train.optim import global_param_norm
 from cp_train.parallel.kernels.select import chosen_backends
 from cp_train.parallel.mesh.rank_groups import compute_rank_groups, crossing_nodes
 from cp_train.parallel.tp.fp8 import fp8_layers
@@ -80,6 +81,9 @@ def interval_record(trainer: Trainer, meter: IntervalMeter, out: StepResult) -> 
     total = device_memory_gib(device)
     record.update({"step_time_max_s": step_time, "peak_memory_max_gib": memory,
                    "peak_memory_pct": 100.0 * memory / total if total else None})
+    if config.logging.params_norm:  # after the interval's last update (collective over TP and FSDP's shards)
+        state = trainer.state
+        record["params_norm"] = float(global_param_norm(trainer.params, state.tp.group, state.fsdp_shard.group))
     return record
 
 

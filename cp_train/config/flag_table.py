@@ -93,6 +93,8 @@ SWITCHES: dict[str, tuple[str, object, str]] = {
     "--reset-position-ids": ("data.reset_position_ids", True, "positions restart in every packed document"),
     "--reset-attention-mask": ("data.document_mask", True, "attention inside each packed document"),
     "--eod-mask-loss": ("data.mask_eod_loss", True, "no loss on the end-of-document tokens"),
+    "--log-params-norm": ("logging.params_norm", True, "the parameters' L2 norm in each record (one more read of "
+                          "the device per log step)"),
     "--profile": ("logging.profile", True, "torch.profiler traces of steps --profile-step-start .. "
                   "--profile-step-end - 1 in <run dir>/profile, and their idle fraction"),
     "--use-pytorch-profiler": ("logging.profile", True, "Megatron-LM's name of --profile"),

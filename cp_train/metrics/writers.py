@@ -101,8 +101,10 @@ def console_line(record: dict[str, Any], total_steps: int, started: float, first
     else:
         memory += " GiB"
     step_time = record.get("step_time_max_s", record["step_time_s"])
+    norms = f"gnorm {record['grad_norm']:.3f}" + (f" | pnorm {record['params_norm']:.3f}" if "params_norm" in record
+                                                  else "")
     return (f"step {step:>{len(str(total_steps))}}/{total_steps} {progress_bar(step, total_steps)} | "
-            f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
+            f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | {norms} | "
             f"{_count(record['tokens_per_s'])} tok/s ({_count(record['tokens_per_s_per_device'])}/dev) | "
             f"{record['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu} | "
             f"step {step_time:.3f}s data {record['data_time_s']:.3f}s | "
