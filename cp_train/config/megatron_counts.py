@@ -53,6 +53,10 @@ def read_megatron_counts(config: Config, given: dict[str, Any], flag_keys: set[s
     if "train-samples" in given and "train.steps" in flag_keys:
         raise ConfigError("Megatron-LM's --train-samples and --train-iters (--train-steps) both set the run's "
                           "length: pass one")
+    for iters, samples in (("lr-decay-iters", "lr-decay-samples"), ("lr-wsd-decay-iters", "lr-wsd-decay-samples"),
+                           ("lr-warmup-fraction", "lr-warmup-samples")):
+        if iters in given and samples in given:
+            raise ConfigError(f"Megatron-LM's --{iters} and --{samples} both set the same count: pass one")
     if {"lr-warmup-fraction", "lr-warmup-samples"} & set(given) and "schedule.warmup_steps" in flag_keys:
         raise ConfigError("Megatron-LM's --lr-warmup-fraction (or --lr-warmup-samples) and --lr-warmup-iters both set "
                           "the warmup: pass one")

@@ -56,6 +56,8 @@ def test_wsd_uncounted_samples_and_set_overrides() -> None:
     ("--train-iters 100 --lr-warmup-iters 20 --lr-decay-iters 20", "the learning rate's decay ends at step 20 "
                                                                    "(Megatron-LM's --lr-decay-iters), not after"),
     ("--train-iters 100 --lr-warmup-iters 5 --lr-warmup-fraction 0.1", "--lr-warmup-iters both set the warmup"),
+    ("--train-iters 100 --lr-decay-iters 90 --lr-decay-samples 720", "--lr-decay-iters and --lr-decay-samples both set "
+                                                                      "the same count: pass one"),
     ("--train-iters 100 --lr-decay-style wsd --lr-decay-iters 90", "the decay's end (90 steps) must be "
                                                                    "--train-steps 100; drop --lr-decay-iters"),
 ])
