@@ -219,6 +219,7 @@ def ensure_writable_dir(path: Path, key: str, create: bool = True) -> None:
         raise InputError(f"{key} {path} is not a writable directory ({error.strerror or error}): "
                          f"choose another one or fix its permissions") from None
 
+
 def wait_for_threads() -> None:
     """Join the threads that are not daemons, as the interpreter's exit does (``threading._shutdown``, which also
     runs ``concurrent.futures``' exit hooks), or one by one where that private function is missing."""

@@ -38,12 +38,11 @@ class Preemption:
     ``train``: the run's ``exit_duration_minutes`` and ``exit_interval``; ``started``: ``time.monotonic()`` when the
     trainer started building the run."""
 
-    def __init__(self, train: TrainConfig | None = None, started: float | None = None) -> None:
+    def __init__(self, train: TrainConfig, started: float) -> None:
         self.received: signal.Signals | None = None
         self._previous: dict[int, object] = {}
-        self.minutes = train.exit_duration_minutes if train is not None else 0.0
-        self.interval = train.exit_interval if train is not None else 0
-        self.deadline = (time.monotonic() if started is None else started) + 60.0 * self.minutes
+        self.minutes, self.interval = train.exit_duration_minutes, train.exit_interval
+        self.deadline = started + 60.0 * self.minutes
 
     def __enter__(self) -> Preemption:
         for signum in SIGNALS:

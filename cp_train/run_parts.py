@@ -59,8 +59,8 @@ class RunEnvironment:
     resumed_from: Path | None  # the checkpoint this run resumes from
     hf_dir: str | None  # the Hugging Face weights a fresh run starts from
     notes: tuple[str, ...]  # to log at the start (HF initialisation, deprecated keys)
+    started: float  # time.monotonic() when the run's setup began (train.exit_duration_minutes)
     init_from: Path | None = None  # the cp-train checkpoint whose weights a fresh run starts from
-    started: float = 0.0  # time.monotonic() when the run's setup began (train.exit_duration_minutes)
 
     def where_to_resume(self) -> str:
         """Where to resume after a failure: the newest complete checkpoint saved, else ``resumed_from``."""
@@ -99,7 +99,7 @@ def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     notes += tuple(init_notes) + cp_tokens_warning(config)
     notes += fp8_notes(config, dp, device.type == "cuda")  # eager FP8 on CUDA; layers that gather in bf16 (FSDP)
     return RunEnvironment(config, state, dp, device, autocast_dtype, sources, run_name, run_dir, resumed_from, hf_dir,
-                          notes, init_from, started)
+                          notes, started, init_from)
 
 
 CP_MIN_TOKENS = 512  # tokens per CP rank below which CP's exchanges cost more than the attention they split

@@ -51,10 +51,10 @@ def non_negative_float(text: str) -> float:
 
 
 def fraction(text: str) -> float:
-    """A number in [0, 1)."""
+    """A number in [0, 1) (a share)."""
     value = _number(text, float)
     if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1 (a share of the device), got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text!r}")
     return value
 
 

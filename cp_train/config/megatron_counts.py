@@ -15,14 +15,22 @@ flags once every layer is merged (so a global batch or a warmup from the YAML co
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
+from cp_train.config.arg_types import fraction, positive_int
 from cp_train.config.schema import Config, ConfigError
 
-# Megatron-LM's flag -> its type (argparse dest: MEGATRON_COUNT_DEST + name)
-MEGATRON_COUNTS: dict[str, type] = {"train-samples": int, "lr-decay-iters": int, "lr-decay-samples": int,
-                                    "lr-warmup-samples": int, "lr-warmup-fraction": float,
-                                    "lr-wsd-decay-iters": int, "lr-wsd-decay-samples": int}
+# Megatron-LM's flag -> (its argparse type, its help); argparse dest: MEGATRON_COUNT_DEST + name
+MEGATRON_COUNTS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "train-samples": (positive_int, "the run's length in samples: --train-steps samples // --global-batch-size"),
+    "lr-decay-iters": (positive_int, "the step the decay ends at, warmup included (default: the run's last)"),
+    "lr-decay-samples": (positive_int, "the same in samples"),
+    "lr-warmup-samples": (positive_int, "the warmup in samples"),
+    "lr-warmup-fraction": (fraction, "the warmup, a fraction of the decay's end"),
+    "lr-wsd-decay-iters": (positive_int, "--lr-decay-style wsd: the decay's steps, before the run's last"),
+    "lr-wsd-decay-samples": (positive_int, "the same in samples"),
+}
 MEGATRON_COUNT_DEST = "megatron-count:"
 
 
@@ -95,14 +103,7 @@ def add_megatron_counts(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM's count flags on ``parser`` (dest ``MEGATRON_COUNT_DEST + name``), in a group of their own."""
     group = parser.add_argument_group("Megatron-LM's counts", "read in Megatron-LM's sense "
                                       "(cp_train/config/megatron_counts.py)")
-    for name, kind in MEGATRON_COUNTS.items():
+    for name, (kind, text) in MEGATRON_COUNTS.items():
         group.add_argument(f"--{name}", dest=MEGATRON_COUNT_DEST + name, type=kind, default=None,
-                           metavar=kind.__name__.upper(), help=HELP[name])
+                           metavar="F" if kind is fraction else "N", help=text)
 
-
-HELP = {"train-samples": "the run's length in samples: --train-steps samples // --global-batch-size",
-        "lr-decay-iters": "the step the decay ends at, warmup included (default: the run's last)",
-        "lr-decay-samples": "the same in samples", "lr-warmup-samples": "the warmup in samples",
-        "lr-warmup-fraction": "the warmup, a fraction of the decay's end",
-        "lr-wsd-decay-iters": "--lr-decay-style wsd: the decay's steps, before the run's last",
-        "lr-wsd-decay-samples": "the same in samples"}

@@ -161,9 +161,9 @@ class LoggingConfig:
     # --calibrate); None: the CUDA device's own profile, no prediction on CPU
     hardware_profile: str | None = None
     console: bool = True
+    params_norm: bool = False  # Megatron-LM's --log-params-norm: the parameters' L2 norm in each record
     # torch.profiler over steps profile_step_start .. profile_step_end - 1 on profile_ranks (Megatron-LM's --profile;
     # cp_train/runtime/profiling.py): Chrome traces in <run dir>/profile, a profile record (idle fraction, kernels)
-    params_norm: bool = False  # Megatron-LM's --log-params-norm: the parameters' L2 norm in each record
     profile: bool = False
     profile_step_start: int = 10
     profile_step_end: int = 12

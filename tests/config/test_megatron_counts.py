@@ -58,6 +58,9 @@ def test_wsd_uncounted_samples_and_set_overrides() -> None:
     ("--train-iters 100 --lr-warmup-iters 5 --lr-warmup-fraction 0.1", "--lr-warmup-iters both set the warmup"),
     ("--train-iters 100 --lr-decay-iters 90 --lr-decay-samples 720", "--lr-decay-iters and --lr-decay-samples both set "
                                                                       "the same count: pass one"),
+    ("--train-iters 100 --lr-decay-iters 0", "argument --lr-decay-iters: must be a positive integer, got '0'"),
+    ("--train-iters 100 --lr-warmup-fraction 1.5", "argument --lr-warmup-fraction: must be at least 0 and below 1, "
+                                                   "got '1.5'"),
     ("--train-iters 100 --lr-decay-style wsd --lr-decay-iters 90", "the decay's end (90 steps) must be "
                                                                    "--train-steps 100; drop --lr-decay-iters"),
 ])
