@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from cp_train.model.gpt import GPTModel
@@ -74,3 +74,12 @@ def shard_with_fsdp(model: GPTModel, mesh: DeviceMesh, reshard_after_forward: bo
             for module in order:
                 module.set_custom_reduce_scatter(reduce_scatter)
     mark_tensor_parallel(model, dims)
+
+
+def release_gathered(model: torch.nn.Module) -> None:
+    """Free what FSDP2 keeps gathered after a forward with no backward (an evaluation): the root's and the
+    last block's parameters (every block's at ``reshard_after_forward`` false). The module holds its sharded
+    DTensors again, as after a training step; a model without FSDP is left alone. Collective-free."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

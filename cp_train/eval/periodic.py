@@ -16,6 +16,7 @@ from cp_train.config.schema import Config
 from cp_train.eval.context import build_context
 from cp_train.eval.report import wandb_log
 from cp_train.eval.tasks import EvalContext, EvalSettings, Record, check_lengths, run_tasks
+from cp_train.model.parallelize import release_gathered
 
 
 def settings_of(config: Config) -> EvalSettings:
@@ -68,6 +69,7 @@ class PeriodicEval:
             records = run_tasks(self.settings, self._context)
         finally:
             trainer.model.train()
+            release_gathered(trainer.model)  # as after a training step: every parameter sharded
         step = trainer.step
         if writers.enabled and writers.jsonl is not None:
             for record in records:

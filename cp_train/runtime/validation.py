@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from cp_train.loss import masked_loss_sum, reduce_sums
+from cp_train.model.parallelize import release_gathered
 from cp_train.runtime.device_batches import loss_tokens
 
 Trainer = Any  # the running ``cp_train.trainer.Trainer`` (not imported: it imports this module)
@@ -29,5 +30,6 @@ def validation_loss(trainer: Trainer) -> float:
             local_sum += masked_loss_sum(token_losses, mb["loss_mask"]).double()
             local_tokens += loss_tokens(mb)
     trainer.module.train()
+    release_gathered(trainer.model)  # the root and the last block stay gathered after a forward
     total, tokens = reduce_sums([local_sum, local_tokens], trainer.state.dp_cp.group, trainer.device)
     return total / max(tokens, 1.0)

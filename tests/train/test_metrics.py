@@ -193,24 +193,33 @@ def test_params_norm_is_the_full_parameters_norm(spawn_world, tmp_path) -> None:
     """Megatron-LM's ``--log-params-norm`` (``logging.params_norm``): each record's ``params_norm`` is the L2 norm of
     the parameters after its step: in one process, that of the parameters themselves; at tp 2 x FSDP over cp 2
     (TP's and FSDP's shards summed) and with DDP at cp 2, the one-process run's (the layouts train alike, within
-    1e-6); the console line shows it."""
+    1e-6); the console line shows it. The runs end with a validation: FSDP then holds its sharded parameters
+    again (none left gathered by the forward), and they equal the one-process run's."""
     from cp_train.parallel.mesh.state import run_with_parallel
     from tests import trainer_cases
 
     corpus = trainer_cases.write_corpus(tmp_path / "docs")
-    norms = {}
+    norms, ends = {}, {}
     for layout, fsdp in (((1, 1, 1), False), ((2, 2, 1), True), ((1, 2, 1), False)):
         run_dir = tmp_path / f"run-{layout}-{fsdp}"
         answer = spawn_world(layout[0] * layout[1]).run(
             run_with_parallel, layout, trainer_cases.train_layout, corpus, str(run_dir),
-            {"train.steps": 2, "logging.interval": 1, "logging.params_norm": True, "parallel.fsdp": fsdp}, None,
+            {"train.steps": 2, "logging.interval": 1, "logging.params_norm": True, "parallel.fsdp": fsdp,
+             "train.valid_interval": 2}, None,
             ("params",))[0]
         records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
         train = [record for record in records if record["kind"] == "train"]
         norms[layout] = [record["params_norm"] for record in train]
+        ends[layout] = answer["end"]["params"]
+        assert [r["step"] for r in records if r["kind"] == "eval"] == [2], records
         if layout == (1, 1, 1):
             full = torch.sqrt(sum(p.double().square().sum() for p in answer["end"]["params"].values())).item()
             assert len(norms[layout]) == 2 and abs(norms[layout][-1] - full) <= 1e-6 * full, (norms, full)
             assert f"| pnorm {full:.3f} |" in console_line(train[-1], 2, 0.0, 0)
     for layout in ((2, 2, 1), (1, 2, 1)):
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(norms[layout], norms[(1, 1, 1)], strict=True)), norms
+        reference = ends[(1, 1, 1)]
+        assert ends[layout].keys() == reference.keys(), layout
+        for name, param in ends[layout].items():
+            assert param.shape == reference[name].shape, (layout, name, param.shape)
+            assert (param - reference[name]).norm() <= 1e-5 * reference[name].norm(), (layout, name)
