@@ -35,6 +35,18 @@ def test_every_prefix_is_close_to_the_weights(weights):
     assert blended_sample_counts(weights, num_samples) == counts[-1].astype(int).tolist()
 
 
+def test_samples_are_served_in_order_of_their_ideal_time_ties_to_the_lower_dataset():
+    """The order is that of the times ``(k + 0.5) / w_d``, a tie taking the lower dataset first (equal weights
+    alternate 0, 1, 2, ...); the same order as a sort on (time, dataset) of every dataset's samples."""
+    assert blend_schedule((1, 1, 1), 7)[0].tolist() == [0, 1, 2, 0, 1, 2, 0]
+    assert blend_schedule((2, 1), 6)[0].tolist() == [0, 1, 0, 0, 1, 0]  # times 0.75, 1.5, 2.25, 3.75, 4.5, ...
+    weights = np.random.default_rng(0).random(7) + 0.01
+    dataset_ids, sample_ids = blend_schedule(weights, 5000)
+    share = weights / weights.sum()
+    times = (sample_ids + 0.5) / share[dataset_ids]
+    assert np.all((np.diff(times) > 0) | ((np.diff(times) == 0) & (np.diff(dataset_ids) > 0)))
+
+
 def test_zero_weight_is_never_drawn():
     dataset_ids, _ = blend_schedule((1, 0, 1), 50)
     assert 1 not in dataset_ids.tolist()
