@@ -58,6 +58,7 @@ def run_config(run: MeasuredRun, checkpointing: str) -> Config:
     """The trainer config of ``run``'s layout (CUDA, bf16 compute)."""
     config = Config()
     config.model = run.model_config()
+    config.model.fp8 = (run.fp8_recipe or "tensorwise") if run.precision == "fp8" else "none"
     config.model.activation_checkpointing, config.model.mlp_chunks = checkpointing, run.mlp_chunks
     if run.loss_chunk_tokens is not None:
         config.model.loss_chunk_tokens = run.loss_chunk_tokens

@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=positive_int, default=128256,
                         help="for a project YAML whose model.vocab_size is null (the tokenizer's); default 128256")
     parser.add_argument("--eager", action="store_true", help="plan the eager step (default: compiled, --compile)")
-    parser.add_argument("--precision", choices=("bf16", "fp8"), default=None,
-                        help="the blocks' linears' precision, the trainer's model.fp8 (fp8: tensorwise unless the "
-                             "config names a recipe); default: the config's model.fp8 (fp8 unless none), else bf16")
+    parser.add_argument("--precision", choices=("bf16", "fp8", "tensorwise", "rowwise"), default=None,
+                        help="the blocks' linears' precision, the trainer's model.fp8: bf16, or fp8 with a recipe "
+                             "(fp8: tensorwise unless the config names one); default: the config's model.fp8")
     parser.add_argument("--attention-kernel", default=None, metavar="KERNEL",
                         help="the attention kernel planned, one of the profile's curves (cudnn, flash2; default: "
                              "the profile's, the trainer's choice on that GPU)")
@@ -96,9 +96,12 @@ def _linears(config: Config, precision: str) -> str:
     """How the blocks' linears are planned: ``bf16 linears``, ``fp8 linears`` or, with blocks kept out of FP8
     (``model.fp8_bf16_layers_at_start`` / ``_at_end``), which run in fp8."""
     blocks, layers = config.model.blocks_under_fp8, config.model.num_layers
-    if precision != "fp8" or len(blocks) == layers:
+    if precision != "fp8":
         return f"{precision} linears"
-    return f"fp8 linears in blocks {blocks.start}-{blocks.stop - 1} ({layers - len(blocks)} of {layers} in bf16)"
+    fp8 = f"fp8 ({config.model.fp8}) linears"
+    if len(blocks) == layers:
+        return fp8
+    return f"{fp8} in blocks {blocks.start}-{blocks.stop - 1} ({layers - len(blocks)} of {layers} in bf16)"
 
 
 def base_config(args: argparse.Namespace) -> Config:
@@ -120,6 +123,8 @@ def base_config(args: argparse.Namespace) -> Config:
         config.model.fp8 = "none"
     elif args.precision == "fp8" and config.model.fp8 == "none":
         config.model.fp8 = "tensorwise"
+    elif args.precision in ("tensorwise", "rowwise"):
+        config.model.fp8 = args.precision
     return config
 
 

@@ -24,6 +24,7 @@ from cp_train.perf.time_model import (
     collective_seconds,
     collectives_seconds,
     fp8_cast_seconds,
+    fp8_gathered_weights,
     gemm_seconds,
     group_spans_nodes,
     matmul_seconds,
@@ -115,7 +116,9 @@ def _data_parallel_seconds(work: Workload, rates: DeviceRates, forward: float, b
     ranks, spans = group_spans_nodes(work, "shard", rates.gpus_per_node)  # HSDP: a replica's ranks
     link = rates.link(spans)
     replicas, across = group_spans_nodes(work, "replicate", rates.gpus_per_node)
-    gather = collective_seconds("all_gather", work.compute_bytes * layer // ranks, ranks, link)
+    # a block's gathered bytes: tensorwise FP8 gathers its linear weights in fp8 (1 B), the rest in the compute dtype
+    gathered = work.compute_bytes * layer - (work.compute_bytes - 1) * fp8_gathered_weights(work, rates)
+    gather = collective_seconds("all_gather", gathered / ranks, ranks, link)
     scatter = collective_seconds("reduce_scatter", 4 * layer, ranks, link)
     # HSDP all-reduces each layer's gradient shard across the replicas after its reduce-scatter, during the backward
     scatter += collective_seconds("all_reduce", 4 * layer // ranks, replicas, rates.link(across))
@@ -130,8 +133,8 @@ def _data_parallel_seconds(work: Workload, rates: DeviceRates, forward: float, b
         "all_reduce", 4 * root // ranks, replicas, rates.link(across))
     # each gathered unit is copied out into its parameters on the compute stream (FSDP2's ``wait_for_unshard``:
     # ``foreach_all_gather_copy_out``), nothing to hide behind: the gathered buffer read and the parameters written
-    copy_out = FSDP_COPY_OUT_PASSES * work.compute_bytes / rates.memory_bytes_per_s
-    per_micro += copy_out * (model.num_layers * (1 + gathers_backward) * layer + root)
+    per_micro += FSDP_COPY_OUT_PASSES * (model.num_layers * (1 + gathers_backward) * gathered
+                                         + work.compute_bytes * root) / rates.memory_bytes_per_s
     return (work.accumulation * (per_micro + root_gather)
             + reduces * (model.num_layers * max(0.0, scatter - per_layer_b) + root_scatter))
 

@@ -22,13 +22,22 @@ from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.perf.rates import DeviceRates
 from cp_train.perf.workload import ATTENTION_BACKWARD, Collective, KernelCall, Workload
 
-# fp8 linears (``--precision fp8``) cast each operand before its matmul, with current (dynamic) scaling as
-# torchao's float8 training and Transformer Engine's current-scaling recipe run it: a pass over the bf16 tensor
-# for its absolute maximum (2 B per element), the cast reading it again (2 B) and writing fp8 rows and their
-# transpose for the other GEMM of the backward (1 + 1 B): the input and the weight in the forward, the output's
-# gradient in the backward. The LM head stays in bf16 in both frameworks (torchao's float8 filters out the output
-# layer; Megatron's output layer is not a Transformer Engine linear).
-FP8_CAST_BYTES = 6
+# fp8 linears (``--precision fp8``, the trainer's ``model.fp8``) cast each operand before its matmul, with current
+# (dynamic) scaling as torchao's float8 training and Transformer Engine's current-scaling recipe run it. Bytes moved
+# per element of an operand, by recipe (``FP8_CAST_BYTES``: forward per input or weight element, backward per input
+# or weight element, backward per element of the output's gradient):
+# - tensorwise (one scale per tensor): a pass for the absolute maximum (2 B), the cast reading it again (2 B) and
+#   writing fp8 rows and their transpose for the other GEMM of the backward (1 + 1 B): the input and the weight in
+#   the forward, the output's gradient in the backward (6, 0, 6);
+# - rowwise (a scale per row along each GEMM's inner dim, torchao's ``rowwise``): no scale serves two GEMMs, so each
+#   operand is cast once per GEMM it enters (amax 2 B, cast 2 B, write 1 B): the input and the weight in the
+#   forward, again along their other dim for the two backward GEMMs, the output's gradient twice; and the backward
+#   GEMMs (exact accumulation) run unscaled, their bf16 outputs (the input's and the weight's gradients) scaled
+#   after, read and written (2 + 2 B; torchao 0.18's ``addmm_float8_unwrapped``: the rowwise kernel is slow without
+#   fast accumulation) (5, 9, 10).
+# The LM head stays in bf16 in both frameworks (torchao's float8 filters out the output layer; Megatron's output
+# layer is not a Transformer Engine linear).
+FP8_CAST_BYTES = {"tensorwise": (6, 0, 6), "rowwise": (5, 9, 10)}
 ADAMW_BYTES = 28  # fused AdamW per fp32 parameter: read p, g, m, v (16), write p, m, v (12)
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -185,12 +194,37 @@ def matmul_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float, fl
     return blocks, head, work.elementwise_bytes / rates.memory_bytes_per_s
 
 
+def fp8_recipe(work: Workload) -> str:
+    """The FP8 scaling recipe the run's linears use (``model.fp8``); tensorwise when the config leaves it none
+    (the planner's ``--precision fp8`` turns tensorwise on)."""
+    recipe = work.config.model.fp8
+    return recipe if recipe in FP8_CAST_BYTES else "tensorwise"
+
+
+def fp8_gathered_weights(work: Workload, rates: DeviceRates) -> float:
+    """Elements of one block's linear weights (this TP rank's; the blocks' mean) FSDP all-gathers in fp8, 1 byte
+    each: tensorwise under FSDP casts each weight's shard before its gather (``parallel/tp/fp8.py``); 0 for rowwise
+    (gathered in the compute dtype), without FSDP or without fp8 linears."""
+    if not work.config.parallel.fsdp or fp8_recipe(work) != "tensorwise":
+        return 0.0
+    return fp8_share(work, rates) * sum(g.k * g.n for g in work.gemms)
+
+
 def fp8_cast_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float]:
-    """``(forward, backward)`` seconds of one micro-batch's fp8 casts (``FP8_CAST_BYTES``; 0 unless the linears
-    are fp8): the forward casts each block GEMM's input and weight, the backward its output's gradient."""
+    """``(forward, backward)`` seconds of one micro-batch's fp8 casts (``FP8_CAST_BYTES`` of the run's recipe; 0
+    unless the linears are fp8): the forward casts each block GEMM's input and weight (a weight gathered in fp8:
+    this rank's shard, at each gather), the backward its output's gradient (rowwise: the input and the weight
+    again, and the scaling of their gradients)."""
     share = fp8_share(work, rates)
     if not share:
         return 0.0, 0.0
-    forward = sum(g.count * (g.m * g.k + g.k * g.n) for g in work.gemms) * FP8_CAST_BYTES * share
-    backward = sum(g.count * g.m * g.n for g in work.gemms) * FP8_CAST_BYTES * share
-    return forward / rates.memory_bytes_per_s, backward / rates.memory_bytes_per_s
+    forward_bytes, again_bytes, gradient_bytes = FP8_CAST_BYTES[fp8_recipe(work)]
+    inputs = sum(g.count * g.m * g.k for g in work.gemms) * share
+    weights = sum(g.count * g.k * g.n for g in work.gemms) * share
+    cast_weights = weights
+    if fp8_gathered_weights(work, rates):
+        ranks, _ = group_spans_nodes(work, "shard", rates.gpus_per_node)
+        cast_weights = weights * (1 + int(work.config.parallel.fsdp_reshard_after_forward)) / ranks
+    gradients = sum(g.count * g.m * g.n for g in work.gemms) * share
+    return ((inputs + cast_weights) * forward_bytes / rates.memory_bytes_per_s,
+            ((inputs + weights) * again_bytes + gradients * gradient_bytes) / rates.memory_bytes_per_s)

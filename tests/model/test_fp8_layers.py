@@ -113,6 +113,6 @@ def test_the_planners_header_names_the_fp8_blocks() -> None:
     from cp_train.cli.plan import _linears
 
     config = _config(fp8="tensorwise", fp8_bf16_layers_at_end=1)
-    assert _linears(config, "fp8") == "fp8 linears in blocks 0-2 (1 of 4 in bf16)"
-    assert _linears(_config(fp8="tensorwise"), "fp8") == "fp8 linears"
+    assert _linears(config, "fp8") == "fp8 (tensorwise) linears in blocks 0-2 (1 of 4 in bf16)"
+    assert _linears(_config(fp8="rowwise"), "fp8") == "fp8 (rowwise) linears"
     assert _linears(_config(fp8_bf16_layers_at_end=1), "bf16") == "bf16 linears"

@@ -231,23 +231,40 @@ def test_rows_with_both_figures_count_causal_attention_in_full() -> None:
 
 
 def test_fp8_linears_pay_their_casts_and_keep_the_head_in_bf16() -> None:
-    """``--precision fp8``: the block GEMMs run at the fp8 rate and add ``FP8_CAST_BYTES`` per element cast (input
-    and weight forward, the output's gradient backward) at the memory rate; the LM head stays bf16."""
+    """``--precision fp8``: the block GEMMs run at the fp8 rate and add the recipe's ``FP8_CAST_BYTES`` per element
+    cast at the memory rate: tensorwise the input and weight forward and the output's gradient backward; rowwise
+    also the input and weight again backward and the gradient twice (more bytes in all); the LM head stays bf16.
+    Under FSDP tensorwise gathers the linear weights in fp8, each gather casting this rank's shard; rowwise gathers
+    them in bf16."""
     from bench.planner_published import run_config
     from cp_train.perf.rates import DeviceRates
-    from cp_train.perf.time_model import FP8_CAST_BYTES, fp8_cast_seconds, matmul_seconds
+    from cp_train.perf.time_model import FP8_CAST_BYTES, fp8_cast_seconds, fp8_gathered_weights, matmul_seconds
     from cp_train.perf.workload import build_workload
 
     run = next(r for r in measured_runs() if r.key == "titan-8b-8k-fsdp8-fp8")
     hardware = load_hardware("h100-sxm")
-    work = build_workload(run_config(run, "none"), 8, 2)
     bf16, fp8 = DeviceRates(hardware, "bf16"), DeviceRates(hardware, "fp8")
-    assert fp8_cast_seconds(work, bf16) == (0.0, 0.0)
-    forward, backward = fp8_cast_seconds(work, fp8)
-    elements_f = sum(g.count * (g.m * g.k + g.k * g.n) for g in work.gemms)
-    assert forward == pytest.approx(FP8_CAST_BYTES * elements_f / fp8.memory_bytes_per_s)
-    assert backward == pytest.approx(FP8_CAST_BYTES * sum(g.count * g.m * g.n for g in work.gemms)
-                                     / fp8.memory_bytes_per_s)
+    casts = {}
+    for recipe in ("tensorwise", "rowwise"):
+        for fsdp in (False, True):
+            config = run_config(run, "none")
+            config.model.fp8, config.parallel.fsdp = recipe, fsdp
+            work = build_workload(config, 8, 2)
+            assert fp8_cast_seconds(work, bf16) == (0.0, 0.0)
+            forward, backward = fp8_cast_seconds(work, fp8)
+            inputs = sum(g.count * g.m * g.k for g in work.gemms)
+            weights = sum(g.count * g.k * g.n for g in work.gemms)
+            gradients = sum(g.count * g.m * g.n for g in work.gemms)
+            per_operand, again, per_gradient = FP8_CAST_BYTES[recipe]
+            in_fp8 = fsdp and recipe == "tensorwise"  # ZeRO-3 over 8 ranks: two gathers, each casts a shard
+            assert fp8_gathered_weights(work, fp8) == (weights / config.model.num_layers if in_fp8 else 0.0)
+            cast_weights = weights * 2 / 8 if in_fp8 else weights
+            assert forward == pytest.approx(per_operand * (inputs + cast_weights) / fp8.memory_bytes_per_s)
+            assert backward == pytest.approx((again * (inputs + weights) + per_gradient * gradients)
+                                             / fp8.memory_bytes_per_s)
+            if not fsdp:
+                casts[recipe] = forward + backward
+    assert casts["rowwise"] > 1.5 * casts["tensorwise"], casts
     blocks_bf16, head_bf16, _ = matmul_seconds(work, bf16)
     blocks_fp8, head_fp8, _ = matmul_seconds(work, fp8)
     assert head_fp8 == head_bf16 and blocks_fp8 < 0.75 * blocks_bf16

@@ -79,6 +79,19 @@ def test_the_projects_own_1b_h200_step_lies_inside_its_range() -> None:
     assert prediction.breakdown.host > 0.05 * prediction.step_time_s  # the host is not zero
 
 
+def test_the_fp8_recipes_speedups_are_torchaos_published_ones() -> None:
+    """torchao's float8 table (Llama3-8B, 8 H100s, FSDP2, compiled): bf16, tensorwise (fp8 all-gather) and rowwise
+    (bf16 all-gather) are planned in that order of speed, each recipe's speedup over bf16 within 5% of the one
+    published (1.25x and 1.10x): rowwise pays its second casts and its scaled backward outputs."""
+    runs = {recipe: compare(measured_run(f"torchao-8b-8k-fsdp8-{recipe}")) for recipe in ("bf16", "tensorwise",
+                                                                                           "rowwise")}
+    for recipe in ("tensorwise", "rowwise"):
+        planned = runs[recipe].predicted / runs["bf16"].predicted
+        measured = runs[recipe].measured / runs["bf16"].measured
+        assert abs(planned / measured - 1) <= 0.05, (recipe, planned, measured)
+    assert runs["bf16"].predicted < runs["rowwise"].predicted < runs["tensorwise"].predicted
+
+
 def test_the_host_dispatch_counts_follow_the_layout() -> None:
     config = Config()
     config.parallel.cp, config.parallel.dp, config.train.compile = 2, 1, False

@@ -58,6 +58,7 @@ class MeasuredRun:
     mlp_chunks: int = 1
     loss_chunk_tokens: int | None = None  # None: the model's default (the fused loss)
     document_lengths: tuple[int, ...] | None = None
+    fp8_recipe: str | None = None  # fp8 runs: tensorwise | rowwise (None: one scale per tensor, as TE's)
     notes: str = ""
 
     @property
