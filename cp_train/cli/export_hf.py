@@ -9,13 +9,13 @@ model came from; granite_swa with sinks)::
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from cp_train.checkpoint.export_hf import DTYPES, TOKENIZER_FILES, export_checkpoint
 from cp_train.config.arg_types import OneLineParser, positive_float
-from cp_train.errors import run_entry_point
+from cp_train.errors import exit_now, run_entry_point
 from cp_train.model.hf.llama import DEFAULT_SHARD_BYTES
 
 
@@ -46,5 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_entry_point("cp-train-export-hf", lambda args: run(args) and None, argv)
 
 
+def console_main() -> NoReturn:
+    """The ``cp-train-export-hf`` console script: ``main``, then the end of the process (``exit_now``: without the
+    interpreter's teardown of the modules)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

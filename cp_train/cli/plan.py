@@ -18,11 +18,12 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from cp_train.config.arg_types import OneLineParser, fraction, non_negative_float, positive_int
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.sources import load_config
-from cp_train.errors import InputError
+from cp_train.errors import InputError, exit_now
 from cp_train.memory.dry_run import RESERVE_FRACTION, RESERVE_GIB, checked_reserve_gib
 from cp_train.parallel.cp.algorithms.registry import cp_algorithm_names
 from cp_train.perf.explain import explain
@@ -226,3 +227,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.explain:
         print(explain(shown[0], hardware))
     return 0
+
+
+def console_main() -> NoReturn:
+    """The ``cp-train-plan`` console script: ``main``, then the end of the process (``exit_now``: without the
+    interpreter's teardown of the modules)."""
+    exit_now(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from cp_train.data.indexed import data_path
 from cp_train.data.preprocess import (
@@ -23,7 +24,7 @@ from cp_train.data.preprocess import (
     list_input_files,
     preprocess,
 )
-from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, InputError, run_entry_point
+from cp_train.errors import DEBUG_ENV, DEBUG_FLAG, InputError, exit_now, run_entry_point
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -82,5 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_entry_point("cp-train-preprocess", command, argv)
 
 
+def console_main() -> NoReturn:
+    """The ``cp-train-preprocess`` console script: ``main``, then the end of the process (``exit_now``: without the
+    interpreter's teardown of the modules)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -12,15 +12,15 @@ Files are hashed on ``--workers`` threads.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 from cp_train.checkpoint.files import find_checkpoint, step_dirs
 from cp_train.checkpoint.integrity import MANIFEST, read_manifest, shares, verify_files
 from cp_train.config.arg_types import OneLineParser, positive_int
-from cp_train.errors import InputError, run_entry_point
+from cp_train.errors import InputError, exit_now, run_entry_point
 
 PROG = "cp-train-verify"
 
@@ -78,5 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_entry_point(PROG, run, argv)
 
 
+def console_main() -> NoReturn:
+    """The ``cp-train-verify`` console script: ``main``, then the end of the process (``exit_now``: without the
+    interpreter's teardown of the modules)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -15,13 +15,14 @@ import argparse
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from cp_train import build
 from cp_train.config.arg_types import positive_int
 from cp_train.config.flags import FLAGS, MANY_WORDS
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
-from cp_train.errors import DEBUG_FLAG, ensure_writable_dir, run_entry_point, this_rank
+from cp_train.errors import DEBUG_FLAG, ensure_writable_dir, exit_now, run_entry_point, this_rank
 from cp_train.eval.context import build_context
 from cp_train.eval.load import eval_config, load_model
 from cp_train.eval.report import plots, table, wandb_log, write_jsonl
@@ -117,3 +118,13 @@ def evaluate(argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "cp-train-eval") -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     return run_entry_point(prog, evaluate, argv, explain=explain_collective_failure)
+
+
+def console_main() -> NoReturn:
+    """The ``cp-train-eval`` console script: ``main``, then the end of the process (``exit_now``: without the
+    interpreter's teardown of the modules)."""
+    exit_now(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -24,7 +24,7 @@ def test_fp8_benchmark_smoke_run(tmp_path, capsys) -> None:
     # the planner's prediction of each run (on the H200 profile, planned as FP8 where the linears are)
     assert all(r["planned_tokens_per_s"] > 0 for r in records) and records[0]["planned_speedup_vs_bf16"] == 1.0
     bf16, tensorwise, rowwise = (r["planned_tokens_per_s"] for r in records)
-    assert tensorwise == rowwise != bf16, "FP8 planned as bf16"  # the planner has one FP8 rate for both recipes
+    assert bf16 < rowwise < tensorwise, (bf16, rowwise, tensorwise)  # rowwise pays more casts than tensorwise
     assert all(r["measured_vs_planned"] > 1 for r in records)  # a CPU is slower than an H200
     out = capsys.readouterr().out
     assert "MFU (fp8 peak)" in out and "speedup" in out and "step measured/planned" in out
