@@ -43,6 +43,7 @@ from cp_train.runtime.collector import ScheduledCollection
 from cp_train.runtime.cp_check import CPCheck
 from cp_train.runtime.device_batches import MicroBatch, loss_tokens, to_device
 from cp_train.runtime.profiling import StepProfiler
+from cp_train.runtime.replica_check import ReplicaCheck
 from cp_train.runtime.validation import validation_loss
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class Trainer:
         self.long_eval = PeriodicEval(config)  # eval.every: long-context tasks (cp_train/eval)
         self.cp_check = CPCheck(config, state, self.model, self.loader, self.device, self.autocast_dtype,
                                 self._autocast)  # train.check_cp_every (cp_train/runtime/cp_check.py)
+        self.replica_check = ReplicaCheck(config, state, self.model)  # train.check_replicas_every
         self.last_batch: DeviceBatch | None = None  # the last step's (forward_backward)
 
     # the parts' attributes under their own names
@@ -239,6 +241,8 @@ class Trainer:
                     checking = time.perf_counter() - checking  # not the step's time
                     read = self._step(micro_batches, read=log or evaluate or save)  # checked before the update
                     cp_error = self.cp_check.after_step(self.step, self.last_batch.first_loss_sum) if checked else None
+                    if note := self.replica_check.after_step(self.step):  # the replicas compared (collective)
+                        self._note(note)
                     collection.after_step(self.step, self.step == first + 1)
                     if self.step == first + 1:  # gradients and optimizer state exist now: measure them
                         writers.log(run_log.setup_record(self, sizes, first))

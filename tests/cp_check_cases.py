@@ -2,7 +2,8 @@
 communication faults injected below the project, as a broken network or NCCL would make them:
 
 - ``ring``: every ring message arrives as zeros (``RingComm``'s transfers, forward and backward);
-- ``all_to_all``: every Ulysses all-to-all delivers zeros.
+- ``all_to_all``: every Ulysses all-to-all delivers zeros;
+- ``replica``: one rank's copy of one weight changed by its lowest bit after an update (``train.check_replicas_every``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from cp_train.errors import RunFailure
 from cp_train.metrics.writers import METRICS_FILE
+from cp_train.model.shards import local_tensor
 from cp_train.parallel.cp.ring import comm
 from cp_train.parallel.mesh.state import ParallelState
 from cp_train.trainer import Trainer
@@ -54,6 +56,26 @@ def _zeroed_all_to_all() -> tuple[Any, str, Any]:
     return dist, "all_to_all_single", all_to_all_single
 
 
+CORRUPTED = "layers.1.mlp.down.weight"  # the tensor ``_corrupt_a_replica`` changes
+
+
+def _corrupt_a_replica(trainer: Trainer, rank: int = 3, step: int = 2) -> None:
+    """On global rank ``rank``, flip the lowest bit of one element of ``CORRUPTED`` after the update of step
+    ``step``: its replicas differ by the least a bit can change."""
+    if dist.get_rank() != rank:
+        return
+    step_fn, param = trainer.optimizer.step, dict(trainer.model.named_parameters())[CORRUPTED]
+
+    def corrupting_step(*args: Any, **kwargs: Any) -> Any:
+        result = step_fn(*args, **kwargs)
+        if trainer.step + 1 == step:  # the trainer counts the step after its update
+            bits = local_tensor(param).view(torch.int32).reshape(-1)
+            bits[5] = bits[5] ^ 1
+        return result
+
+    trainer.optimizer.step = corrupting_step  # type: ignore[method-assign]
+
+
 FAULTS = {"ring": _lost_ring_messages, "all_to_all": _zeroed_all_to_all}
 
 
@@ -62,11 +84,13 @@ def train_checked(state: ParallelState, prefix: str, run_dir: str, overrides: di
     """Train the tiny run with ``overrides`` and ``fault`` (``FAULTS``; None: none). Returns the losses, the
     ``cp_check_rel_err`` of every logged step that has one (rank 0) and the CP check's line if it stopped the run."""
     patched = None
-    if fault is not None:
+    if fault in FAULTS:
         owner, name, replacement = FAULTS[fault]()
         patched = owner, name, getattr(owner, name)
         setattr(owner, name, replacement)
     trainer = Trainer(tiny_config(prefix, run_dir, state.dims, **overrides), state)
+    if fault == "replica":
+        _corrupt_a_replica(trainer)
     out: dict[str, Any] = {"failure": None}
     try:
         out["losses"] = trainer.train().losses
@@ -78,4 +102,5 @@ def train_checked(state: ParallelState, prefix: str, run_dir: str, overrides: di
     metrics = Path(run_dir) / METRICS_FILE
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if state.rank == 0 else []
     out["checks"] = {r["step"]: r["cp_check_rel_err"] for r in records if "cp_check_rel_err" in r}
+    out["messages"] = trainer.result.messages
     return out

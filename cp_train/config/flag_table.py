@@ -27,6 +27,8 @@ FLAGS: dict[str, tuple[str, type, str, tuple[str, ...]]] = {
     "--min-lr": ("optimizer.min_lr", float, "final learning rate of the decay", ()),
     "--train-steps": ("train.steps", int, "optimizer steps", ("--train-iters",)),
     "--exit-interval": ("train.exit_interval", int, "save and stop after each step that is a multiple of it", ()),
+    "--check-replicas-every": ("train.check_replicas_every", int, "every N-th step: compare the weights' replicas "
+                               "(0: off)", ("--check-weight-hash-across-dp-replicas-interval",)),
     "--exit-duration-in-mins": ("train.exit_duration_minutes", float, "save and stop after the first step past it", ()),
     "--eval-interval": ("train.valid_interval", int, "steps between validation losses (0: off)", ()),
     "--seed": ("train.seed", int, "runtime RNG seed", ()),

@@ -126,6 +126,7 @@ class TrainConfig:
     check_cp_every: int = 0  # every N-th step: its first micro-batch's loss again without CP (cp_train/runtime/
     # cp_check.py), cp_check_rel_err in the step's record; 0: off
     check_cp_tolerance: float | None = None  # the largest relative error that passes; None: 1e-5 fp32, 2e-2 bf16
+    check_replicas_every: int = 0  # every N-th step: the weights' replicas compared (runtime/replica_check.py)
     # Python modules imported before the config is checked: they register CP algorithms
     # (cp_train.parallel.register_cp_algorithm) or model families (cp_train.model.register_model_family)
     imports: list[str] = field(default_factory=list)

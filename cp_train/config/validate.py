@@ -130,6 +130,16 @@ def with_accumulation(config: Config, world_size: int) -> Config:
     return resolved
 
 
+def _check_replicas(config: Config, dp: int) -> None:
+    """``train.check_replicas_every`` needs replicas: DDP's DP x CP ranks, or HSDP's replicas under FSDP."""
+    every, parallel = config.train.check_replicas_every, config.parallel
+    replicas = parallel.dp_replicate if parallel.fsdp else dp * parallel.cp
+    if every and replicas < 2:
+        raise ConfigError(f"train.check_replicas_every {every} compares the replicas of the weights and this layout "
+                          f"has none ({'FSDP shards them' if parallel.fsdp else 'dp x cp is 1'}): use DDP over dp x "
+                          f"cp > 1, or HSDP (parallel.dp_replicate > 1), or set train.check_replicas_every=0")
+
+
 def validate(config: Config, world_size: int) -> int:
     """Raise ConfigError unless ``config`` runs on ``world_size`` ranks; return the DP size. Changes nothing."""
     dp = resolve_dp(config, world_size)
@@ -140,7 +150,9 @@ def validate(config: Config, world_size: int) -> int:
     _positive(config, ("train.valid_interval", "checkpoint.interval", "checkpoint.keep", "schedule.warmup_steps",
                        "data.num_workers", "optimizer.weight_decay", "optimizer.clip_grad",
                        "optimizer.min_lr", "train.grad_bucket_mb", "logging.cpu_peak_tflops", "train.gc_interval",
-                       "train.check_cp_every", "train.exit_interval", "train.exit_duration_minutes"), 0)
+                       "train.check_cp_every", "train.exit_interval", "train.exit_duration_minutes",
+                       "train.check_replicas_every"), 0)
+    _check_replicas(config, dp)
     if train.check_cp_tolerance is not None and not train.check_cp_tolerance > 0:
         raise ConfigError(f"train.check_cp_tolerance must be > 0 (or null: by dtype), got {train.check_cp_tolerance}")
     if not config.parallel.timeout_minutes > 0:

@@ -168,7 +168,7 @@ MEGATRON_LLAMA = (  # the model, optimizer, data and logging flags of a Megatron
     "--data-cache-path cache --num-workers 2 --eod-mask-loss --reset-attention-mask --log-throughput "
     "--ckpt-format torch_dist --distributed-timeout-minutes 30 --wandb-exp-name llama --attention-softmax-in-fp32 "
     "--accumulate-allreduce-grads-in-fp32 --calculate-per-token-loss --log-memory-to-tensorboard --exit-interval 500 "
-    "--exit-duration-in-mins 230 --exit-signal-handler").split()
+    "--exit-duration-in-mins 230 --exit-signal-handler --check-weight-hash-across-dp-replicas-interval 100").split()
 
 
 def test_a_megatron_llama_command_line_reads_as_ours() -> None:
@@ -187,6 +187,7 @@ def test_a_megatron_llama_command_line_reads_as_ours() -> None:
         "0.5 a 0.5 b", "cache", 2, True, True)
     assert (config.parallel.timeout_minutes, config.logging.run_name) == (30.0, "llama")
     assert (config.train.exit_interval, config.train.exit_duration_minutes) == (500, 230.0)
+    assert config.train.check_replicas_every == 100
     (note,) = [n for n in config.deprecations if "what cp-train does anyway" in n]
     assert note.startswith("command line: Megatron-LM's --") and note.endswith(": what cp-train does anyway, nothing "
                                                                         "to set (cp_train/config/foreign_flags.py)")

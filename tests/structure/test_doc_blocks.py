@@ -194,7 +194,7 @@ def check_command(argv: list[str]) -> None:
         return check_train(args)
     if SCRIPTS[program] == "cp_train.cli.launch:console_main":
         raise AssertionError("unreachable: cp-train-launch is a launcher")
-    return check_main(SCRIPTS[program], args)
+    return check_main(SCRIPTS[program].replace(":console_main", ":main"), args)  # console_main ends the process
 
 
 BLOCKS = doc_blocks()

@@ -9,13 +9,16 @@ delivering zeros) the run stops at the first check with one line.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cp_train.parallel.mesh.state import run_with_parallel
+from cp_train.runtime import replica_check
 from tests import cp_check_cases, trainer_cases
 
 STEPS, EVERY = 4, 2
 BASE = {"train.steps": STEPS, "logging.interval": 3, "train.valid_interval": 0}
 CHECK = {"train.check_cp_every": EVERY}
+REPLICAS = {"train.check_replicas_every": EVERY}
 WINDOW = {"model.layer_types": ["sliding_attention", "full_attention"], "model.sliding_window": 8}
 CLEAN = {"cp2-ring": ((1, 2, 2), {}), "cp4-ulysses": ((1, 4, 1), {"parallel.cp_algorithm": "ulysses"}),
          "cp2-allgather-window": ((1, 2, 2), {"parallel.cp_algorithm": "allgather", **WINDOW})}
@@ -33,10 +36,15 @@ def _run(spawn_world, corpus: str, run_dir: str, sizes: tuple, overrides: dict, 
 
 @pytest.mark.parametrize("name", list(CLEAN))
 def test_a_clean_run_passes_every_check_with_its_losses_unchanged(spawn_world, corpus, tmp_path, name) -> None:
+    """Also the replica check (``train.check_replicas_every``): DDP's dp x cp ranks hold the same weights."""
     sizes, overrides = CLEAN[name]
-    checked = _run(spawn_world, corpus, str(tmp_path / "checked"), sizes, {**overrides, **CHECK})
+    checked = _run(spawn_world, corpus, str(tmp_path / "checked"), sizes, {**overrides, **CHECK, **REPLICAS})
     plain = _run(spawn_world, corpus, str(tmp_path / "plain"), sizes, overrides)
     assert checked["failure"] is None and sorted(checked["checks"]) == [2, 4], checked
+    agree = [m for m in checked["messages"] if m.startswith("replica check")]
+    replicas = sizes[1] * sizes[2]
+    assert agree == [f"replica check at step 2: the {replicas} replicas of the weights agree (15 tensors, the dp x "
+                     f"cp group); checked every 2 steps"], checked["messages"]
     assert all(0 <= err <= 1e-5 for err in checked["checks"].values()), checked["checks"]
     assert checked["losses"] == plain["losses"] and sorted(plain["losses"]) == list(range(1, STEPS + 1))
     assert plain["checks"] == {}
@@ -72,3 +80,46 @@ def test_the_tolerance_defaults_by_dtype_and_bad_settings_are_one_line() -> None
         config = load_config("launch/configs/cpu-tiny.yaml", overrides=[f"{key}={value}"])
         with pytest.raises(ConfigError, match=message):
             validate(config, 2)
+
+
+def test_a_replica_that_differs_by_one_bit_stops_the_run(spawn_world, corpus, tmp_path) -> None:
+    """Rank 3 flips the lowest bit of one element of one weight after step 2's update: the replica check of step
+    2 stops every rank with the line naming the rank and the tensor."""
+    broken = _run(spawn_world, corpus, str(tmp_path / "broken"), (1, 2, 2), REPLICAS, "replica")
+    assert broken["failure"] == (f"replica check at step 2: the weights differ from their replicas' (the dp x cp "
+                                 f"group) on rank 3: {cp_check_cases.CORRUPTED}: {replica_check.HINT}"), broken
+
+
+def test_the_replica_check_needs_replicas() -> None:
+    from cp_train.config.schema import ConfigError
+    from cp_train.config.sources import build_config
+    from cp_train.config.validate import validate
+
+    def config(**values: object):
+        return build_config([("test", {"parallel.cp": 2, "train.check_replicas_every": 10, **values})])
+
+    assert validate(config(), 4) == 2  # DDP: dp x cp = 4 replicas
+    validate(config(**{"parallel.fsdp": True, "parallel.dp_replicate": 2}), 4)  # HSDP's 2 replicas
+    with pytest.raises(ConfigError, match=r"^train.check_replicas_every 10 compares the replicas of the weights and "
+                                          r"this layout has none \(FSDP shards them\): use DDP"):
+        validate(config(**{"parallel.fsdp": True}), 4)
+    with pytest.raises(ConfigError, match=r"has none \(dp x cp is 1\)"):
+        validate(config(**{"parallel.cp": 1, "parallel.tp": 2}), 2)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_fingerprint_changes_with_any_bit_or_order(monkeypatch, dtype) -> None:
+    """Equal tensors give equal fingerprints; one flipped bit, two swapped elements or a chunk moved change it
+    (small chunks and blocks here: the tensor spans several of each)."""
+    monkeypatch.setattr(replica_check, "CHUNK", 8)
+    monkeypatch.setattr(replica_check, "BLOCK", 32)
+    tensor = torch.randn(101, generator=torch.Generator().manual_seed(0)).to(dtype)
+    fingerprint = replica_check.fingerprint
+    assert fingerprint(tensor) == fingerprint(tensor.clone().reshape(1, 101))
+    flipped = tensor.clone()
+    flipped.view(replica_check.INTEGER_VIEW[tensor.element_size()])[40] ^= 1
+    swapped, moved = tensor.clone(), tensor.clone()
+    swapped[[3, 4]] = tensor[[4, 3]]
+    moved[:8], moved[8:16] = tensor[8:16], tensor[:8]
+    assert len({int(fingerprint(t)) for t in (tensor, flipped, swapped, moved)}) == 4

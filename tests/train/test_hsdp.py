@@ -32,12 +32,15 @@ def test_hsdp_groups_shard_inside_a_node_and_replicate_across() -> None:
 
 
 def test_hsdp_losses_equal_fsdp(spawn_world, corpus, tmp_path) -> None:
+    """Also the replica check (``train.check_replicas_every``): each shard has its twin in the other replica."""
     world = spawn_world(4)
     fsdp = world.run(run_with_parallel, (1, 2, 2), trainer_cases.train_layout, corpus, str(tmp_path / "fsdp"),
                      FSDP)[0]
     hsdp = world.run(run_with_parallel, (1, 2, 2, 1, 2), trainer_cases.train_layout, corpus, str(tmp_path / "hsdp"),
-                     HSDP)[0]
+                     {**HSDP, "train.check_replicas_every": 5})[0]
     assert sorted(hsdp["losses"]) == list(range(1, trainer_cases.STEPS + 1))
+    assert ("replica check at step 5: the 2 replicas of the weights agree (15 tensors, the HSDP replicas); checked "
+            "every 5 steps") in hsdp["messages"], hsdp["messages"]  # each FSDP shard against its twin
     for step, loss in fsdp["losses"].items():
         assert rel_err(hsdp["losses"][step], loss) <= 1e-6, (step, hsdp["losses"][step], loss)
         assert rel_err(hsdp["grad_norms"][step], fsdp["grad_norms"][step]) <= 1e-6
