@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     for run in measured_runs():
         result = compare(run)
         records.append({"key": run.key, "model": run.model, "hardware": run.hardware, "gpus": run.gpus,
-                        "seq_len": run.seq_len, "precision": run.precision, "unit": result.unit,
+                        "seq_len": run.seq_len, "precision": run.precision, "fp8_recipe": run.fp8_recipe,
+                        "unit": result.unit,
                         "layout": f"tp{run.tp} cp{run.cp} dp{run.dp}" + (" fsdp" if run.fsdp else ""),
                         "measured": result.measured, "predicted": result.predicted, "error": result.error,
                         "regime": run_regime(run)})
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(summary))
     _print_table(("run", "model", "GPUs", "seq", "layout", "precision", "measured", "predicted", "error",
                   "range without it", "inside"),
-                 [(r["key"], r["model"], str(r["gpus"]), f"{r['seq_len'] // 1024}k", r["layout"], r["precision"],
+                 [(r["key"], r["model"], str(r["gpus"]), f"{r['seq_len'] // 1024}k", r["layout"],
+                   " ".join(filter(None, (r["precision"], r["fp8_recipe"]))),
                    f"{r['measured']:,.3g} {UNITS[r['unit']]}", f"{r['predicted']:,.3g}", f"{r['error']:+.1%}",
                    f"{made_without[r['key']].low:+.1%} .. {made_without[r['key']].high:+.1%}",
                    "NO" if outside[r["key"]] else "yes") for r in records], args.markdown)

@@ -87,6 +87,9 @@ def _run(row: dict[str, Any], sources: dict[str, str]) -> MeasuredRun:
     unknown = sorted(set(row) - known)
     if unknown:
         raise ValueError(f"{RUNS_FILE.name}: run {row.get('key')!r} has unknown key {unknown[0]!r}")
+    if row.get("fp8_recipe") not in (None, "tensorwise", "rowwise") or (row.get("fp8_recipe") and
+                                                                          row.get("precision") != "fp8"):
+        raise ValueError(f"{RUNS_FILE.name}: run {row.get('key')!r}: fp8_recipe is tensorwise or rowwise, on fp8 runs")
     values = {**row, "source": sources.get(row["source"], row["source"])}
     if values.get("document_lengths") is not None:
         values["document_lengths"] = tuple(values["document_lengths"])
