@@ -38,12 +38,17 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """An int64 scalar on ``tensor``'s device: its elements' bit patterns weighted by position, summed exactly."""
     flat = tensor.detach().contiguous().reshape(-1)
     bits = flat.view(INTEGER_VIEW[flat.element_size()])
-    weights = torch.arange(CHUNK, dtype=torch.int64, device=flat.device) % 1021 + 1
+    count = bits.numel()
+    weights = torch.arange(min(CHUNK, count), dtype=torch.int64, device=flat.device) % 1021 + 1
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, bits.numel(), BLOCK):
+    for start in range(0, count, BLOCK):
         block = bits[start:start + BLOCK].to(torch.int64)
-        block = torch.nn.functional.pad(block, (0, -block.numel() % CHUNK)).view(-1, CHUNK)
-        partial = (block * weights).sum(dim=1) % MODULUS
+        whole = block.numel() // CHUNK * CHUNK
+        partials = [(block[:whole].view(-1, CHUNK) * weights).sum(dim=1)] if whole else []
+        if whole < block.numel():  # the last chunk, short
+            rest = block[whole:]
+            partials.append((rest * weights[:rest.numel()]).sum().reshape(1))
+        partial = torch.cat(partials) % MODULUS
         index = torch.arange(start // CHUNK + 1, start // CHUNK + 1 + partial.numel(), device=flat.device)
         total += (partial * index).sum()  # chunk indices < 2^12 per 2^32 elements: no overflow
     return total
