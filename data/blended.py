@@ -6,12 +6,16 @@
 Sample ``k`` of dataset ``d`` is placed at the ideal time ``(k + 0.5) / w_d`` (weights normalised)
 and all samples are served in order of that time (ties: lower dataset first). Every prefix of
 the stream holds each dataset within ``(D - 1) / 2`` samples of its exact share for ``D >= 2``
-datasets (half a sample for two), with no randomness.
+datasets (half a sample for two), with no randomness. The schedule of a run is made once per node and kept beside
+the sample indices (``cached_blend_schedule``), memory-mapped by every rank in 6 bytes a sample.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,6 +78,31 @@ def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarr
 
 
 Schedule = tuple[np.ndarray, np.ndarray]  # blend_schedule's (dataset ids, sample ids)
+
+
+BLEND_CACHE_FORMAT = 1
+
+
+def cached_blend_schedule(weights: Sequence[float], num_samples: int, cache_dir: Path, name: str) -> Schedule:
+    """``blend_schedule(weights, num_samples)`` from ``cache_dir``, memory-mapped, where a run saved it before (the
+    first rank of a node makes it, the others read it: ``cp_train/build.py``); made and saved there otherwise. Stored
+    compact: dataset ids in int16 (int32 beyond 32,767 datasets), sample ids in int32 (int64 past 2^31); ``name``
+    (train, valid) names the files, ``blend.<name>.<key>.{dataset_ids,sample_ids}.npy``."""
+    description = {"format": BLEND_CACHE_FORMAT, "weights": [float(w) for w in weights], "num_samples": num_samples}
+    key = hashlib.sha256(json.dumps(description).encode()).hexdigest()[:20]
+    paths = [cache_dir / f"blend.{name}.{key}.{part}.npy" for part in ("dataset_ids", "sample_ids")]
+    if all(path.is_file() for path in paths):
+        return tuple(np.load(path, mmap_mode="r") for path in paths)  # type: ignore[return-value]
+    dataset_ids, sample_ids = blend_schedule(weights, num_samples)
+    compact = (dataset_ids.astype(np.int16 if len(weights) <= np.iinfo(np.int16).max else np.int32),
+               sample_ids.astype(np.int32 if sample_ids.max(initial=0) <= np.iinfo(np.int32).max else np.int64))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for path, array in zip(paths, compact, strict=True):
+        partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        with open(partial, "wb") as handle:
+            np.save(handle, array)
+        os.replace(partial, path)
+    return tuple(np.load(path, mmap_mode="r") for path in paths)  # type: ignore[return-value]
 
 
 def blended_sample_counts(weights: Sequence[float], num_samples: int, schedule: Schedule | None = None) -> list[int]:

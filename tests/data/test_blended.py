@@ -47,6 +47,41 @@ def test_samples_are_served_in_order_of_their_ideal_time_ties_to_the_lower_datas
     assert np.all((np.diff(times) > 0) | ((np.diff(times) == 0) & (np.diff(dataset_ids) > 0)))
 
 
+class _Sized(torch.utils.data.Dataset):
+    """A dataset of ``count`` samples (of 8 tokens) that are never read."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.seq_len = count, 8
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def test_a_blends_schedule_is_made_once_and_read_memory_mapped(tmp_path, monkeypatch):
+    """``cached_blend_schedule``: the first call makes and saves it (compact dtypes), later ones read the files
+    memory-mapped without making it; other weights or sample counts make their own."""
+    from cp_train.data import blended
+
+    weights, samples = (0.7, 0.2, 0.1), 1001
+    made = blended.cached_blend_schedule(weights, samples, tmp_path, "train")
+    expected = blend_schedule(weights, samples)
+    assert all(np.array_equal(a, b) for a, b in zip(made, expected, strict=True))
+    assert [a.dtype for a in made] == [np.int16, np.int32] and all(isinstance(a, np.memmap) for a in made)
+    assert len(list(tmp_path.glob("blend.train.*.npy"))) == 2
+
+    def refuse(*args):
+        raise AssertionError("made again")
+
+    monkeypatch.setattr(blended, "blend_schedule", refuse)
+    again = blended.cached_blend_schedule(weights, samples, tmp_path, "train")
+    assert all(np.array_equal(a, b) for a, b in zip(again, expected, strict=True))
+    with pytest.raises(AssertionError, match="made again"):
+        blended.cached_blend_schedule(weights, samples + 1, tmp_path, "train")
+    counts = blended_sample_counts(weights, samples, again)
+    dataset = BlendedDataset([_Sized(c) for c in counts], weights, samples, again)
+    assert dataset.dataset_ids is again[0]
+
+
 def test_zero_weight_is_never_drawn():
     dataset_ids, _ = blend_schedule((1, 0, 1), 50)
     assert 1 not in dataset_ids.tolist()
@@ -126,7 +161,8 @@ def train_on_blend(state: ParallelState, spec: str, run_dir: str, **overrides: o
             "documents": [np.unique(part.indices.document_index).size for data in (train, valid)
                           for part in parts(data)],
             "train_ids": train.dataset_ids.tolist(), "valid_ids": getattr(valid, "dataset_ids", np.zeros(0)).tolist(),
-            "losses": result.losses, "eval_losses": result.eval_losses}
+            "mapped": isinstance(train.dataset_ids, np.memmap), "losses": result.losses,
+            "eval_losses": result.eval_losses}
 
 
 def test_the_trainer_trains_on_a_blend(spawn_world, tmp_path):
@@ -139,6 +175,7 @@ def test_the_trainer_trains_on_a_blend(spawn_world, tmp_path):
     assert got["types"] == ["BlendedDataset", "BlendedDataset"]
     assert got["parts"] == [(first, "train"), (second, "train"), (first, "valid"), (second, "valid")]
     assert got["train_ids"] == [0, 0, 1, 0, 0, 0, 1, 0]  # 2 steps x 4 samples, 3 to 1 at every prefix
+    assert got["mapped"] and len(list((tmp_path / "run" / "index-cache").glob("blend.*.npy"))) == 4  # train, valid
     assert got["valid_ids"] == [0, 0, 1, 0, 0, 0, 1, 0]  # 2 evaluation batches of 4
     assert got["documents"] == [540, 270, 60, 30]  # data.valid_fraction 0.1 of each held out
     assert sorted(got["losses"]) == [1, 2] and all(np.isfinite(v) for v in got["losses"].values())
