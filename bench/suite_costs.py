@@ -115,7 +115,10 @@ def starts(rounds: int, root: Path) -> list[dict]:
     config.write_text(dump_yaml(trainer_cases.tiny_config(str(root / "missing"), str(root / "start"),
                                                           ParallelDims())))
     commands = {"import torch": [sys.executable, "-c", "import torch"],
-                "train.py, input error": [sys.executable, str(ROOT / "train.py"), "--config", str(config)]}
+                "train.py, input error": [sys.executable, str(ROOT / "train.py"), "--config", str(config)],
+                "train.py --help": [sys.executable, str(ROOT / "train.py"), "--help"],
+                "train.py, a misspelt flag": [sys.executable, str(ROOT / "train.py"), "--config", str(config),
+                                              "--cp-sise", "2"]}
     times: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(rounds):
         for name, command in commands.items():

@@ -6,11 +6,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from cp_train.model.rope import resolve_rope_scaling
-from cp_train.parallel.cp.layout import check_layout, check_layout_name
-from cp_train.parallel.kernels.select import BACKENDS
-from cp_train.parallel.offload import OFFLOAD_MODES
+from cp_train.model.hf.rope_scaling import resolve_rope_scaling
+from cp_train.parallel.cp.layout_names import check_layout, check_layout_name
+from cp_train.parallel.kernels.backends import BACKENDS
 
+OFFLOAD_MODES = ("none", "checkpointed", "all")  # model.activation_offload (parallel/offload.py)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names of a layer's attention
 CHECKPOINTING = ("none", "selective", "full")  # model.activation_checkpointing: what a block recomputes
 NORMS = ("auto", "torch", "apex")  # model.norm: which RMSNorm module the blocks and the final norm use

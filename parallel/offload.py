@@ -52,7 +52,6 @@ from torch import nn
 
 from cp_train.parallel.host_copies import Copier, CudaCopier, dense
 
-OFFLOAD_MODES = ("none", "checkpointed", "all")  # model.activation_offload
 MIN_OFFLOAD_BYTES = 1024  # smaller saved tensors stay on the device (scalars, tickets): not worth a copy
 PREFETCH_LAYERS = 1  # layers fetched ahead of the backward
 KEEP_LAST_LAYERS = 1  # the last blocks' saved tensors stay: the backward starts with them

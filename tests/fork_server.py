@@ -28,7 +28,10 @@ from typing import Any
 
 import torch._dynamo  # noqa: F401 - what a run's first optimizer construction imports (about 1 s, in every run)
 
+import cp_train.cli.launch  # noqa: F401 - what train.py imports once its flags have parsed
 import cp_train.cli.train  # noqa: F401 - what train.py imports
+import cp_train.config.validate  # noqa: F401
+import cp_train.parallel.mesh.collectives  # noqa: F401
 import cp_train.trainer  # noqa: F401 - and what a run imports next
 from cp_train.errors import wait_for_threads
 

@@ -18,15 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-import torch
-
-from cp_train.cli.launch import stop_with_launcher
 from cp_train.config.flags import parse_args
 from cp_train.config.schema import Config, ConfigError
-from cp_train.config.validate import check_input_files, check_schedule, validate, with_accumulation
 from cp_train.errors import exit_now, run_entry_point, this_rank
-from cp_train.parallel.mesh.collectives import explain_collective_failure, trace_collectives
-from cp_train.parallel.mesh.state import parallel_context, world_of_one
+
+# torch and everything that imports it load once the command line has parsed: ``--help`` and a flag's error answer
+# without them (tests/structure/test_layering.py)
 
 DEFAULT_CPU_CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "cpu-tiny.yaml"
 
@@ -36,6 +33,9 @@ def dry_run(config: Config, args: Namespace, source: str | Path | None = None) -
     resolved against the device less the reserve); rank 0 alone under torchrun. Exit status 1 when the largest rank
     does not fit the device (or, with activation offload, a node's offloaded activations its host memory).
     ``source``: the config file planned (the default one when no --config names it)."""
+    import torch
+
+    from cp_train.config.validate import with_accumulation
     from cp_train.memory.dry_run import checked_reserve_gib, dry_run_world
     from cp_train.memory.dry_run_report import report
     from cp_train.perf.run_check import dry_run_host, dry_run_line
@@ -66,7 +66,11 @@ def machine_default(argv: list[str]) -> Path | None:
     dataclass defaults, on CUDA); the same for training and ``--dry-run``. Its model shape gives way to
     ``--init-from-hf`` (``flags.parse_args``)."""
     if any(arg == "--config" or arg.startswith("--config=") for arg in argv) or (
-            "-h" in argv or "--help" in argv) or torch.cuda.is_available() or not DEFAULT_CPU_CONFIG.is_file():
+            "-h" in argv or "--help" in argv) or not DEFAULT_CPU_CONFIG.is_file():
+        return None
+    import torch
+
+    if torch.cuda.is_available():
         return None
     if this_rank() == 0:
         print(f"[cp-train] no --config: using {DEFAULT_CPU_CONFIG} (this machine has no CUDA GPU)", flush=True)
@@ -83,9 +87,14 @@ def check_world(config: Config, world: int) -> None:
 
 
 def train(argv: list[str]) -> int:
-    stop_with_launcher()
     default = machine_default(argv)
-    config, args = parse_args(argv, default_config=default)
+    config, args = parse_args(argv, default_config=default)  # --help and the flags' errors end here
+    from cp_train.cli.launch import stop_with_launcher
+    from cp_train.config.validate import check_input_files, check_schedule, validate, with_accumulation
+    from cp_train.parallel.mesh.collectives import trace_collectives
+    from cp_train.parallel.mesh.state import parallel_context, world_of_one
+
+    stop_with_launcher()
     if args.dry_run:
         return dry_run(config, args, default)
     check_input_files(config)  # missing files first, then the settings derived from them
@@ -107,7 +116,14 @@ def train(argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None, prog: str = "train.py") -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    return run_entry_point(prog, train, argv, explain=explain_collective_failure)
+    return run_entry_point(prog, train, argv, explain=_explain_collective_failure)
+
+
+def _explain_collective_failure(error: BaseException) -> str | None:
+    """``parallel.mesh.collectives.explain_collective_failure``, imported when an error needs it."""
+    from cp_train.parallel.mesh.collectives import explain_collective_failure
+
+    return explain_collective_failure(error)
 
 
 def console_main() -> NoReturn:

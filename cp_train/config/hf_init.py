@@ -30,7 +30,6 @@ from cp_train.model.hf.config import (
     model_fields,
     read_hf_config,
 )
-from cp_train.model.hf.weights import SINGLE_FILE, WeightFiles, hf_tensors
 
 
 def hf_model_keys() -> frozenset[str]:
@@ -87,6 +86,8 @@ def check_hf_weights(path: str | Path, model: ModelConfig) -> None:
     """InputError naming directory ``path`` unless its safetensors weights are there, readable (each file's header
     parses and the file is as long as it says) and hold every tensor ``model`` needs: checked before the model is
     built, where loading them would fail only at its end."""
+    from cp_train.model.hf.weights import SINGLE_FILE, WeightFiles, hf_tensors  # torch: only with weights to read
+
     reading = Path(path) / SINGLE_FILE  # the file a SafetensorError is about
     try:
         files = WeightFiles(path)

@@ -27,7 +27,7 @@ from cp_train.model.hf.families import (
     choose_architecture,
     unsupported,
 )
-from cp_train.model.rope import resolve_rope_scaling
+from cp_train.model.hf.rope_scaling import resolve_rope_scaling
 
 __all__ = ["HFConfigError", "check_hf", "hf_config", "model_fields", "read_hf_config"]
 

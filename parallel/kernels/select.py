@@ -41,13 +41,13 @@ import warnings
 import torch
 
 from cp_train.parallel.kernels import cudnn
+from cp_train.parallel.kernels.backends import BACKENDS
 from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
 from cp_train.parallel.kernels.reference import MathKernel, _math_scores  # noqa: F401 - _math_scores: the tests' path
 from cp_train.parallel.kernels.torch_ops import TorchCpuFlash, TorchCudaFlash, TorchEfficient
 from cp_train.parallel.kernels.trial import native_gqa_agrees, trial_call
 
-BACKENDS: tuple[str, ...] = ("fa3", "cudnn", "flash_attn", "torch", "torch_efficient", "math")
 HALF = (torch.float16, torch.bfloat16)
 TrialKey = tuple[torch.device, torch.dtype, int, str]  # (device, dtype, head_dim, backend)
 _TRIALS: dict[TrialKey, str | None] = {}  # each trial call's outcome: None (passed) or the error, one line

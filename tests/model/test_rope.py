@@ -10,7 +10,8 @@ from cp_train.config.schema import ConfigError
 from cp_train.config.sources import load_config
 from cp_train.config.validate import validate
 from cp_train.model.config import ModelConfig
-from cp_train.model.rope import ROPE_TYPES, resolve_rope_scaling, rope_frequencies, rope_tables
+from cp_train.model.hf.rope_scaling import ROPE_TYPES, resolve_rope_scaling
+from cp_train.model.rope import rope_frequencies, rope_tables
 from tests.numerics import rel_err
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

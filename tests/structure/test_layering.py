@@ -188,6 +188,20 @@ def test_the_commands_start_without_dynamo_fsdp_or_the_trainer() -> None:
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["--config", "launch/configs/cpu-tiny.yaml", "--bogus"]])
+def test_the_help_and_a_flags_error_answer_without_torch(argv: list[str]) -> None:
+    """``train.py --help`` and a misspelt flag answer from the config's modules alone: torch (about 1.5 s) is
+    imported once the command line has parsed."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "train.py", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "cp_train.config.flags" in loaded and "torch" not in loaded, sorted(m for m in loaded if "torch" in m)
+    if argv == ["--help"]:
+        assert done.returncode == 0 and "--cp-size" in done.stdout, done.stderr[-2000:]
+    else:
+        assert done.returncode == 2 and "unrecognized arguments: --bogus" in done.stderr
+
+
 def test_the_library_imports_modules_not_its_public_faces() -> None:
     inside = [name for name in GRAPH if name not in FACES and not _under(name, "cp_train.cli")
               and name != "cp_train.__main__"]
