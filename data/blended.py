@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cp_train.data.indexed import partial_name
+
 Blend = tuple[tuple[float | None, str], ...]  # (weight, prefix) pairs; weight None: by the dataset's size
 
 
@@ -98,7 +100,7 @@ def cached_blend_schedule(weights: Sequence[float], num_samples: int, cache_dir:
                sample_ids.astype(np.int32 if sample_ids.max(initial=0) <= np.iinfo(np.int32).max else np.int64))
     cache_dir.mkdir(parents=True, exist_ok=True)
     for path, array in zip(paths, compact, strict=True):
-        partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        partial = partial_name(path)
         with open(partial, "wb") as handle:
             np.save(handle, array)
         os.replace(partial, path)

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from cp_train.data.indexed import partial_name
 from cp_train.data.preprocess import iter_documents, preprocess
 from cp_train.data.tokenizers.spm import train_tokenizer
 
@@ -105,7 +106,7 @@ def prepare_default_corpus(cache_dir: str | os.PathLike | None = None, *,
                                 f"directory holding a prepared corpus instead")
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     cache.mkdir(parents=True, exist_ok=True)
-    partial = cache / f".{final.name}.tmp{os.getpid()}"
+    partial = partial_name(cache / final.name)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:

@@ -24,6 +24,7 @@ document spans several sequences (Megatron's sentence splitting) load as well.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -94,8 +95,8 @@ class IndexedDatasetWriter:
         self._code = dtype_code(self.dtype)
         self._sequence_lengths: list[int] = []
         self._document_index: list[int] = [0]
-        self._partial = {"bin": _partial_name(data_path(self.prefix)),
-                         "idx": _partial_name(index_path(self.prefix))}
+        self._partial = {"bin": partial_name(data_path(self.prefix)),
+                         "idx": partial_name(index_path(self.prefix))}
         self._bin = open(self._partial["bin"], "wb")  # closed in finalize() or abort()
         self._finalized = False
 
@@ -165,9 +166,10 @@ class IndexedDatasetWriter:
             self.abort()
 
 
-def _partial_name(path: Path) -> Path:
-    """Where ``path`` is written before it is renamed into place (same directory, hidden, per process)."""
-    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+def partial_name(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: the same directory, hidden, its own per process
+    and host (nodes that share a file system build the same cache files at once, and containers repeat pids)."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 class IndexedDataset:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cp_train.data.indexed import partial_name
+
 CACHE_FORMAT = 2  # 2: epochs and sample blocks seeded one by one
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
@@ -102,7 +104,7 @@ def save_cached(cache_dir: Path, stem: str, indices: SampleIndices, description:
     """Write the three ``.npy`` files (each atomically) and a human-readable ``.json``."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     for name, path in cache_paths(cache_dir, stem).items():
-        partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        partial = partial_name(path)
         with open(partial, "wb") as handle:
             np.save(handle, getattr(indices, name))
         os.replace(partial, path)

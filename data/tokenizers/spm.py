@@ -18,6 +18,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from cp_train.data.indexed import partial_name
 from cp_train.data.tokenizers.vocab import padded_vocab_size
 
 PathLike = str | os.PathLike
@@ -134,7 +135,7 @@ def train_tokenizer(inputs: Sequence[PathLike], vocab_size: int, model_prefix: P
         num_threads=num_threads, minloglevel=2)
     out = Path(f"{os.fspath(model_prefix)}.model")
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + f".tmp{os.getpid()}")
+    partial = partial_name(out)
     partial.write_bytes(model.getvalue())
     os.replace(partial, out)
     return out

@@ -16,6 +16,7 @@ from cp_train.data.indexed import (
     data_path,
     dtype_code,
     index_path,
+    partial_name,
     token_dtype_for_vocab,
 )
 
@@ -191,3 +192,15 @@ def test_reads_an_index_written_byte_by_byte(tmp_path):
     ds = IndexedDataset(prefix)
     assert ds.dtype == np.int32 and len(ds) == 3 and ds.num_documents == 2
     assert [ds[i].tolist() for i in range(3)] == [s.tolist() for s in sequences]
+
+
+def test_a_partial_file_is_hidden_beside_its_target_and_names_its_host_and_process(tmp_path) -> None:
+    """Nodes sharing a file system build the same cache files at once, and containers repeat pids: each writer's
+    partial file names its host and its process."""
+    import os
+    import socket
+
+    partial = partial_name(tmp_path / "corpus.idx")
+    assert partial.parent == tmp_path and partial.name.startswith(".corpus.idx.tmp-")
+    assert partial.name.endswith(f"-{socket.gethostname()}-{os.getpid()}")
+
