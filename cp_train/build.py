@@ -17,12 +17,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from cp_train.config.schema import Config, ConfigError
+from cp_train.data.blend_spec import parse_blend, size_weights
 from cp_train.data.blended import (
     BlendedDataset,
     blended_sample_counts,
     cached_blend_schedule,
-    parse_blend,
-    size_weights,
 )
 from cp_train.data.default_corpus import prepare_default_corpus
 from cp_train.data.gpt_dataset import GPTDataset, train_valid_split

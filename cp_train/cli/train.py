@@ -20,7 +20,8 @@ from typing import NoReturn
 
 from cp_train.config.flags import parse_args
 from cp_train.config.schema import Config, ConfigError
-from cp_train.errors import exit_now, run_entry_point, this_rank
+from cp_train.data.blend_spec import parse_blend
+from cp_train.errors import InputError, exit_now, run_entry_point, this_rank
 
 # torch and everything that imports it load once the command line has parsed: ``--help`` and a flag's error answer
 # without them (tests/structure/test_layering.py)
@@ -77,6 +78,47 @@ def machine_default(argv: list[str]) -> Path | None:
     return DEFAULT_CPU_CONFIG
 
 
+def check_schedule(config: Config) -> None:
+    """A training run's schedule must leave warmup: ConfigError with the fix when ``schedule.warmup_steps`` is
+    at least ``train.steps`` (checked by the training command, not by the dry run)."""
+    warmup, steps = config.schedule.warmup_steps, config.train.steps
+    if warmup and warmup >= steps:
+        raise ConfigError(f"schedule.warmup_steps {warmup} >= train.steps {steps}: the run would never leave warmup; "
+                          f"lower it (e.g. --lr-warmup-iters {max(1, steps // 10)}, or 0) or raise --train-steps "
+                          f"above {warmup}")
+
+
+def check_input_files(config: Config) -> None:
+    """The files a run reads must exist: checked first, before any setting derived from them is."""
+    data, checkpoint = config.data, config.checkpoint
+    for key, spec in (("data.prefix", data.prefix), ("data.valid_prefix", data.valid_prefix)):
+        try:
+            blend = parse_blend(spec, key) if spec else ()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        for _, prefix in blend:
+            if prefix.endswith((".bin", ".idx")):
+                continue  # IndexedDataset names the prefix to pass instead
+            for suffix in (".idx", ".bin"):
+                if not Path(prefix + suffix).is_file():
+                    name = Path(prefix).name
+                    raise InputError(f"{key} {prefix}: {prefix}{suffix} is missing; an indexed dataset "
+                                     f"needs both {name}.idx and {name}.bin (make them with cp-train-preprocess)")
+    if data.tokenizer is not None and not Path(data.tokenizer).exists():
+        raise InputError(f"data.tokenizer {data.tokenizer} does not exist: pass a SentencePiece .model, a Hugging "
+                         f"Face tokenizer.json or its directory; train a SentencePiece model on text files with "
+                         f"python -m cp_train.cli.train_tokenizer --input FILE... --vocab-size 8000 "
+                         f"--output-prefix tok")
+    if checkpoint.init_from and checkpoint.init_from_hf:
+        raise ConfigError(f"checkpoint.init_from {checkpoint.init_from} and checkpoint.init_from_hf "
+                          f"{checkpoint.init_from_hf} both name the weights a new run starts from: keep one")
+    for key, path in (("checkpoint.init_from_hf (--init-from-hf)", checkpoint.init_from_hf),
+                      ("checkpoint.init_from (--init-from)", checkpoint.init_from),
+                      ("checkpoint.load (--load)", checkpoint.load)):
+        if path and not Path(path).exists():
+            raise InputError(f"{key} {path} does not exist")
+
+
 def check_world(config: Config, world: int) -> None:
     """A world of one process cannot hold tp*cp > 1: ConfigError saying how to launch it."""
     ranks = config.parallel.tp * config.parallel.cp * (config.parallel.dp or 1)
@@ -89,18 +131,19 @@ def check_world(config: Config, world: int) -> None:
 def train(argv: list[str]) -> int:
     default = machine_default(argv)
     config, args = parse_args(argv, default_config=default)  # --help and the flags' errors end here
-    from cp_train.cli.launch import stop_with_launcher
-    from cp_train.config.validate import check_input_files, check_schedule, validate, with_accumulation
+    if not args.dry_run:  # missing files first, then the settings derived from them
+        check_input_files(config)
+        check_world(config, int(os.environ.get("WORLD_SIZE", "1")))
+        check_schedule(config)
+    from cp_train.cli.launch import stop_with_launcher  # torch, from here on
+    from cp_train.config.validate import validate, with_accumulation
     from cp_train.parallel.mesh.collectives import trace_collectives
     from cp_train.parallel.mesh.state import parallel_context, world_of_one
 
     stop_with_launcher()
     if args.dry_run:
         return dry_run(config, args, default)
-    check_input_files(config)  # missing files first, then the settings derived from them
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_world(config, world)
-    check_schedule(config)
     config = with_accumulation(config, world)
     dp = validate(config, world)
     from cp_train.trainer import run_training  # the model, FSDP and DCP: after the config holds (fast errors)

@@ -4,14 +4,11 @@ the keys and the numbers."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
 from cp_train.config.fp8_shapes import check_fp8_shapes
 from cp_train.config.schema import Config, ConfigError, field_type
-from cp_train.data.blended import parse_blend
-from cp_train.errors import InputError
 from cp_train.model.config import NORMS
 from cp_train.model.family import get_model_family
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
@@ -283,44 +280,3 @@ def check_parallel_state(config: Config, state: ParallelState, dp: int) -> None:
         raise ValueError(f"parallel.ulysses_size {config.parallel.ulysses_size} differs from the parallel state's "
                          f"Ulysses groups of {ulysses}: initialise it with ulysses_size="
                          f"{config.parallel.ulysses_size}")
-
-
-def check_schedule(config: Config) -> None:
-    """A training run's schedule must leave warmup: ConfigError with the fix when ``schedule.warmup_steps`` is
-    at least ``train.steps`` (checked by the training command, not by the dry run)."""
-    warmup, steps = config.schedule.warmup_steps, config.train.steps
-    if warmup and warmup >= steps:
-        raise ConfigError(f"schedule.warmup_steps {warmup} >= train.steps {steps}: the run would never leave warmup; "
-                          f"lower it (e.g. --lr-warmup-iters {max(1, steps // 10)}, or 0) or raise --train-steps "
-                          f"above {warmup}")
-
-
-def check_input_files(config: Config) -> None:
-    """The files a run reads must exist: checked first, before any setting derived from them is."""
-    data, checkpoint = config.data, config.checkpoint
-    for key, spec in (("data.prefix", data.prefix), ("data.valid_prefix", data.valid_prefix)):
-        try:
-            blend = parse_blend(spec, key) if spec else ()
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        for _, prefix in blend:
-            if prefix.endswith((".bin", ".idx")):
-                continue  # IndexedDataset names the prefix to pass instead
-            for suffix in (".idx", ".bin"):
-                if not Path(prefix + suffix).is_file():
-                    name = Path(prefix).name
-                    raise InputError(f"{key} {prefix}: {prefix}{suffix} is missing; an indexed dataset "
-                                     f"needs both {name}.idx and {name}.bin (make them with cp-train-preprocess)")
-    if data.tokenizer is not None and not Path(data.tokenizer).exists():
-        raise InputError(f"data.tokenizer {data.tokenizer} does not exist: pass a SentencePiece .model, a Hugging "
-                         f"Face tokenizer.json or its directory; train a SentencePiece model on text files with "
-                         f"python -m cp_train.cli.train_tokenizer --input FILE... --vocab-size 8000 "
-                         f"--output-prefix tok")
-    if checkpoint.init_from and checkpoint.init_from_hf:
-        raise ConfigError(f"checkpoint.init_from {checkpoint.init_from} and checkpoint.init_from_hf "
-                          f"{checkpoint.init_from_hf} both name the weights a new run starts from: keep one")
-    for key, path in (("checkpoint.init_from_hf (--init-from-hf)", checkpoint.init_from_hf),
-                      ("checkpoint.init_from (--init-from)", checkpoint.init_from),
-                      ("checkpoint.load (--load)", checkpoint.load)):
-        if path and not Path(path).exists():
-            raise InputError(f"{key} {path} does not exist")

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from cp_train.build import DataSources
+from cp_train.cli.train import check_input_files
 from cp_train.config.flags import parse_args
 from cp_train.config.schema import ConfigError
-from cp_train.config.validate import check_input_files
-from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts, parse_blend, size_weights
+from cp_train.data.blend_spec import parse_blend, size_weights
+from cp_train.data.blended import BlendedDataset, blend_schedule, blended_sample_counts
 from cp_train.data.gpt_dataset import GPTDataset
 from cp_train.data.indexed import IndexedDataset
 from cp_train.errors import InputError

@@ -188,10 +188,11 @@ def test_the_commands_start_without_dynamo_fsdp_or_the_trainer() -> None:
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--config", "launch/configs/cpu-tiny.yaml", "--bogus"]])
+@pytest.mark.parametrize("argv", [["--help"], ["--config", "launch/configs/cpu-tiny.yaml", "--bogus"],
+                                  ["--config", "launch/configs/cpu-tiny.yaml", "--data-path", "/nonexistent/corpus"]])
 def test_the_help_and_a_flags_error_answer_without_torch(argv: list[str]) -> None:
-    """``train.py --help`` and a misspelt flag answer from the config's modules alone: torch (about 1.5 s) is
-    imported once the command line has parsed."""
+    """``train.py --help``, a misspelt flag and a missing data file answer from the config's modules alone: torch
+    (about 1.5 s) is imported once the command line has parsed and the run's files are there."""
     done = subprocess.run([sys.executable, "-X", "importtime", "train.py", *argv], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
@@ -199,7 +200,8 @@ def test_the_help_and_a_flags_error_answer_without_torch(argv: list[str]) -> Non
     if argv == ["--help"]:
         assert done.returncode == 0 and "--cp-size" in done.stdout, done.stderr[-2000:]
     else:
-        assert done.returncode == 2 and "unrecognized arguments: --bogus" in done.stderr
+        assert done.returncode == 2 and ("unrecognized arguments: --bogus" in done.stderr or
+                                         "/nonexistent/corpus.idx is missing" in done.stderr), done.stderr[-2000:]
 
 
 def test_the_library_imports_modules_not_its_public_faces() -> None:

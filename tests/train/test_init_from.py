@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cp_train.checkpoint.weights import init_source
+from cp_train.cli.train import check_input_files
 from cp_train.config.flags import parse_args
 from cp_train.config.schema import ConfigError
-from cp_train.config.validate import check_input_files
 from cp_train.errors import InputError
 from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
 from tests import trainer_cases
