@@ -54,6 +54,28 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def compare_replicas(rows: torch.Tensor, names: list[str]) -> tuple[dict[int, list[str]], int]:
+    """``rows``: every rank's ``[replica set, fingerprint per tensor]`` (``[world, 1 + len(names)]``, by rank).
+    Returns ``({rank: the tensors where it differs from its replicas}, the most replicas of a set)``: within a set,
+    a rank differs where its fingerprint is not the one most of the set holds; without a majority (two replicas that
+    disagree, say) every rank of the set is named for it."""
+    sets: dict[int, list[int]] = {}
+    for rank, key in enumerate(rows[:, 0].tolist()):
+        sets.setdefault(key, []).append(rank)
+    differing: dict[int, list[str]] = {}
+    for ranks in sets.values():
+        held = rows[ranks, 1:]
+        if bool((held == held[:1]).all()):  # the usual case, without a loop over the tensors
+            continue
+        for column, name in enumerate(names, start=1):
+            values = rows[ranks, column].tolist()
+            common, count = Counter(values).most_common(1)[0]
+            for rank, value in zip(ranks, values, strict=True):
+                if value != common or 2 * count <= len(values):  # no majority: each is suspect
+                    differing.setdefault(rank, []).append(name)
+    return differing, max(len(ranks) for ranks in sets.values())
+
+
 class ReplicaCheck:
     """The check of one run: ``config``'s ``train.check_replicas_every`` (0: off), the groups (``state``) and the
     ``model`` whose parameters (the sharded ones the optimizer updates) are compared."""
@@ -83,20 +105,7 @@ class ReplicaCheck:
         rows = torch.empty(world * row.numel(), dtype=torch.int64)
         all_gather_single(rows, row, group=self.state.host_group)
         rows = rows.view(world, row.numel())
-        sets: dict[int, list[int]] = {}
-        for rank, key in enumerate(rows[:, 0].tolist()):
-            sets.setdefault(key, []).append(rank)
-        differing: dict[int, list[str]] = {}  # rank -> the tensors where it differs from most of its replicas
-        for ranks in sets.values():
-            held = rows[ranks, 1:]
-            if bool((held == held[:1]).all()):  # the usual case, without a loop over the tensors
-                continue
-            for column, (name, _) in enumerate(self.named, start=1):
-                values = rows[ranks, column].tolist()
-                common, _ = Counter(values).most_common(1)[0]
-                for rank, value in zip(ranks, values, strict=True):
-                    if value != common:
-                        differing.setdefault(rank, []).append(name)
+        differing, copies = compare_replicas(rows, [name for name, _ in self.named])
         if differing:
             parts = [f"rank {rank}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
                      for rank, names in sorted(differing.items())]
@@ -105,6 +114,5 @@ class ReplicaCheck:
         if self.passed:
             return None
         self.passed = True
-        copies = max(len(ranks) for ranks in sets.values())
         return (f"replica check at step {step}: the {copies} replicas of the weights agree ({len(self.named)} "
                 f"tensors, the {self.group_name}); checked every {self.every} steps")

@@ -123,3 +123,12 @@ def test_a_fingerprint_changes_with_any_bit_or_order(monkeypatch, dtype) -> None
     swapped[[3, 4]] = tensor[[4, 3]]
     moved[:8], moved[8:16] = tensor[8:16], tensor[:8]
     assert len({int(fingerprint(t)) for t in (tensor, flipped, swapped, moved)}) == 4
+
+
+def test_the_ranks_that_differ_from_most_of_their_replicas_are_named() -> None:
+    """Within each set of replicas the rank off the majority is named, per tensor; two replicas that disagree name
+    both; sets are compared apart (``[set, fingerprint per tensor]`` rows by rank)."""
+    names = ["a", "b"]
+    rows = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, 9], [3, 5, 6], [3, 7, 6], [5, 1, 1]])
+    assert replica_check.compare_replicas(rows, names) == ({2: ["b"], 3: ["a"], 4: ["a"]}, 3)
+    assert replica_check.compare_replicas(rows[[0, 1, 5]], names) == ({}, 2)
