@@ -25,8 +25,9 @@ from cp_train.data.blended import (
 )
 from cp_train.data.default_corpus import prepare_default_corpus
 from cp_train.data.gpt_dataset import GPTDataset, train_valid_split
-from cp_train.data.indexed import IndexedDataset, index_path
+from cp_train.data.indexed import IndexedDataset
 from cp_train.data.loader import StepLoader, build_data_loader
+from cp_train.data.sample_index import cache_dir_of
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.errors import InputError, agree
 from cp_train.model.family import get_model_family
@@ -160,16 +161,15 @@ def build_datasets(config: Config, sources: DataSources, state: ParallelState
         tokens = [indexed.num_tokens if docs is None else int(indexed.sequence_lengths[docs].astype(np.int64).sum())
                   for _, indexed, docs in parts]
         weights = size_weights(blend, tokens)
+        key = "data.prefix" if parts[0][2] is not None else "data.valid_prefix"  # whole datasets: valid_prefix's
         schedule = None  # one dataset; a blend's schedule is made once per split and node, then read
         if len(parts) > 1:
             first = parts[0][1].prefix
-            cache_dir = Path(data.cache_dir) if data.cache_dir is not None else index_path(first).parent
-            with input_errors(f"{'data.prefix' if parts[0][2] is not None else 'data.valid_prefix'} {first}"):
-                schedule = cached_blend_schedule(weights, samples, cache_dir, name)
+            with input_errors(f"{key} {first}"):
+                schedule = cached_blend_schedule(weights, samples, cache_dir_of(data.cache_dir, first), name)
         counts = blended_sample_counts(weights, samples, schedule) if schedule is not None else [samples]
         made = []
         for (_, indexed, docs), count in zip(parts, counts, strict=True):
-            key = "data.valid_prefix" if docs is None else "data.prefix"
             with input_errors(f"{key} {indexed.prefix}"):
                 made.append(GPTDataset(indexed, data.seq_len, max(count, 1), name=name, documents=docs, **common))
         return made[0] if schedule is None else BlendedDataset(made, weights, samples, schedule)

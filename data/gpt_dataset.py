@@ -22,8 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cp_train.data.indexed import IndexedDataset, index_path
-from cp_train.data.sample_index import SampleIndices, build_indices, cache_key, load_cached, save_cached
+from cp_train.data.indexed import IndexedDataset
+from cp_train.data.sample_index import (
+    SampleIndices,
+    build_indices,
+    cache_dir_of,
+    cache_key,
+    load_cached,
+    save_cached,
+)
 
 PER_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
 
@@ -100,7 +107,7 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"the {name} split of {indexed.prefix} has {available} tokens, fewer than one "
                 f"sample of seq_len + 1 = {seq_len + 1}; use a shorter seq_len, a larger split "
                 f"fraction or more data")
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else index_path(indexed.prefix).parent
+        self.cache_dir = cache_dir_of(cache_dir, indexed.prefix)
         key = cache_key(sizes, documents, seq_len, num_samples, seed)
         self.cache_stem = f"{Path(indexed.prefix).name}.{name}.{key}"
         cached = load_cached(self.cache_dir, self.cache_stem)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cp_train.data.indexed import partial_name
+from cp_train.data.indexed import index_path, partial_name
 
 CACHE_FORMAT = 2  # 2: epochs and sample blocks seeded one by one
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
@@ -86,6 +86,11 @@ def cache_key(sizes: np.ndarray, documents: np.ndarray, seq_len: int, num_sample
     digest.update(json.dumps({"format": CACHE_FORMAT, "seq_len": seq_len,
                               "num_samples": num_samples, "seed": seed}).encode())
     return digest.hexdigest()[:20]
+
+
+def cache_dir_of(cache_dir: str | Path | None, prefix: str | Path) -> Path:
+    """Where the caches of the dataset at ``prefix`` go: ``cache_dir`` (``data.cache_dir``), else beside its files."""
+    return Path(cache_dir) if cache_dir is not None else index_path(prefix).parent
 
 
 def cache_paths(cache_dir: Path, stem: str) -> dict[str, Path]:

@@ -106,4 +106,3 @@ def add_megatron_counts(parser: argparse.ArgumentParser) -> None:
     for name, (kind, text) in MEGATRON_COUNTS.items():
         group.add_argument(f"--{name}", dest=MEGATRON_COUNT_DEST + name, type=kind, default=None,
                            metavar="F" if kind is fraction else "N", help=text)
-

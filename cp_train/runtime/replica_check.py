@@ -87,7 +87,7 @@ class ReplicaCheck:
         hsdp = config.parallel.fsdp and state.dp_replicate_axis is not None
         replicas = state.dp_replicate_axis if hsdp else state.dp_cp
         self.group_name = "HSDP replicas" if hsdp else "dp x cp group"
-        self.replica_set = min(replicas.ranks) if replicas is not None else dist.get_rank()  # names this rank's set
+        self.replica_set = min(replicas.ranks)  # names this rank's set of replicas
         self.passed = False
 
     def due(self, step: int) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 import cp_train.data.gpt_dataset as gpt_dataset_module
 from cp_train.data.gpt_dataset import GPTDataset, cu_seqlens, split_documents, train_valid_split
-from cp_train.data.indexed import IndexedDataset, IndexedDatasetWriter
+from cp_train.data.indexed import IndexedDataset, IndexedDatasetWriter, index_path
 from cp_train.data.sample_index import samples_per_block
 
 EOD, PAD = 2, 3
@@ -87,7 +87,7 @@ def test_cache_is_reused_not_rebuilt(indexed, monkeypatch):
     cached = sorted(p.name for p in first.cache_dir.glob(f"{first.cache_stem}*"))
     assert cached == sorted(f"{first.cache_stem}.{suffix}" for suffix in (
         "json", "document_index.npy", "sample_index.npy", "shuffle_index.npy"))
-    assert first.cache_dir.samefile(gpt_dataset_module.index_path(indexed.prefix).parent)
+    assert first.cache_dir.samefile(index_path(indexed.prefix).parent)
 
     def no_rebuild(*args, **kwargs):
         raise AssertionError("indices rebuilt although a cache exists")
