@@ -9,7 +9,8 @@ On top of the state, three moments of a step compete for the peak (``phase_bytes
 copies ("gathered") and its activations (``activations.py``):
 
 - the head's backward in the last micro-batch: every block's activations, the head's working set; FSDP's
-  gathered root and last block (every block without resharding after forward), or autocast's bf16 copies of
+  gathered root and last block (every block without resharding after forward; tensorwise FP8 gathers the block
+  linears' weights at 1 byte, ``gathered_in_fp8``), or autocast's bf16 copies of
   the weights without FSDP; the unsharded fp32 gradients of every parameter while gradients accumulate
   (FSDP with ``parallel.fsdp_reduce`` per_step, in place of the sharded ones the state counts; DDP keeps the
   earlier micro-batches' gradients outside its buckets);
@@ -50,6 +51,7 @@ from cp_train.model.shards import tensor_parallel_dim
 from cp_train.optim import adamw_implementation, build_optimizer
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.mesh.rank_groups import ParallelDims
+from cp_train.parallel.tp.fp8 import fsdp_gathers_fp8
 
 GIB = 2.0**30
 RESERVE_GIB, RESERVE_FRACTION = 3.0, 0.05  # the default reserve: the CUDA context, NCCL, fragmentation
@@ -177,11 +179,14 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
     """``(gathered, activation)`` bytes of one rank at each moment of ``PHASES`` (see the module doc); ``state``:
     the rank's parameter and gradient bytes."""
     tp_local = {name: p.numel() // (dims.tp if tensor_parallel_dim(p) is not None else 1) for name, p in full.items()}
-    layers = config.model.num_layers
+    layers, in_fp8 = config.model.num_layers, gathered_in_fp8(config, full, dims)
     blocks, root = [0] * layers, 0  # each block's parameters ("layers.{i}.*") and the rest's
+    gathered = [0] * layers  # each block's bytes gathered: compute, 1 for weights FSDP gathers in FP8
     for name, n in tp_local.items():
         if name.startswith("layers."):
-            blocks[int(name.split(".", 2)[1])] += n
+            index = int(name.split(".", 2)[1])
+            blocks[index] += n
+            gathered[index] += n * (1 if name in in_fp8 else compute)
         else:
             root += n
     every = root + sum(blocks)
@@ -192,8 +197,8 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
         # the unsharded fp32 gradients summed over the micro-batches, in place of the sharded ones (counted in the
         # state), which the last micro-batch's reduce-scatters make as they free them
         kept = max(0, 4 * every - state[1]) if accumulating and _reduces_per_step(config) else 0
-        at_head = compute * (root + (blocks[-1] if reshard else sum(blocks))) + kept
-        at_block = compute * (root + (min(2, layers) * max(blocks) if reshard else sum(blocks)))
+        at_head = compute * root + (gathered[-1] if reshard else sum(gathered)) + kept
+        at_block = compute * root + (min(2, layers) * max(gathered) if reshard else sum(gathered))
         at_block += (kept or compute * (head_weight + max(blocks))) + 4 * max(blocks)  # + a reduce-scatter in flight
         held = 0  # the head's gradient is the root's unsharded gradient above
     else:
@@ -205,6 +210,24 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
     return {"head": (at_head, activations["blocks"] + activations["head"] + activations["head_backward"]),
             "block": (at_block, activations["blocks"] + activations["window"] + activations["block_backward"] + held),
             "optimizer": (state[0] if foreach else 0, 0)}
+
+
+def gathered_in_fp8(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims) -> set[str]:
+    """The block weights FSDP all-gathers in FP8, 1 byte an element (``parallel/tp/fp8.py``): under tensorwise FP8
+    with FSDP, the TP linears' weights of ``ModelConfig.fp8_blocks`` whose sharded dim splits evenly."""
+    if config.model.fp8 != "tensorwise" or not config.parallel.fsdp:
+        return set()
+    shards, chosen = dims.data // config.parallel.dp_replicate, set(config.model.fp8_blocks)
+    names = set()
+    for name, param in full.items():
+        tp_dim, parts = tensor_parallel_dim(param), name.split(".", 2)
+        if parts[0] != "layers" or int(parts[1]) not in chosen or param.dim() != 2 or tp_dim is None:
+            continue
+        shape = list(param.shape)
+        shape[tp_dim] //= dims.tp
+        if fsdp_gathers_fp8(shape, tp_dim == 0, dims.tp, shards):
+            names.add(name)
+    return names
 
 
 def dry_run_vocab(config: Config) -> int:

@@ -18,6 +18,7 @@ from cp_train.memory import dry_run
 from cp_train.memory.dry_run import GIB, RankMemory, memory_plan
 from cp_train.memory.dry_run_report import report, shrink_hint
 from cp_train.memory.fsdp_reduce import resolve_fsdp_reduce, with_reduce
+from cp_train.model.family import get_model_family
 from cp_train.optim import build_optimizer
 from cp_train.parallel.mesh.state import ParallelDims, run_with_parallel
 from tests import dry_run_cases, trainer_cases
@@ -103,6 +104,20 @@ def test_fsdp_reduce_auto_is_per_step_where_it_fits_else_per_microbatch() -> Non
     text = report(config, 8, tight + 10, "8b", reserve_gib=10).text.splitlines()
     assert text[1].startswith("parallel.fsdp_reduce auto: per_microbatch (per_step needs"), text[1]
     assert text[-1].startswith("fits:"), text[-1]
+
+
+def test_tensorwise_fp8_gathers_the_block_linears_at_one_byte() -> None:
+    """8B, cp 8, FSDP: a block's backward holds two gathered blocks; tensorwise gathers their linear weights in FP8
+    (1 byte, not bf16's 2), rowwise in bf16; over 24 ranks (dp 3) only the q/k/v weight (6,144 rows) splits evenly,
+    and the others gather in bf16."""
+    linears = {x.name: x.in_features * x.out_features for x in get_model_family("llama").block_linears(_8b().model)}
+    plans = {fp8: memory_plan(_8b(f"model.fp8={fp8}"), 8, only=[0])[1][0] for fp8 in ("none", "tensorwise", "rowwise")}
+    assert {plan.phase for plan in plans.values()} == {"block"}, plans
+    assert plans["none"].gathered_bytes - plans["tensorwise"].gathered_bytes == 2 * sum(linears.values()), plans
+    assert plans["rowwise"] == plans["none"], plans
+    uneven = [memory_plan(_8b(f"model.fp8={fp8}", "train.global_batch_size=3"), 24, only=[0])[1][0]
+              for fp8 in ("none", "tensorwise")]
+    assert uneven[0].gathered_bytes - uneven[1].gathered_bytes == 2 * linears["qkv"], (uneven, linears)
 
 
 def test_the_hints_name_micro_batches_the_fsdp_reduction_checkpointing_and_sequence_parallelism() -> None:
