@@ -6,7 +6,7 @@ One installed package: the trainer and its commands here, with ``cp_train.model`
 
 from __future__ import annotations
 
-import importlib
+from cp_train.lazy_exports import lazy_exports
 
 _EXPORTS = {  # public name -> the module that defines it
     "Config": "cp_train.config.schema",
@@ -16,13 +16,4 @@ _EXPORTS = {  # public name -> the module that defines it
     "main": "cp_train.cli.train",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:  # PEP 562: load a name's module on first use
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

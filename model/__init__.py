@@ -5,7 +5,7 @@ Loaded lazily (see ``cp_train.parallel``); FSDP2 for this model is ``cp_train.mo
 
 from __future__ import annotations
 
-import importlib
+from cp_train.lazy_exports import lazy_exports
 
 _EXPORTS = {  # public name -> the module that defines it
     "GPTModel": "cp_train.model.gpt",
@@ -21,13 +21,4 @@ _EXPORTS = {  # public name -> the module that defines it
     "get_model_family": "cp_train.model.family",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:  # PEP 562: load a name's module on first use
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

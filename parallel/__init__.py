@@ -7,7 +7,7 @@ imports. The library's own modules import from the defining modules, never from 
 
 from __future__ import annotations
 
-import importlib
+from cp_train.lazy_exports import lazy_exports
 
 _EXPORTS = {  # public name -> the module that defines it
     "ring_flash_attn_func": "cp_train.parallel.cp.dropins",
@@ -60,13 +60,4 @@ _EXPORTS = {  # public name -> the module that defines it
     "free_port": "cp_train.parallel.spawn",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:  # PEP 562: load a name's module on first use
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
