@@ -7,7 +7,9 @@ Sample ``k`` of dataset ``d`` is placed at the ideal time ``(k + 0.5) / w_d`` (w
 and all samples are served in order of that time (ties: lower dataset first). Every prefix of
 the stream holds each dataset within ``(D - 1) / 2`` samples of its exact share for ``D >= 2``
 datasets (half a sample for two), with no randomness. The schedule of a run is made once per node and kept beside
-the sample indices (``cached_blend_schedule``), memory-mapped by every rank in 6 bytes a sample.
+the sample indices (``cached_blend_schedule``), memory-mapped by every rank in 6 bytes a sample; it is made window
+by window of ideal time straight into those files, so making it holds one window (``WINDOW_SAMPLES``) in memory
+whatever the run's length.
 """
 
 from __future__ import annotations
@@ -23,24 +25,48 @@ import torch
 
 from cp_train.data.indexed import partial_name
 
+WINDOW_SAMPLES = 1 << 20  # samples per window of ideal time the schedule is sorted in (~50 bytes each at work)
 
-def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset id, sample id within that dataset) for each of ``num_samples`` samples (int64)."""
+
+def _shares(weights: Sequence[float]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or np.any(w < 0) or w.sum() <= 0:
         raise ValueError(f"blend weights {list(weights)} must be non-negative with a positive sum")
-    w = w / w.sum()
-    times, dataset_ids, sample_ids = [], [], []
-    for d, share in enumerate(w):
-        if share == 0:
-            continue
-        count = int(np.ceil(share * num_samples + len(w) / 2)) + 1  # > any prefix can take
-        k = np.arange(count, dtype=np.int64)
-        times.append((k + 0.5) / share)
-        dataset_ids.append(np.full(count, d, dtype=np.int64))
-        sample_ids.append(k)
-    order = np.lexsort((np.concatenate(dataset_ids), np.concatenate(times)))[:num_samples]
-    return np.concatenate(dataset_ids)[order], np.concatenate(sample_ids)[order]
+    return w / w.sum()
+
+
+def _fill_schedule(share: np.ndarray, dataset_ids: np.ndarray, sample_ids: np.ndarray) -> None:
+    """Write the schedule of ``share`` (normalised weights) into ``dataset_ids`` and ``sample_ids`` (1-D, one entry
+    per sample; any integer dtypes, memory-mapped files too), window by window of ideal time: each window's samples
+    (times in ``[end - WINDOW_SAMPLES, end)``, about that many: the shares sum to one sample per unit of time) are
+    sorted on (time, dataset) apart, the same order as one sort of them all, with one window's memory at work."""
+    num_samples, taken, written, end = len(dataset_ids), np.zeros(len(share), dtype=np.int64), 0, 0.0
+    while written < num_samples:
+        end += WINDOW_SAMPLES
+        times, ids, ks = [], [], []
+        for d, rate in enumerate(share):
+            if rate == 0:
+                continue
+            k = np.arange(taken[d], max(taken[d], int(np.ceil(end * rate)) + 1), dtype=np.int64)
+            t = (k + 0.5) / rate  # non-decreasing in k: the window takes a prefix of the candidates
+            inside = int(np.searchsorted(t, end, side="left"))
+            times.append(t[:inside])
+            ks.append(k[:inside])
+            ids.append(np.full(inside, d, dtype=np.int64))
+            taken[d] += inside
+        window_ids, window_ks = np.concatenate(ids), np.concatenate(ks)
+        order = np.lexsort((window_ids, np.concatenate(times)))[:num_samples - written]
+        dataset_ids[written:written + len(order)] = window_ids[order]
+        sample_ids[written:written + len(order)] = window_ks[order]
+        written += len(order)
+
+
+def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset id, sample id within that dataset) for each of ``num_samples`` samples (int64)."""
+    share = _shares(weights)
+    dataset_ids, sample_ids = np.empty(num_samples, dtype=np.int64), np.empty(num_samples, dtype=np.int64)
+    _fill_schedule(share, dataset_ids, sample_ids)
+    return dataset_ids, sample_ids
 
 
 Schedule = tuple[np.ndarray, np.ndarray]  # blend_schedule's (dataset ids, sample ids)
@@ -59,14 +85,19 @@ def cached_blend_schedule(weights: Sequence[float], num_samples: int, cache_dir:
     paths = [cache_dir / f"blend.{name}.{key}.{part}.npy" for part in ("dataset_ids", "sample_ids")]
     if all(path.is_file() for path in paths):
         return tuple(np.load(path, mmap_mode="r") for path in paths)  # type: ignore[return-value]
-    dataset_ids, sample_ids = blend_schedule(weights, num_samples)
-    compact = (dataset_ids.astype(np.int16 if len(weights) <= np.iinfo(np.int16).max else np.int32),
-               sample_ids.astype(np.int32 if sample_ids.max(initial=0) <= np.iinfo(np.int32).max else np.int64))
+    share = _shares(weights)
+    largest = num_samples + len(weights) + 1  # a sample id is below any dataset's count of samples (<= this)
+    dtypes = (np.int16 if len(weights) <= np.iinfo(np.int16).max else np.int32,
+              np.int32 if largest <= np.iinfo(np.int32).max else np.int64)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    for path, array in zip(paths, compact, strict=True):
-        partial = partial_name(path)
-        with open(partial, "wb") as handle:
-            np.save(handle, array)
+    partials = [partial_name(path) for path in paths]
+    arrays = [np.lib.format.open_memmap(partial, mode="w+", dtype=dtype, shape=(num_samples,))
+              for partial, dtype in zip(partials, dtypes, strict=True)]
+    _fill_schedule(share, *arrays)  # straight into the files: no copy of the schedule in memory
+    for array in arrays:
+        array.flush()
+    del arrays
+    for partial, path in zip(partials, paths, strict=True):
         os.replace(partial, path)
     return tuple(np.load(path, mmap_mode="r") for path in paths)  # type: ignore[return-value]
 

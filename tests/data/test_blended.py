@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.blend import one_sort_schedule
 from cp_train.build import DataSources
 from cp_train.cli.train import check_input_files
 from cp_train.config.flags import parse_args
@@ -73,7 +74,7 @@ def test_a_blends_schedule_is_made_once_and_read_memory_mapped(tmp_path, monkeyp
     def refuse(*args):
         raise AssertionError("made again")
 
-    monkeypatch.setattr(blended, "blend_schedule", refuse)
+    monkeypatch.setattr(blended, "_fill_schedule", refuse)
     again = blended.cached_blend_schedule(weights, samples, tmp_path, "train")
     assert all(np.array_equal(a, b) for a, b in zip(again, expected, strict=True))
     with pytest.raises(AssertionError, match="made again"):
@@ -81,6 +82,23 @@ def test_a_blends_schedule_is_made_once_and_read_memory_mapped(tmp_path, monkeyp
     counts = blended_sample_counts(weights, samples, again)
     dataset = BlendedDataset([_Sized(c) for c in counts], weights, samples, again)
     assert dataset.dataset_ids is again[0]
+
+
+@pytest.mark.parametrize("window", [7, 100, 1 << 20])
+def test_the_schedule_made_window_by_window_is_one_sort_of_every_sample(window, monkeypatch, tmp_path):
+    """Windows of ideal time sorted apart give the order of one sort of every sample (ties across a window's end
+    included: equal weights tie at every step), cached or not, with a window's memory at work."""
+    from cp_train.data import blended
+
+    monkeypatch.setattr(blended, "WINDOW_SAMPLES", window)
+    rng = np.random.default_rng(0)
+    for weights in [(1, 1, 1), (2, 1), (1, 0, 1), (1e-4, 1, 1), tuple(rng.random(30) + 1e-3), (4, 2, 2, 1)]:
+        for samples in (1, 997, 2500):
+            expected = one_sort_schedule(weights, samples)
+            made = blend_schedule(weights, samples)
+            cached = blended.cached_blend_schedule(weights, samples, tmp_path, "train")
+            for got in (made, cached):
+                assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), (weights, samples)
 
 
 def test_zero_weight_is_never_drawn():
