@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import cp_train.data.gpt_dataset as gpt_dataset_module
+from cp_train.data import sample_index
 from cp_train.data.gpt_dataset import GPTDataset, cu_seqlens, split_documents, train_valid_split
 from cp_train.data.indexed import IndexedDataset, IndexedDatasetWriter, index_path
-from cp_train.data.sample_index import samples_per_block
+from cp_train.data.sample_index import build_indices, samples_per_block
 
 EOD, PAD = 2, 3
 
@@ -29,9 +30,13 @@ def indexed(tmp_path) -> IndexedDataset:
     return make_indexed(tmp_path / "docs")
 
 
-def test_samples_equal_naive_concatenation_of_shuffled_documents(indexed):
+@pytest.mark.parametrize("chunk", [1, 5, sample_index.CHUNK_DOCUMENTS])
+def test_samples_equal_naive_concatenation_of_shuffled_documents(indexed, monkeypatch, chunk):
+    """Whatever the chunk of documents the sample index is found by (``CHUNK_DOCUMENTS``); int32 indices."""
+    monkeypatch.setattr(sample_index, "CHUNK_DOCUMENTS", chunk)
     seq_len, num_samples = 16, 120  # several epochs of ~350 tokens
     ds = GPTDataset(indexed, seq_len, num_samples, seed=7)
+    assert {np.asarray(getattr(ds.indices, name)).dtype for name in sample_index.INDEX_NAMES} == {np.dtype(np.int32)}
     order = np.asarray(ds.indices.document_index)
     docs = np.arange(len(indexed))
     epochs = len(order) // len(docs)
@@ -60,6 +65,26 @@ def test_samples_equal_naive_concatenation_of_shuffled_documents(indexed):
         assert item["loss_mask"].dtype == torch.float32
         np.testing.assert_array_equal(item["tokens"].numpy(), tokens[:-1])
         np.testing.assert_array_equal(item["labels"].numpy(), tokens[1:])
+
+
+def test_a_sample_starts_in_the_document_holding_its_first_token_empty_ones_skipped(monkeypatch):
+    """Row j of the sample index: the document (by position in the document index) whose tokens hold token
+    ``j * seq_len`` of the concatenation, and the offset there; empty documents hold no token. Chunks of 1 and 3
+    documents and one chunk agree."""
+    sizes = np.array([0, 5, 0, 0, 7, 1, 0, 3, 9, 0, 2], dtype=np.int32)
+    documents = np.arange(len(sizes))
+    found = []
+    for chunk in (1, 3, 1 << 22):
+        monkeypatch.setattr(sample_index, "CHUNK_DOCUMENTS", chunk)
+        found.append(build_indices(sizes, documents, 4, 30, seed=3))
+    for indices in found[1:]:
+        assert all(np.array_equal(getattr(indices, n), getattr(found[0], n)) for n in sample_index.INDEX_NAMES)
+    indices = found[0]
+    ends = np.cumsum(sizes[indices.document_index])
+    for j, (position, offset) in enumerate(indices.sample_index.tolist()):
+        start = ends[position] - sizes[indices.document_index[position]]
+        assert sizes[indices.document_index[position]] > 0 and start <= j * 4 < ends[position], (j, position)
+        assert offset == j * 4 - start
 
 
 def test_more_samples_continue_the_same_stream(tmp_path, indexed):
