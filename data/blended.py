@@ -106,7 +106,10 @@ def blended_sample_counts(weights: Sequence[float], num_samples: int, schedule: 
     """How many samples each dataset must have for a blend of ``num_samples`` (from ``schedule``, the blend's
     ``blend_schedule`` when already made)."""
     dataset_ids, _ = schedule if schedule is not None else blend_schedule(weights, num_samples)
-    return np.bincount(dataset_ids, minlength=len(weights)).tolist()
+    counts = np.zeros(len(weights), dtype=np.int64)
+    for start in range(0, len(dataset_ids), WINDOW_SAMPLES):  # bincount copies its input to int64: a window at once
+        counts += np.bincount(dataset_ids[start:start + WINDOW_SAMPLES], minlength=len(weights))
+    return counts.tolist()
 
 
 class BlendedDataset(torch.utils.data.Dataset):

@@ -99,6 +99,8 @@ def test_the_schedule_made_window_by_window_is_one_sort_of_every_sample(window, 
             cached = blended.cached_blend_schedule(weights, samples, tmp_path, "train")
             for got in (made, cached):
                 assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), (weights, samples)
+            counts = np.bincount(expected[0], minlength=len(weights)).tolist()
+            assert blended.blended_sample_counts(weights, samples, cached) == counts  # counted window by window
 
 
 def test_zero_weight_is_never_drawn():
