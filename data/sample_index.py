@@ -75,8 +75,8 @@ def build_indices(sizes: np.ndarray, documents: np.ndarray, seq_len: int, num_sa
     for e in range(num_epochs):
         document_index[e * len(documents):(e + 1) * len(documents)] = \
             documents[_generator(seed, 0, e).permutation(len(documents))]
-    largest_offset = int(sizes[documents].max(initial=0)) + seq_len
-    sample_index = np.empty((indexed_samples + 1, 2), dtype=index_dtype(max(len(document_index), largest_offset)))
+    longest = int(sizes[documents].max(initial=0))  # an offset is inside its document
+    sample_index = np.empty((indexed_samples + 1, 2), dtype=index_dtype(max(len(document_index), longest)))
     _fill_sample_index(sizes, document_index, seq_len, sample_index)
     shuffle_index = np.empty(num_samples, dtype=index_dtype(indexed_samples))
     for b in range(blocks):
