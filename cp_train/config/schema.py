@@ -3,8 +3,8 @@
 
 Precedence (lowest first): dataclass defaults < the YAML file < command-line flags (``flags.py``)
 < ``--set section.key=value`` overrides. Unknown sections or keys are errors naming the key;
-values are coerced to the field's type (``"3e-4"`` -> float, ``"true"`` -> bool, ``"null"`` -> None
-where the field allows it). ``validate`` checks a config against a world size and raises
+values are coerced to the field's type by ``sources.coerce`` (``"3e-4"`` -> float, ``"true"`` -> bool,
+``"null"`` -> None where the field allows it). ``validate`` checks a config against a world size and raises
 ``ConfigError`` naming the keys and the numbers.
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -249,72 +247,6 @@ def field_type(key: str) -> Any:
 def _suggest(name: str, choices: typing.Iterable[str], prefix: str = "") -> str:
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {prefix + close[0]!r}?)" if close else ""
-
-
-_TRUE, _FALSE, _NULL = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}, {"null", "none", "~"}
-
-
-def coerce(key: str, value: Any, kind: Any) -> Any:
-    """``value`` as ``kind`` (int, float, bool, str, list[str] or an Optional of them); ConfigError naming
-    ``key``. Floats must be finite; a list may be given as a comma-separated string."""
-    args = typing.get_args(kind)
-    is_null = value is None or (isinstance(value, str) and value.strip().lower() in _NULL)
-    if typing.get_origin(kind) is list:
-        if is_null:
-            return []
-        items = value if isinstance(value, list | tuple) else str(value).split(",")
-        return [coerce(key, item, args[0]) for item in items if str(item).strip()]
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        if is_null:
-            return None
-        kind = next(a for a in args if a is not type(None))
-        if typing.get_origin(kind) is list:  # an optional list (model.layer_types): null stays None
-            return coerce(key, value, kind)
-    if kind is str and isinstance(value, str) and value.strip():
-        return value.strip()  # a required string is itself, "none" included (a mode's name)
-    if is_null:
-        raise ConfigError(f"{key} must not be null (expects {kind.__name__})")
-    if typing.get_origin(kind) is dict:
-        return _mapping(key, value)
-    text = str(value).strip()
-    try:
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            if text.lower() in _TRUE | _FALSE:
-                return text.lower() in _TRUE
-            raise ValueError
-        if kind is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value) if isinstance(value, int | float) else int(text)
-        if kind is float:
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value) if isinstance(value, int | float) else float(text)
-        elif kind is str:
-            return text
-        else:
-            raise ConfigError(f"{key} has an unsupported type {kind}")
-    except ConfigError:
-        raise
-    except (ValueError, OverflowError):
-        raise ConfigError(f"{key} expects {kind.__name__}, got {value!r}") from None
-    if not math.isfinite(number):
-        raise ConfigError(f"{key} must be a finite number, got {value!r}")
-    return number
-
-
-def _mapping(key: str, value: Any) -> dict[str, Any]:
-    """A mapping value: a dict (YAML) or its YAML/JSON text (flags, ``--set``)."""
-    if isinstance(value, str):
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError:
-            pass
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key} expects a mapping such as {{rope_type: llama3, factor: 8.0}}, got {value!r}")
-    return dict(value)
 
 
 def dump_yaml(config: Config) -> str:

@@ -1,9 +1,11 @@
 """Where a config comes from: a YAML file, command-line flags and ``--set key=value`` overrides, layered
-onto the defaults by ``build_config`` (later wins)."""
+onto the defaults by ``build_config`` (later wins), each value coerced to its key's type (``coerce``)."""
 
 from __future__ import annotations
 
 import importlib
+import math
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import yaml
 
 from cp_train.config.hf_init import apply_hf_model
-from cp_train.config.schema import Config, ConfigError, coerce, field_type
+from cp_train.config.schema import Config, ConfigError, field_type
 
 # old key -> new key (still read, with a one-line note), for one release after the rename
 DEPRECATED_KEYS = {"model.attention_layout": "parallel.cp_layout", "train.eval_interval": "train.valid_interval",
@@ -151,3 +153,69 @@ def parse_override(text: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} must look like section.key=value (e.g. model.hidden_size=512)")
     return key.strip(), value.strip()
+
+
+_TRUE, _FALSE, _NULL = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}, {"null", "none", "~"}
+
+
+def coerce(key: str, value: Any, kind: Any) -> Any:
+    """``value`` as ``kind`` (int, float, bool, str, list[str] or an Optional of them); ConfigError naming
+    ``key``. Floats must be finite; a list may be given as a comma-separated string."""
+    args = typing.get_args(kind)
+    is_null = value is None or (isinstance(value, str) and value.strip().lower() in _NULL)
+    if typing.get_origin(kind) is list:
+        if is_null:
+            return []
+        items = value if isinstance(value, list | tuple) else str(value).split(",")
+        return [coerce(key, item, args[0]) for item in items if str(item).strip()]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if is_null:
+            return None
+        kind = next(a for a in args if a is not type(None))
+        if typing.get_origin(kind) is list:  # an optional list (model.layer_types): null stays None
+            return coerce(key, value, kind)
+    if kind is str and isinstance(value, str) and value.strip():
+        return value.strip()  # a required string is itself, "none" included (a mode's name)
+    if is_null:
+        raise ConfigError(f"{key} must not be null (expects {kind.__name__})")
+    if typing.get_origin(kind) is dict:
+        return _mapping(key, value)
+    text = str(value).strip()
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if text.lower() in _TRUE | _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value) if isinstance(value, int | float) else int(text)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value) if isinstance(value, int | float) else float(text)
+        elif kind is str:
+            return text
+        else:
+            raise ConfigError(f"{key} has an unsupported type {kind}")
+    except ConfigError:
+        raise
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{key} expects {kind.__name__}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    return number
+
+
+def _mapping(key: str, value: Any) -> dict[str, Any]:
+    """A mapping value: a dict (YAML) or its YAML/JSON text (flags, ``--set``)."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} expects a mapping such as {{rope_type: llama3, factor: 8.0}}, got {value!r}")
+    return dict(value)

@@ -38,17 +38,18 @@ from typing import Any
 
 import torch
 
-from cp_train.config.schema import Config, ConfigError, OptimizerConfig
+from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
 from cp_train.data.default_corpus import DEFAULT_VOCAB_SIZE
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.memory.activations import activation_estimate, shapes_of
 from cp_train.memory.offload import offload_plan
+from cp_train.memory.state_bytes import optimizer_state_bytes
 from cp_train.model.config import ModelConfig
 from cp_train.model.meta import meta_model
 from cp_train.model.parallelize import fsdp_shard_dim
 from cp_train.model.shards import tensor_parallel_dim
-from cp_train.optim import adamw_implementation, build_optimizer
+from cp_train.optim import adamw_implementation
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.mesh.rank_groups import ParallelDims
 from cp_train.parallel.tp.fp8 import fsdp_gathers_fp8
@@ -138,33 +139,6 @@ def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: Parall
         held.append(shape)
         stored.append(padded.numel() * 4)
     return sum(stored), sum(stored), optimizer_state_bytes(config.optimizer, held)
-
-
-def optimizer_state_bytes(optimizer: OptimizerConfig, shapes: list[torch.Size]) -> int:
-    """The bytes of the state AdamW (``build_optimizer``) keeps for fp32 parameters of ``shapes`` (moments and
-    step counts), without running it on them: from one step on a small probe per number of dims."""
-    key = dataclasses.astuple(optimizer)
-    return sum(nbytes // 3 ** len(shape) * shape.numel() if scales else nbytes
-               for shape in shapes for scales, nbytes in _state_layout(optimizer, key, len(shape)))
-
-
-_LAYOUTS: dict[tuple, tuple[tuple[bool, int], ...]] = {}  # state per parameter, by (optimizer, dims)
-
-
-def _state_layout(optimizer: OptimizerConfig, key: tuple, dims: int) -> tuple[tuple[bool, int], ...]:
-    """The state AdamW (``optimizer``, ``key`` its values) keeps for an fp32 parameter of ``dims`` dims, as
-    ``(scales, bytes)`` per state tensor: what one step of the real optimizer makes for a meta probe of that many
-    dims (3 x ... x 3), each state tensor either of the parameter's shape (``scales``: ``bytes`` is the probe's)
-    or of its own size (the step count)."""
-    if (key, dims) not in _LAYOUTS:
-        probe = torch.nn.Parameter(torch.empty((3,) * dims, device="meta"))
-        probe.grad = torch.empty_like(probe)
-        adamw = build_optimizer(torch.nn.ParameterList([probe]), replace(optimizer, implementation="foreach"),
-                                torch.device("meta"))  # the same state as fused, which meta tensors refuse
-        adamw.step()  # AdamW creates its state (on the meta device, the step count on the CPU)
-        _LAYOUTS[key, dims] = tuple((value.shape == probe.shape and dims > 0, value.numel() * value.element_size())
-                                    for value in adamw.state[probe].values() if torch.is_tensor(value))
-    return _LAYOUTS[key, dims]
 
 
 def _reduces_per_step(config: Config) -> bool:
