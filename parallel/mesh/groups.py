@@ -123,17 +123,36 @@ def init_default_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, timeout=timeout)
 
 
+def _splits_from_default() -> bool:
+    """Whether an axis's groups come from one ``dist.split_group`` call: where the default group is bound to this
+    rank's device (``init_default_group`` binds it under NCCL) and its backend there can split. One call is one
+    ncclCommSplit of the default group for every group of the axis, as DeviceMesh creates its dims' groups;
+    ``new_group`` under a bound NCCL group is a split of the whole world as well, one for each group (each rank
+    joins every one of them, as a non-member in all but its own)."""
+    default = dist.distributed_c10d._get_default_group()
+    device = getattr(default, "bound_device_id", None)
+    if device is None or not hasattr(dist, "split_group") or not torch.accelerator.is_available():
+        return False
+    return bool(getattr(default._get_backend(device), "supports_splitting", False))
+
+
 def _subgroups(groups: Groups, backend: str, timeout: timedelta, high_priority: bool = False) -> AxisGroup:
-    """Create every group of ``groups`` (every rank creates all of them, in order) and return this rank's."""
-    mine = None
-    for ranks in groups:
+    """Create every group of ``groups`` (every rank, in the same order) and return this rank's: one collective
+    split of the default group where it can (``_splits_from_default``), else one ``new_group`` per group."""
+    me = dist.get_rank()
+    ranks = next(members for members in groups if me in members)
+    if _splits_from_default():
         override = _subgroup_override(backend, timeout, high_priority)
-        group = dist.new_group(list(ranks), timeout=timeout, backend=backend,
-                               pg_options=override[1] if override else None)
-        if dist.get_rank() in ranks:
-            mine = AxisGroup(size=len(ranks), rank=ranks.index(dist.get_rank()), group=group, ranks=ranks)
-    assert mine is not None
-    return mine
+        group = dist.split_group(split_ranks=[list(members) for members in groups], timeout=timeout,
+                                 pg_options=override[1] if override else None)
+    else:
+        for members in groups:
+            override = _subgroup_override(backend, timeout, high_priority)  # a new options object per group
+            created = dist.new_group(list(members), timeout=timeout, backend=backend,
+                                     pg_options=override[1] if override else None)
+            if members == ranks:
+                group = created
+    return AxisGroup(size=len(ranks), rank=ranks.index(me), group=group, ranks=ranks)
 
 
 def build_state(dims: ParallelDims, backend: str, timeout: timedelta, created: bool,
