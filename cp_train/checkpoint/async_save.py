@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.staging import StateDictStager
 
 from cp_train.checkpoint.dcp import ShardedState, save_checkpoint, write_checkpoint
 from cp_train.checkpoint.rng import capture_rng_state
+from cp_train.parallel.mesh.open_files import gloo_group_of_every_rank
 from cp_train.parallel.mesh.state import ParallelState
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class CheckpointSaver:
         self.pending: Future | None = None
         self.waited_s = 0.0  # how long the step waited for the host copy of the save in flight
         if background and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
+            self.group = gloo_group_of_every_rank(timeout)
 
     def save(self, root: str | os.PathLike, step: int, sharded: ShardedState, meta: dict[str, Any],
              keep: int = 0) -> list[str]:

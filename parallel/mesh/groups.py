@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cp_train.parallel.cp.algorithms.registry import CPAlgorithm
 from cp_train.parallel.mesh.model_parallel import CPGroups, ModelParallel, register_grad_group
+from cp_train.parallel.mesh.open_files import gloo_group_of_every_rank
 from cp_train.parallel.mesh.rank_groups import DATA_AXES, DATA_AXIS, Groups, ParallelDims, compute_rank_groups
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -221,7 +222,7 @@ def _host_group(backend: str, timeout: timedelta) -> dist.ProcessGroup:
     it is gloo already, else a gloo group beside NCCL, so reducing them never waits on (or for) the GPU."""
     if backend in ("gloo", "fake"):  # fake: PyTorch's test backend (no messages; ``tests/parallel/test_layouts_1024``)
         return dist.group.WORLD
-    return dist.new_group(timeout=timeout, backend="gloo")
+    return gloo_group_of_every_rank(timeout)
 
 
 def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timedelta) -> dict[str, AxisGroup]:

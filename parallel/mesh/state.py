@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cp_train.parallel.mesh.groups import AxisGroup, ParallelState, build_state, forget_meshes, init_default_group
 from cp_train.parallel.mesh.model_parallel import register_grad_group
+from cp_train.parallel.mesh.open_files import raise_open_file_limit, sockets_for
 from cp_train.parallel.mesh.rank_groups import (  # noqa: F401  (re-exported)
     AXIS_ORDER,
     DATA_AXES,
@@ -78,6 +79,8 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
     if world > 0:
         dp = resolve_dp(world, tp, cp, dp)
     timeout = timedelta(minutes=timeout_minutes)
+    if world > 0:
+        raise_open_file_limit(sockets_for(world))  # gloo's groups over every rank: a socket per peer
     if created:
         init_default_group(backend, timeout)
     try:
