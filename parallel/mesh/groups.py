@@ -137,20 +137,21 @@ def _splits_from_default() -> bool:
     return bool(getattr(default._get_backend(device), "supports_splitting", False))
 
 
-def _subgroups(groups: Groups, backend: str, timeout: timedelta, high_priority: bool = False) -> AxisGroup:
+def _subgroups(groups: Groups, backend: str, timeout: timedelta, name: str, high_priority: bool = False) -> AxisGroup:
     """Create every group of ``groups`` (every rank, in the same order) and return this rank's: one collective
-    split of the default group where it can (``_splits_from_default``), else one ``new_group`` per group."""
+    split of the default group where it can (``_splits_from_default``), else one ``new_group`` per group. ``name``:
+    the groups' description (``group_desc``: what NCCL's logs and PyTorch's flight recorder call them)."""
     me = dist.get_rank()
     ranks = next(members for members in groups if me in members)
     if _splits_from_default():
         override = _subgroup_override(backend, timeout, high_priority)
         group = dist.split_group(split_ranks=[list(members) for members in groups], timeout=timeout,
-                                 pg_options=override[1] if override else None)
+                                 pg_options=override[1] if override else None, group_desc=name)
     else:
         for members in groups:
             override = _subgroup_override(backend, timeout, high_priority)  # a new options object per group
             created = dist.new_group(list(members), timeout=timeout, backend=backend,
-                                     pg_options=override[1] if override else None)
+                                     pg_options=override[1] if override else None, group_desc=name)
             if members == ranks:
                 group = created
     return AxisGroup(size=len(ranks), rank=ranks.index(me), group=group, ranks=ranks)
@@ -191,7 +192,8 @@ def _grad_twin(state: ParallelState, dims: ParallelDims, ulysses: int, backend: 
     if ring.size == 1:
         return None
     groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, ulysses)
-    twin = _subgroups(groups.cp_ring if state.cp_ring is not None else groups.cp, backend, timeout, high_priority=True)
+    twin = _subgroups(groups.cp_ring if state.cp_ring is not None else groups.cp, backend, timeout, "cp_grad",
+                      high_priority=True)
     register_grad_group(ring.group, twin.group)
     return twin
 
@@ -201,8 +203,8 @@ def _hsdp(dims: ParallelDims, replicas: int, backend: str, timeout: timedelta, d
     """HSDP's groups and meshes: FSDP shards over a replica's DP x CP ranks and replicates across ``replicas``;
     the checkpoint mesh gains the replicas as a dim of its own (``("dp_replicate", "dp_shard_cp", "tp")``)."""
     groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, dp_replicate=replicas)
-    shard = _subgroups(groups.dp_shard_cp, backend, timeout)
-    replicate = _subgroups(groups.dp_replicate, backend, timeout)
+    shard = _subgroups(groups.dp_shard_cp, backend, timeout, "dp_shard_cp")
+    replicate = _subgroups(groups.dp_replicate, backend, timeout, "dp_replicate")
     per_replica = dims.data // replicas
     tp_rank = dist.get_rank() % dims.tp
     fsdp_mesh = DeviceMesh.from_group(
@@ -229,8 +231,8 @@ def _hybrid_axes(dims: ParallelDims, ulysses: int, backend: str, timeout: timede
     if ulysses == 1:
         return {}
     groups = compute_rank_groups(dims.world, dims.tp, dims.cp, dims.dp, ulysses)
-    return {"cp_ulysses": _subgroups(groups.cp_ulysses, backend, timeout),
-            "cp_ring": _subgroups(groups.cp_ring, backend, timeout, high_priority=True)}
+    return {"cp_ulysses": _subgroups(groups.cp_ulysses, backend, timeout, "cp_ulysses"),
+            "cp_ring": _subgroups(groups.cp_ring, backend, timeout, "cp_ring", high_priority=True)}
 
 
 def connect_groups(state: ParallelState) -> None:

@@ -30,7 +30,7 @@ def _own_axes(state: Any, tp: int, cp: int, dp: int, ulysses: int, replicas: int
     """name -> (this rank's AxisGroup, the axis's computed groups) for every axis ``_subgroups`` builds."""
     pure = compute_rank_groups(dp * cp * tp, tp, cp, dp, ulysses, dp_replicate=replicas)
     axes = {"cp_grad": (state.cp_grad, pure.cp_ring if ulysses > 1 else pure.cp),
-            "fsdp_shard": (state.fsdp_shard, pure.dp_shard_cp),
+            "dp_shard_cp": (state.fsdp_shard, pure.dp_shard_cp),
             "dp_replicate": (state.dp_replicate_axis, pure.dp_replicate)}
     if ulysses > 1:
         axes.update({"cp_ulysses": (state.cp_ulysses, pure.cp_ulysses), "cp_ring": (state.cp_ring, pure.cp_ring)})
@@ -44,6 +44,7 @@ def _check_groups(state: Any, layout: tuple[int, ...]) -> dict[str, tuple[int, .
         mine = next(group for group in computed if me in group)
         assert axis.ranks == mine == tuple(dist.get_process_group_ranks(axis.group)), (name, axis.ranks, mine)
         assert axis.rank == dist.get_rank(axis.group) == mine.index(me), name
+        assert axis.group.group_desc == name, (name, axis.group.group_desc)  # what NCCL's logs call it
         total = torch.tensor([float(me)])
         dist.all_reduce(total, group=axis.group)
         assert total.item() == sum(mine), (name, total.item())
@@ -75,7 +76,7 @@ def build_on_rank(layout: tuple[int, ...], split: bool) -> dict[str, Any]:
         splits.append(parts)
         mine = None
         for part in parts:  # gloo: the partition's groups one by one, every rank creating each
-            group = saved[1](part, timeout=call["timeout"])
+            group = saved[1](part, timeout=call["timeout"], group_desc=call["group_desc"])
             mine = group if dist.get_rank() in part else mine
         return mine
 
