@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from cp_train.parallel.mesh.open_files import OpenFilesExhausted
 from cp_train.parallel.mesh.state import ParallelState
 
 TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
@@ -172,7 +173,10 @@ def _wrapped_failure(text: str) -> tuple[str | None, Any]:
 
 
 def explain_collective_failure(error: BaseException) -> str | None:
-    """One line for a collective that timed out or lost a peer; None for any other error."""
+    """One line for a collective that timed out or lost a peer, or a gloo group that ran out of open files; None for
+    any other error."""
+    if isinstance(error, OpenFilesExhausted):  # its message is the line
+        return str(error)
     text = " ".join(str(error).split())
     lower = text.lower()
     timeout, lost = any(m in lower for m in TIMEOUT_MARKERS), any(m in lower for m in PEER_LOST_MARKERS)

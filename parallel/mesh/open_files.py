@@ -41,6 +41,11 @@ def raise_open_file_limit(sockets: int) -> tuple[int, int] | None:
     return (want if soft == resource.RLIM_INFINITY else soft), want
 
 
+class OpenFilesExhausted(RuntimeError):
+    """gloo ran out of open files while connecting a group; the message says what to change (the commands print it
+    as the rank's one line: ``collectives.explain_collective_failure``)."""
+
+
 def gloo_group_of_every_rank(timeout: timedelta) -> dist.ProcessGroup:
     """A new gloo group of every rank (collective); running out of open files is a line that says what to change."""
     try:
@@ -52,13 +57,14 @@ def gloo_group_of_every_rank(timeout: timedelta) -> dist.ProcessGroup:
         raise named from None
 
 
-def _named_open_file_error(error: BaseException, world: int) -> RuntimeError | None:
+def _named_open_file_error(error: BaseException, world: int) -> OpenFilesExhausted | None:
     """The one-line error for ``error`` if it is gloo running out of open files while connecting ``world`` ranks
     (errno 24), else None."""
     if "Too many open files" not in str(error):
         return None
     limits = resource.getrlimit(resource.RLIMIT_NOFILE) if resource is not None else None
     now = f" (now {limits[0]}, hard limit {limits[1]})" if limits else ""
-    return RuntimeError(f"ran out of open files connecting gloo's group over {world} ranks: each rank needs a socket "
-                        f"per peer, about {sockets_for(world) + OTHER_OPEN_FILES} open files at this size{now}; "
-                        f"raise the limit on open files (ulimit -n) in the job script or ask the cluster's admins")
+    return OpenFilesExhausted(
+        f"ran out of open files connecting gloo's group over {world} ranks: each rank needs a socket per peer, about "
+        f"{sockets_for(world) + OTHER_OPEN_FILES} open files at this size{now}; raise the limit on open files "
+        f"(ulimit -n) in the job script or ask the cluster's admins")

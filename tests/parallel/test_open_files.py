@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from cp_train.errors import describe
 from cp_train.parallel.mesh import open_files
 from cp_train.parallel.mesh import state as parallel_state
+from cp_train.parallel.mesh.collectives import explain_collective_failure
 from cp_train.parallel.mesh.open_files import OTHER_OPEN_FILES, gloo_group_of_every_rank, raise_open_file_limit
 
 
@@ -53,14 +55,18 @@ def test_every_initialisation_asks_for_the_sockets_of_its_world(monkeypatch) -> 
 
 
 def test_running_out_of_open_files_is_one_line_naming_the_limit(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "1024")
     def out_of_files(**kwargs):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:123] socket: Too many open files")
 
     monkeypatch.setattr(dist, "new_group", out_of_files)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1024)
-    with pytest.raises(RuntimeError, match=r"^ran out of open files connecting gloo's group over 1024 ranks: .*"
-                                           r"about 3070 open files .*raise the limit on open files \(ulimit -n\)"):
+    line = r"^ran out of open files connecting gloo's group over 1024 ranks: .*about 3070 open files .*\(ulimit -n\)"
+    with pytest.raises(RuntimeError, match=line) as got:
         gloo_group_of_every_rank(timedelta(minutes=1))
+    # the commands print it as the rank's line, not as an unexpected error with its place in the code
+    assert describe(got.value, explain_collective_failure) == (f"rank 3: {got.value}", 1, True)
 
     def refused(**kwargs):
         raise RuntimeError("Connection refused")
