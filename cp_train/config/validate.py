@@ -127,7 +127,7 @@ def with_accumulation(config: Config, world_size: int) -> Config:
     return resolved
 
 
-def _check_replicas(config: Config, dp: int) -> None:
+def _check_replica_comparison(config: Config, dp: int) -> None:
     """``train.check_replicas_every`` needs replicas: DDP's DP x CP ranks, or HSDP's replicas under FSDP."""
     every, parallel = config.train.check_replicas_every, config.parallel
     replicas = parallel.dp_replicate if parallel.fsdp else dp * parallel.cp
@@ -157,7 +157,7 @@ def validate(config: Config, world_size: int) -> int:
                           f"{config.parallel.timeout_minutes}")
     if not config.optimizer.lr > 0:
         raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
-    _check_replicas(config, dp)
+    _check_replica_comparison(config, dp)
     _check_optimizer_range(config)
     for key in config.checkpoint.allow_changes:
         try:

@@ -121,6 +121,10 @@ VALIDATION_ERRORS = [
     ({"parallel.dp": 2}, 8, r"world size 8 != tp\*cp\*dp = 1\*2\*2 = 4"),
     ({"parallel.tp": 2, "parallel.cp": 2}, 6, r"world size 6 is not divisible by tp\*cp = 2\*2 = 4"),
     ({"parallel.cp": 0}, 2, "parallel.cp must be >= 1, got 0"),
+    ({"parallel.dp_replicate": 2}, 8, r"^parallel.dp_replicate 2 is HSDP, FSDP's sharding inside a replica: set "
+                                      r"parallel.fsdp=true \(--fsdp\), or parallel.dp_replicate=1$"),
+    ({"parallel.dp_replicate": 3, "parallel.fsdp": True}, 4, r"^parallel.dp_replicate 3 does not divide the DP size 2"),
+    ({"parallel.dp_replicate": 0, "parallel.fsdp": True}, 2, r"^parallel.dp_replicate must be an integer >= 1, got 0"),
     ({"data.seq_len": 66}, 2, r"data.seq_len 66 is not divisible by 2\*cp = 4 for the zigzag layout"),
     ({"data.seq_len": 65, "parallel.cp_layout": "contiguous"}, 2, "data.seq_len 65 is not divisible by cp = 2"),
     ({"train.global_batch_size": 6}, 4, r"global_batch_size 6 is not divisible by micro_batch_size\*dp = 2\*2 = 4"),
