@@ -31,6 +31,7 @@ from cp_train.checkpoint.weights import init_source, load_dcp_weights
 from cp_train.config.fp8_shapes import fp8_notes
 from cp_train.config.hf_init import check_hf_weights, hf_init_message
 from cp_train.config.schema import Config, dump_yaml
+from cp_train.config.sources import unused_settings
 from cp_train.config.validate import check_parallel_state, validate
 from cp_train.data.loader import StepLoader
 from cp_train.errors import agree, ensure_writable_dir
@@ -96,6 +97,7 @@ def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     if hf_dir is not None:  # its weights load at the end of the model's build: checked before it
         agree(lambda: check_hf_weights(hf_dir, config.model))
     notes = ((hf_init_message(config),) if hf_dir is not None else ()) + tuple(config.deprecations)
+    notes += unused_settings(config)  # keys set to values this run cannot use (FSDP's options without FSDP, ...)
     notes += tuple(init_notes) + cp_tokens_warning(config)
     notes += fp8_notes(config, dp, device.type == "cuda")  # eager FP8 on CUDA; layers that gather in bf16 (FSDP)
     return RunEnvironment(config, state, dp, device, autocast_dtype, sources, run_name, run_dir, resumed_from, hf_dir,

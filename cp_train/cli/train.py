@@ -36,6 +36,7 @@ def dry_run(config: Config, args: Namespace, source: str | Path | None = None) -
     ``source``: the config file planned (the default one when no --config names it)."""
     import torch
 
+    from cp_train.config.sources import unused_settings
     from cp_train.config.validate import with_accumulation
     from cp_train.memory.dry_run import checked_reserve_gib, dry_run_world
     from cp_train.memory.dry_run_report import report
@@ -53,7 +54,7 @@ def dry_run(config: Config, args: Namespace, source: str | Path | None = None) -
     planned = report(config, world, device_gib, str(source or args.config or "the command line"), reserve,
                      dry_run_host(config, world))  # a node's host memory: activation offload's check
     if this_rank() == 0:
-        for note in config.deprecations:  # deprecated keys and other frameworks' flags, read as ours
+        for note in (*config.deprecations, *unused_settings(config)):  # deprecated or foreign keys; unused values
             print(f"[cp-train] {note}")
         lines = planned.text.splitlines()
         predicted = dry_run_line(config, dry_run_world(config))  # the time beside the memory, before the verdict

@@ -219,3 +219,26 @@ def _mapping(key: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{key} expects a mapping such as {{rope_type: llama3, factor: 8.0}}, got {value!r}")
     return dict(value)
+
+
+def unused_settings(config: Config) -> tuple[str, ...]:
+    """One note per key a layer set (``explicit_keys``) to a value this run cannot use, naming what the key needs:
+    FSDP's options without FSDP, FP8's bf16 blocks without FP8, the CP check's tolerance without the check, the
+    profile's steps and ranks without the profile, a checkpoint's options without ``checkpoint.save``, sequence
+    parallelism at tp 1. The run goes on (the value does nothing); ``validate`` refuses what cannot run at all."""
+    parallel, model, logging, ckpt = config.parallel, config.model, config.logging, config.checkpoint
+    fsdp, fp8, profile, save = ("parallel.fsdp=true (--fsdp)", "model.fp8 tensorwise or rowwise",
+                                "logging.profile=true (--profile)", "checkpoint.save (--save DIR)")
+    needs = (("parallel.fsdp_reduce", fsdp, parallel.fsdp),
+             ("parallel.fsdp_reshard_after_forward", fsdp, parallel.fsdp),
+             ("model.fp8_bf16_layers_at_start", fp8, model.fp8 != "none"),
+             ("model.fp8_bf16_layers_at_end", fp8, model.fp8 != "none"),
+             ("train.check_cp_tolerance", "train.check_cp_every > 0", config.train.check_cp_every > 0),
+             ("logging.profile_step_start", profile, logging.profile),
+             ("logging.profile_step_end", profile, logging.profile),
+             ("logging.profile_ranks", profile, logging.profile),
+             ("checkpoint.keep", save, bool(ckpt.save)),
+             ("checkpoint.async_save", save, bool(ckpt.save) or not ckpt.async_save),  # false: nothing asked
+             ("parallel.sequence_parallel", "parallel.tp > 1", parallel.tp > 1 or not parallel.sequence_parallel))
+    return tuple(f"{key} is set but does nothing in this run: it needs {need}" for key, need, used in needs
+                 if key in config.explicit_keys and not used)
