@@ -78,9 +78,8 @@ def initialize_parallel(tp: int = 1, cp: int = 1, dp: int | None = None, backend
         backend = existing
     if world > 0:
         dp = resolve_dp(world, tp, cp, dp)
-    timeout = timedelta(minutes=timeout_minutes)
-    if world > 0:
         raise_open_file_limit(sockets_for(world))  # gloo's groups over every rank: a socket per peer
+    timeout = timedelta(minutes=timeout_minutes)
     if created:
         init_default_group(backend, timeout)
     try:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("cp_train", "model", "parallel", "data", "bench", "launch", "tests")
+FOLDERS = ("cp_train", "model", "parallel", "data", "bench", "tests")
 EXEMPT = {"_"}
 
 
