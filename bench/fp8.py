@@ -1,7 +1,7 @@
 """FP8 linears against bf16 on one GPU: the trainer's run of the 1B config at 16,384 tokens per step, compiled,
 with ``model.fp8`` none (bf16), tensorwise and rowwise (``parallel/tp/fp8.py``).
 
-    python -m bench.fp8                                   # GPU: 100 steps per variant (about 2 minutes each)
+    python -m bench.fp8                                   # GPU: 100 steps per variant (about 80 s each on an H200)
     python -m bench.fp8 --steps 40 --variants none tensorwise
     python -m bench.fp8 --tiny                            # CPU: a tiny model, a few eager steps, emulated FP8
 
@@ -16,6 +16,10 @@ run makes of itself, ``cp_train/perf/run_check.py``: this config, the corpus's d
 GPU's own profile): its tokens/s, its speedup over bf16's, and the measured step time over the planned one.
 JSON lines, then a table (``bench.common.emit``).
 
+On CUDA each variant trains in its own Python process (``--processes each``, the default there): on an H200 with
+torch 2.11 a second compiled run in the process of the first died with a segfault (exit 139) as it started,
+where the same variant in a fresh process ran. A variant that fails is reported and the others go on.
+
 The issue's bar on an H100/H200: FP8 within 1% of bf16's loss at step 100, tensorwise at least 1.2x bf16's tokens/s.
 torchao must be installed where it runs (``pip install -e ".[fp8]"``).
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,6 +92,23 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             "planned": trainer.prediction}
 
 
+def run_in_process(args: argparse.Namespace, variant: str) -> dict[str, Any] | None:
+    """``variant`` trained by ``python -m bench.fp8`` in a fresh process with the same flags; its record, or None
+    (and one line saying so) when that process fails."""
+    record_file = Path(args.out) / f"{variant}.record.json"
+    record_file.unlink(missing_ok=True)
+    flags = ["--steps", str(args.steps), "--seq", str(args.seq), "--interval", str(args.interval), "--out", args.out,
+             "--processes", "one", "--record", str(record_file), "--variants", variant]
+    flags += ["--eager"] * args.eager + ["--fsdp"] * args.fsdp + ["--tiny"] * args.tiny
+    flags += ["--hardware", args.hardware] if args.hardware else []
+    code = subprocess.run([sys.executable, "-m", "bench.fp8", *flags], cwd=ROOT).returncode
+    if code != 0 or not record_file.is_file():
+        print(f"bench.fp8 {variant}: its process failed with exit {code} (its output above); the others go on",
+              flush=True)
+        return None
+    return json.loads(record_file.read_text())
+
+
 def check_variants(args: argparse.Namespace) -> str | None:
     """Why one of the variants cannot run here (torchao missing, a GPU without FP8, a shape FP8 refuses), as one
     line, or None: checked for all of them before the first (bf16's) run."""
@@ -130,14 +152,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--hardware", default=None, help="the planner's profile for the planned columns (default: "
                                                           "the GPU's own; none on CPU)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, 3 eager steps of 128 tokens (CPU smoke)")
+    parser.add_argument("--processes", choices=("auto", "one", "each"), default="auto",
+                        help="each variant in its own process (auto: on CUDA) or all in this one")
+    parser.add_argument("--record", default=None, help=argparse.SUPPRESS)  # the file a child writes its record to
     args = parser.parse_args(argv)
     if args.tiny:
         args.steps, args.seq, args.interval, args.eager = 3, 128, 1, True
     problem = check_variants(args)
     if problem is not None:
         sys.exit(problem)  # one line, exit 1
-    with world_of_one():
-        records = [progress(run_variant(args, variant)) for variant in args.variants]
+    each = args.processes == "each" or (args.processes == "auto" and torch.cuda.is_available())
+    if each:
+        records = [r for r in (run_in_process(args, variant) for variant in args.variants) if r is not None]
+    else:
+        with world_of_one():
+            records = [progress(run_variant(args, variant)) for variant in args.variants]
+    if args.record:
+        Path(args.record).write_text(json.dumps(records[0]))
+        return records
     compare(records)
     percent = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     times = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731

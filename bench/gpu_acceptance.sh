@@ -14,8 +14,14 @@
 #   profile  the 1B config at cp 1, 2 x 16,384 tokens of packed documents, compiled, 20 steps logged every 5:
 #            MFU, the scheduled profile's idle fraction, new cuDNN keys per step (bench.step_profile)
 #   profile-nofsdp  the same without FSDP
-#   offload  bench.offload at 64k and 128k tokens, with and without activation offload
-#   fp8      bench.fp8: bf16, tensorwise, rowwise, 100 compiled steps of 16,384 tokens each
+#   offload  bench.offload at 128k tokens (the longest power of two the 1B config fits without offload on an H200:
+#            84.4 GiB; 2026-11-30) and 256k, with and without activation offload; 256k with offload needs ~115 GiB
+#            of pinned host memory and is reported as not run on a 128 GiB host
+#   fp8      bench.fp8: bf16, tensorwise, rowwise, 100 compiled steps of 16,384 tokens each, each in its own process
+#
+# Measured on an H200 (2026-11-30): setup 25 s (with the machine's start, about 90 s), tests 206 s, graphs 12 s,
+# profile 82 s, offload at 64k 159 s (its four cases done, stopped at its limit on the way out), fp8 about 80 s a
+# variant. Two calls fit a 15-minute lease: `setup tests graphs profile` (~330 s), then `setup offload fp8`.
 #   fp8-fsdp (not run by default) bench.fp8 --fsdp: tensorwise under FSDP2, its weights gathered in FP8, 30 steps
 #   swiglu   bench.swiglu at the 1B MLP's shape in bf16: gate and up as two weights against the fused weight's one
 #            matmul (eager node, compiled gated_silu)
@@ -81,7 +87,7 @@ for part in $PARTS; do
         grep -iE 'mfu' "$OUT/profile-nofsdp.log" | tail -4
         ;;
     offload)
-        run_part offload 150 python3 -m bench.offload --seq 65536 --warmup 1 --repeats 1
+        run_part offload 170 python3 -m bench.offload --seq 131072 --warmup 1 --repeats 1
         grep "^DONE" "$OUT/offload.log" | cut -c1-300  # each case as it finished (all four: the table below)
         tail -8 "$OUT/offload.log"
         ;;

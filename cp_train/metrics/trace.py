@@ -1,6 +1,7 @@
 """Where a profiled step's time went, read from ``torch.profiler``'s events (``prof.events()``).
 
-The busy time is the union of the device's kernel and copy intervals on CUDA, or of the training thread's top-level
+The busy time is the union of the device's kernel and copy intervals on CUDA (the step markers and other
+annotations the profiler draws on the device's timeline are not busy time), or of the training thread's top-level
 ops on CPU, over the span from the first to the last of them; the idle fraction is the rest of the span (the device
 waiting on the host: launches, Python, reads). The kernels are grouped by kind from their names.
 """
@@ -46,11 +47,17 @@ def main_thread(events: list[Any]) -> int:
     return next((e.thread for e in events if e.name.startswith("ProfilerStep")), 0)
 
 
+def annotation(event: Any) -> bool:
+    """Whether a device event is a range the profiler or ``record_function`` marks on the GPU's timeline (the
+    trace's ``gpu_user_annotation``: ``ProfilerStep#N`` spans the whole step), not a kernel or a copy."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("ProfilerStep")
+
+
 def busy_events(events: list[Any], cuda: bool) -> list[Any]:
-    """The trace's busy events: CUDA kernels and copies on the device, or the CPU's top-level ops (no parent,
-    not the profiler's own step markers) on the training thread."""
+    """The trace's busy events: CUDA kernels and copies on the device (not the annotations over them), or the
+    CPU's top-level ops (no parent, not the profiler's own step markers) on the training thread."""
     if cuda:
-        return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not annotation(e)]
     thread = main_thread(events)
 
     def top(event: Any) -> bool:

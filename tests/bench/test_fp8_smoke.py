@@ -28,3 +28,16 @@ def test_fp8_benchmark_smoke_run(tmp_path, capsys) -> None:
     assert all(r["measured_vs_planned"] > 1 for r in records)  # a CPU is slower than an H200
     out = capsys.readouterr().out
     assert "MFU (fp8 peak)" in out and "speedup" in out and "step measured/planned" in out
+
+
+def test_each_variant_in_its_own_process(tmp_path, capsys, monkeypatch) -> None:
+    """``--processes each`` (the default on CUDA, where a second compiled run in one process crashed): the child
+    runs' records come back through their files and are compared as in one process; bf16's run in a fresh process
+    lands on the same loss as in this one (the seed is the run's); a child that fails is reported, the rest go on."""
+    records = fp8.main(["--tiny", "--out", str(tmp_path), "--processes", "each", "--variants", "none", "tensorwise"])
+    assert [r["variant"] for r in records] == ["none", "tensorwise"] and records[0]["speedup_vs_bf16"] == 1.0
+    assert abs(records[1]["loss_vs_bf16"]) < 0.01 and records[1]["fp8_linears"] == 8
+    monkeypatch.setattr(fp8.sys, "executable", "false")  # the child exits 1 at once
+    records = fp8.main(["--tiny", "--out", str(tmp_path), "--processes", "each", "--variants", "none", "rowwise"])
+    assert records == []
+    assert "bench.fp8 none: its process failed with exit 1" in capsys.readouterr().out

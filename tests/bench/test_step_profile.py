@@ -6,17 +6,37 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from bench import step_profile
-from cp_train.metrics.trace import union_seconds
+from cp_train.metrics.trace import summary, union_seconds
 
 
 def test_the_union_of_intervals_counts_overlaps_once() -> None:
     busy, span = union_seconds([(0, 10), (5, 15), (20, 30), (22, 25), (40, 41)])
     assert busy == pytest.approx(26e-6) and span == pytest.approx(41e-6)
     assert union_seconds([]) == (0.0, 0.0)
+
+
+def _device_event(name: str, start: float, end: float, annotation: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, is_user_annotation=annotation,
+                           time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
+
+
+def test_the_annotations_on_the_device_timeline_are_not_busy_time() -> None:
+    """On CUDA the scheduled profile draws ``ProfilerStep#N`` (and record_function ranges) on the device's timeline
+    over the whole step: counted as a kernel it made every step look busy (an H200 trace: 0.1% idle where its kernels
+    leave 1.3%). Two kernels with a 20 us gap under a step marker and a named range: 20% idle, no annotation kind."""
+    events = [_device_event("ProfilerStep#8", 0, 100, annotation=True), _device_event("## forward ##", 0, 60, True),
+              _device_event("nvjet_sm90_gemm", 0, 40), _device_event("flash_fwd_kernel", 60, 100)]
+    record = summary(events, cuda=True, steps=1)
+    assert record["busy_s"] == pytest.approx(80e-6) and record["idle_fraction"] == pytest.approx(0.2)
+    assert record["by_kind_s"] == {"matmul": 0.0, "attention": 0.0}  # rounded to 0.1 ms; the annotations absent
+    marker_only = [_device_event("ProfilerStep#9", 0, 100)] + events[2:]  # a build without is_user_annotation
+    assert summary(marker_only, cuda=True, steps=1)["idle_fraction"] == pytest.approx(0.2)
 
 
 def test_a_scheduled_profile_of_real_steps(tmp_path, capsys) -> None:
