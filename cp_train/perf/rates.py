@@ -20,12 +20,15 @@ def linear_precision(fp8: str) -> str:
 
 class DeviceRates:
     """``hardware``'s rates with linears in ``precision`` (bf16, or fp8 for fp8 linears; attention stays bf16) and
-    attention by ``kernel`` (default: the profile's, the trainer's choice on that GPU)."""
+    attention by ``kernel`` (default: the profile's, the trainer's choice on that GPU); the varlen calls of packed
+    documents by the profile's ``varlen_kernel`` (default: ``kernel``)."""
 
     def __init__(self, hardware: Hardware, precision: str = "bf16", kernel: str | None = None) -> None:
         kernel = kernel or hardware.attention_kernel
-        hardware.attention_fraction(128, 1024.0, True, kernel)  # an unknown kernel: one line naming the known ones
-        self.hardware, self.precision, self.kernel = hardware, precision, kernel
+        varlen_kernel = hardware.varlen_kernel or kernel
+        for name in {kernel, varlen_kernel}:  # an unknown kernel: one line naming the known ones
+            hardware.attention_fraction(128, 1024.0, True, name)
+        self.hardware, self.precision, self.kernel, self.varlen_kernel = hardware, precision, kernel, varlen_kernel
         self.gpus_per_node = hardware.gpus_per_node
         self.memory_bytes_per_s = hardware.hbm_tb_s * 1e12 * MEMORY_EFFICIENCY
         self.call_latency_s = hardware.collective_latency_us * 1e-6
@@ -41,9 +44,11 @@ class DeviceRates:
         return self._matmul_peak[precision] * self.hardware.gemm_fraction(2.0 * m * n * k, precision)
 
     def attention(self, call: KernelCall, head_dim: int) -> float:
-        """FLOP/s of one kernel call (forward and backward alike) at the square of its area's side."""
+        """FLOP/s of one kernel call (forward and backward alike) at the square of its area's side, on the varlen
+        kernel for a varlen call."""
         side = math.sqrt(call.rows * call.keys)
-        return self._matmul_peak["bf16"] * self.hardware.attention_fraction(head_dim, side, call.causal, self.kernel)
+        kernel = self.varlen_kernel if call.varlen else self.kernel
+        return self._matmul_peak["bf16"] * self.hardware.attention_fraction(head_dim, side, call.causal, kernel)
 
     def link(self, spans_nodes: bool) -> tuple[float, float]:
         """``(bytes/s per rank per direction, step latency s)`` inside a node or across nodes."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.perf.rates import DeviceRates
-from cp_train.perf.workload import ATTENTION_BACKWARD, Collective, KernelCall, Workload
+from cp_train.perf.workload import ATTENTION_BACKWARD, AttentionStep, Collective, KernelCall, Workload
 
 # fp8 linears (``--precision fp8``, the trainer's ``model.fp8``) cast each operand before its matmul, with current
 # (dynamic) scaling as torchao's float8 training and Transformer Engine's current-scaling recipe run it. Bytes moved
@@ -107,17 +107,26 @@ def _kernel_seconds(calls: tuple[KernelCall, ...], work: Workload, rates: Device
 
 def attention_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float, float, float]:
     """One layer's CP attention: ``(forward kernels, backward kernels, forward exposed comm, backward exposed
-    comm)`` of the slowest rank at each step (ranks wait for each other at every hop). A ring step costs the
-    longer of its kernels and its hop; the all-gather's one transfer per direction travels in kv-head chunks
-    behind the compute of the chunk before (``_overlapped``); Ulysses' all-to-alls are exposed."""
+    comm)`` of the slowest rank at each step (ranks wait for each other at every hop), the mean over the packed
+    samples planned (``Workload.attention_samples``). A ring step costs the longer of its kernels and its hop; the
+    all-gather's one transfer per direction travels in kv-head chunks behind the compute of the chunk before
+    (``_overlapped``); Ulysses' all-to-alls are exposed."""
+    samples = work.attention_samples or (work.attention,)
+    each = [_sample_attention_seconds(work, attention, rates) for attention in samples]
+    return tuple(sum(parts) / len(each) for parts in zip(*each, strict=True))  # type: ignore[return-value]
+
+
+def _sample_attention_seconds(work: Workload, attention: list[list[AttentionStep]], rates: DeviceRates
+                              ) -> tuple[float, float, float, float]:
+    """``attention_seconds`` of one sample's steps ``attention`` ([cp rank][step])."""
     parallel = work.config.parallel
     algorithm = get_cp_algorithm(parallel.cp_algorithm)
     ranks = algorithm.ring_size(parallel.cp, parallel.ulysses_size)  # K/V travel among these; across nodes as cp
     bandwidth, latency = rates.link(group_spans_nodes(work, "cp", rates.gpus_per_node)[1])
     gathered = algorithm.gathers_kv
     kernels_f = kernels_b = exposed_f = exposed_b = 0.0
-    for index in range(len(work.attention[0])):
-        steps = [rank_steps[index] for rank_steps in work.attention]
+    for index in range(len(attention[0])):
+        steps = [rank_steps[index] for rank_steps in attention]
         compute = max(_kernel_seconds(step.calls, work, rates) + work.batch * step.merge_forward
                       / rates.memory_bytes_per_s for step in steps)
         compute_b = max(ATTENTION_BACKWARD * _kernel_seconds(step.calls, work, rates) + work.batch
@@ -130,9 +139,9 @@ def attention_seconds(work: Workload, rates: DeviceRates) -> tuple[float, float,
             exposed_f += max(0.0, hop_f - compute)
             exposed_b += max(0.0, hop_b - compute_b)
     if gathered:  # one transfer per direction, the slowest rank's bytes
-        sent_f = max(sum(step.send_forward for step in steps) for steps in work.attention) * work.batch
-        sent_b = max(sum(step.send_backward for step in steps) for steps in work.attention) * work.batch
-        local = _kernel_seconds(work.attention[0][0].calls, work, rates)
+        sent_f = max(sum(step.send_forward for step in steps) for steps in attention) * work.batch
+        sent_b = max(sum(step.send_backward for step in steps) for steps in attention) * work.batch
+        local = _kernel_seconds(attention[0][0].calls, work, rates)
         exposed_f += _overlapped(sent_f / bandwidth + rates.call_latency_s, kernels_f, local)
         exposed_b += _overlapped(sent_b / bandwidth + rates.call_latency_s, kernels_b, ATTENTION_BACKWARD * local)
     exposed_f += collectives_seconds(work, rates, work.attention_collectives, "forward", work.batch)

@@ -26,10 +26,27 @@ from cp_train.parallel.cp.algorithms.costs import (
 )
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.cp.plan.batch_plan import layout_plan
-from cp_train.perf.inputs.documents import document_pieces, search_rank_plans
+from cp_train.perf.inputs.documents import consecutive_samples, document_pieces, search_rank_plans
 
 __all__ = ["ATTENTION_BACKWARD", "AttentionStep", "Collective", "Gemm", "KernelCall", "Workload", "build_workload"]
 
+# samples of packed documents the attention's time is the mean over at cp 1 (the trainer passes its first 16): one
+# sample's documents alone misjudge it (the embedded corpus at 16k: the first sample's mask is 18% of a causal
+# sample's, the first 16 samples' mean 36%)
+TIME_SAMPLES = 16
+
+
+def planned_samples(documents: tuple[int, ...], seq_len: int, cp: int) -> list[tuple[int, ...]]:
+    """The samples of ``seq_len`` tokens packed from ``documents`` whose attention the planner times: at cp 1 the
+    first ``TIME_SAMPLES`` (repeats kept); above it the one of them whose mask holds the nearest to their mean
+    number of pairs, since every sample there costs a CP plan per algorithm and layout (all 16 made a search of
+    llama3-8b on 8 GPUs 3x slower)."""
+    samples = consecutive_samples(documents, seq_len, TIME_SAMPLES)
+    if cp == 1:
+        return samples
+    pairs = [sum(piece * piece for piece in sample) for sample in samples]
+    mean = sum(pairs) / len(pairs)
+    return [samples[min(range(len(samples)), key=lambda i: abs(pairs[i] - mean))]]
 ATTENTION_BACKWARD = 2.5  # flash attention's backward: five matmuls of the forward's size against two
 
 
@@ -66,6 +83,9 @@ class Workload:
     elementwise_bytes: float  # memory traffic of the norms, residual adds, RoPE and SwiGLU, all layers, forward
     loss_bytes: float  # the cross entropy's memory traffic, forward
     accumulation: int  # micro-batches per optimizer step
+    # with packed documents: ``attention`` of each sample ``planned_samples`` gives (the mean over them is timed);
+    # ``attention`` is the first's
+    attention_samples: tuple[list[list[AttentionStep]], ...] = ()
 
 
 def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int,
@@ -79,8 +99,9 @@ def _attention_steps(model: ModelConfig, config: Config, n: int, compute: int,
     parallel = config.parallel
     tp, cp = parallel.tp, parallel.cp
     heads = model.num_heads // tp
-    whole = (tuple(KernelCall(c, c, True) for c in document_pieces(documents, n * cp)) if documents
-             else (KernelCall(n * cp, n * cp, True),))  # the local kernel's calls over the whole sample
+    pieces = document_pieces(documents, n * cp) if documents else [n * cp]
+    # the local kernel's calls over the whole sample: one varlen call over its documents when it holds several
+    whole = tuple(KernelCall(c, c, True, len(pieces) > 1) for c in pieces)
     if cp == 1:
         return [[AttentionStep(whole, 0, 0)]], heads, []
     algorithm = get_cp_algorithm(parallel.cp_algorithm)
@@ -176,7 +197,9 @@ def build_workload(config: Config, world: int, compute: int, documents: tuple[in
     family = get_model_family(model.family)  # the block's linears as the family describes them
     gemms = [Gemm(x.name, rows, *reversed(x.shard(tp)), model.num_layers) for x in family.block_linears(model)]
     head = Gemm("lm head", rows, *reversed(family.head(model).shard(tp)), 1)
-    attention, heads, cp_collectives = _attention_steps(model, config, n, compute, documents)
+    samples = planned_samples(documents, n * cp, cp) if documents else [None]
+    per_sample = {pieces: _attention_steps(model, config, n, compute, pieces) for pieces in dict.fromkeys(samples)}
+    attention, heads, cp_collectives = per_sample[samples[0]]
     residual = compute if parallel.fsdp or compute == 4 else 4
     loss_passes = 4 if model.loss_chunk_tokens else 3  # fp32 logits chunk: write, max, exp-sum, target
     accumulation = config.train.global_batch_size // (batch * dp)
@@ -184,4 +207,5 @@ def build_workload(config: Config, world: int, compute: int, documents: tuple[in
                     _tp_collectives(model, config, rows, compute),
                     _tp_outside_collectives(model, config, rows, residual),
                     _elementwise_bytes(model, config, rows, compute, residual),
-                    float(loss_passes * rows * (model.vocab_size // tp) * 4), accumulation)
+                    float(loss_passes * rows * (model.vocab_size // tp) * 4), accumulation,
+                    tuple(per_sample[pieces][0] for pieces in samples))

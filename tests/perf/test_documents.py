@@ -5,15 +5,23 @@
   what the ring and the all-gather send.
 - One document as long as the sample plans exactly as no documents at all; shorter documents plan less attention,
   and the MFU counts the pairs inside the documents, as the trainer does.
+- The steps the documents shape are varlen calls, timed on the profile's ``varlen_kernel``; the attention is the
+  mean over the first samples, not the first sample's alone.
 - A bad ``--document-lengths`` is one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cp_train.cli.plan import main as plan_main
 from cp_train.perf.inputs.documents import document_pieces, packed_document_ids, parse_document_lengths
+from cp_train.perf.inputs.hardware import HardwareError, from_dict, load_hardware
+from cp_train.perf.rates import DeviceRates
+from cp_train.perf.time_model import attention_seconds
+from cp_train.perf.workload import TIME_SAMPLES, planned_samples
 from tests import planner_cases
 from tests.perf.test_planner import SEQ, _workload
 
@@ -31,7 +39,8 @@ def test_a_sample_packs_the_lengths_in_order_and_cuts_the_last() -> None:
 @pytest.mark.parametrize(("cp", "layout", "algorithm"), CASES, ids=lambda x: str(x))
 def test_planned_document_work_equals_what_the_attention_runs(spawn_world, cp, layout, algorithm) -> None:
     work = _workload(cp, layout, algorithm, DOCUMENTS)
-    answers = spawn_world(cp).run(planner_cases.count_attention, SEQ, layout, algorithm, DOCUMENTS)
+    (sample,) = planned_samples(DOCUMENTS, SEQ, cp)  # the one sample planned above cp 1: the attention runs it
+    answers = spawn_world(cp).run(planner_cases.count_attention, SEQ, layout, algorithm, sample)
     for answer in answers:
         steps = work.attention[answer["rank"]]
         area = sum(call.area for step in steps for call in step.calls) * work.attention_heads * work.batch
@@ -39,8 +48,36 @@ def test_planned_document_work_equals_what_the_attention_runs(spawn_world, cp, l
         if algorithm != "ulysses":
             planned = sum(step.send_forward + step.send_backward for step in steps) * work.batch
             assert sum(answer["sent"].values()) == planned, (answer["sent"], planned)
-    pairs = sum(c * (c + 1) // 2 for c in document_pieces(DOCUMENTS, SEQ))
+    pairs = sum(c * (c + 1) // 2 for c in sample)
     assert sum(a["area"] for a in answers) == pairs * planner_cases.HEADS * planner_cases.BATCH
+
+
+def test_varlen_calls_plan_on_the_varlen_kernel_and_the_samples_average() -> None:
+    """A sample of several documents runs as varlen calls (the trainer's ``route_by_documents``), timed on the
+    profile's ``varlen_kernel`` (an H200's: PyTorch's flash varlen, 1.6x slower than cuDNN in the 1B step's profile,
+    2026-11-30); one document stays a dense call on ``attention_kernel``. The attention is the mean over the first
+    ``TIME_SAMPLES`` samples at cp 1 (here a dense sample and one of 16 documents in turn); above cp 1 one of them,
+    the nearest their mean, is planned (a CP plan per sample and layout would triple a search's time)."""
+    h200 = load_hardware("h200")
+    flash2, cudnn = DeviceRates(h200), DeviceRates(dataclasses.replace(h200, varlen_kernel=""))
+    one, short = _workload(1, "contiguous", "ring", (SEQ,)), _workload(1, "contiguous", "ring", (SEQ // 16,))
+    assert not any(c.varlen for c in one.attention[0][0].calls) and all(c.varlen for c in short.attention[0][0].calls)
+    assert attention_seconds(one, flash2) == attention_seconds(one, cudnn)
+    curves = h200.attention_fraction(planner_cases.DIM, 1.0, True, "cudnn") / h200.attention_fraction(
+        planner_cases.DIM, 1.0, True, "flash2")  # both below their first point: the ratio of the first points
+    assert attention_seconds(short, flash2)[0] == pytest.approx(curves * attention_seconds(short, cudnn)[0])
+    ring = _workload(2, "contiguous", "ring", (40, 24))  # cp 2: rank 0's own block is one document, dense
+    assert [[c.varlen for step in rank for c in step.calls] for rank in ring.attention] == [[False], [True] * 3]
+    assert attention_seconds(ring, flash2)[0] > attention_seconds(ring, cudnn)[0]
+    mixed = _workload(1, "contiguous", "ring", (SEQ,) + (SEQ // 16,) * 16)
+    assert len(mixed.attention_samples) == TIME_SAMPLES
+    mean = (attention_seconds(one, flash2)[0] + attention_seconds(short, flash2)[0]) / 2
+    assert attention_seconds(mixed, flash2)[0] == pytest.approx(mean, rel=1e-12)
+    assert len(_workload(2, "contiguous", "ring", (SEQ,) + (SEQ // 16,) * 16).attention_samples) == 1  # one CP plan
+    first = dataclasses.replace(mixed, attention_samples=())  # the first sample alone: what was planned before
+    assert attention_seconds(first, flash2) == pytest.approx(attention_seconds(one, flash2), rel=1e-12)
+    with pytest.raises(HardwareError, match="varlen_kernel 'fa9' has no attention curve; choose one of cudnn, "):
+        from_dict({**h200.to_dict(), "varlen_kernel": "fa9"}, "h200.yaml")
 
 
 def _plan_json(capsys, *extra: str) -> dict:

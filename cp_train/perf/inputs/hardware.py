@@ -55,6 +55,7 @@ FIELDS: dict[str, str] = {  # every key of a hardware file -> what it holds (nam
     "gemm_fp8": "fp8 GEMM efficiency: a list of [GEMM FLOPs, fraction of fp8_tflops] (empty when fp8_tflops is 0)",
     "attention": "attention kernel efficiency: a list of {kernel, head_dim, causal, points: [[length, fraction]]}",
     "attention_kernel": "the kernel the trainer uses on this GPU (one of the attention entries' kernels)",
+    "varlen_kernel": "the kernel of the varlen calls packed documents run as (default: attention_kernel)",
     "gpus_per_node": "GPUs per node (default 8)",
     "notes": "free text (default empty)",
     "host_op_us": "host time per dispatched op (Python, dispatcher, kernel launch), microseconds",
@@ -63,8 +64,8 @@ FIELDS: dict[str, str] = {  # every key of a hardware file -> what it holds (nam
     "host_memory_gib": "host (CPU) memory per node, GiB (activation offload)",
 }
 # a user's file may leave these out: 8 GPUs, no notes; a PCIe 4 x16 link's copies (about 25 GB/s) and 1 TiB of host
-# memory, the lower figures of the built-in profiles' hosts
-OPTIONAL = {"gpus_per_node": 8, "notes": "", "pcie_gb_s": 25.0, "host_memory_gib": 1024.0}
+# memory, the lower figures of the built-in profiles' hosts; packed documents' varlen calls on attention_kernel
+OPTIONAL = {"gpus_per_node": 8, "notes": "", "pcie_gb_s": 25.0, "host_memory_gib": 1024.0, "varlen_kernel": ""}
 
 
 class HardwareError(InputError):
@@ -122,6 +123,7 @@ class Hardware:
     notes: str = ""
     pcie_gb_s: float = OPTIONAL["pcie_gb_s"]
     host_memory_gib: float = OPTIONAL["host_memory_gib"]
+    varlen_kernel: str = ""
 
     def peak_tflops(self, precision: str = "bf16") -> float:
         """Dense peak TFLOP/s per device for ``precision`` (bf16 | fp8)."""
@@ -264,6 +266,10 @@ def from_dict(data: Any, source: str = "hardware") -> Hardware:
         raise HardwareError(f"{source}: attention_kernel {data['attention_kernel']!r} has no attention curve; "
                             f"choose one of {', '.join(kernels)}")
     values["attention_kernel"] = data["attention_kernel"]
+    if data["varlen_kernel"] and data["varlen_kernel"] not in kernels:
+        raise HardwareError(f"{source}: varlen_kernel {data['varlen_kernel']!r} has no attention curve; "
+                            f"choose one of {', '.join(kernels)}, or leave it out (attention_kernel's)")
+    values["varlen_kernel"] = str(data["varlen_kernel"] or "")
     return Hardware(**values)
 
 

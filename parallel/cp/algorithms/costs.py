@@ -78,11 +78,13 @@ def fp32_grads(s: Shapes, backward: bool) -> int:
 
 @dataclass(frozen=True)
 class KernelCall:
-    """One attention kernel call per sample and local query head: ``rows`` queries x ``keys`` keys."""
+    """One attention kernel call per sample and local query head: ``rows`` queries x ``keys`` keys; ``varlen``: part
+    of a step the documents shape, which the trainer runs as a varlen call (``route_by_documents``)."""
 
     rows: int
     keys: int
     causal: bool
+    varlen: bool = False
 
     @property
     def area(self) -> int:
@@ -139,7 +141,7 @@ class WorkInputs:
 
 def calls_of(plan: object, scale: int = 1) -> tuple[KernelCall, ...]:
     """Every kernel call of a ``RankPlan``'s steps, ``scale`` times their rows."""
-    return tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal)
+    return tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal, step.by_documents)
                  for step in plan.steps for c in step.calls)
 
 
@@ -156,8 +158,8 @@ def plan_steps(plans: list, scale: int, small: int, heads: int, kv_heads: int, d
         plan = whole_plan.ring
         steps = []
         for index, step in enumerate(plan.steps):
-            calls = tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal)
-                          for c in step.calls)
+            calls = tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal,
+                                     step.by_documents) for c in step.calls)
             if gathered:
                 sent = (small if plan.whole_blocks else step.kv_rows[0]) * scale * kv_row if index else 0
                 back = (small if plan.whole_blocks else step.held_rows) * scale * grad_row if index else 0
