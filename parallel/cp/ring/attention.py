@@ -47,8 +47,7 @@ class _RingAttention(torch.autograd.Function):
             dq, dk, dv = spec.kernel.backward(BackwardRows(dout, q, out, lse), k, v, spec.causal, spec.scale)
         else:
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse.transpose(1, 2), ctx.comm, spec, ctx.plan)
-        if dq.dtype != q.dtype:
-            dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+        dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)  # each its own: no copy where it is q's already
         return dq, dk, dv, None, None, None, dsinks
 
 

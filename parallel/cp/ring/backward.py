@@ -117,23 +117,25 @@ def local_grads(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], dq_c:
 def local_step(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], spec: AttentionSpec) -> QKVGrads:
     """The local step over every head: new dq, dk, dv accumulators, contiguous (``rows`` and ``held`` as in
     ``step_grads``). One call over every row hands over the kernel's own outputs (``running``: no copy when they
-    are contiguous in the accumulator dtype)."""
+    are contiguous in the accumulator dtype; without remote steps, ``plan.world`` 1, nothing adds into them and
+    they stay in the kernel's dtype)."""
     q, k = rows.q, held[0]
     acc = accumulator_dtype(q.dtype)
+    handed = acc if plan.world > 1 else q.dtype  # the dtype of the outputs one call hands over
     step = plan.steps[0]
     if one_call(spec, step, q.shape[1]) and _covers(step.calls[0].grad_kv, k.shape[1]):
         dq, dk, dv = call_backward(spec, step.calls[0].segment, rows, held)
-        return running(dq, acc), running(dk, acc), running(dv, acc)
+        return running(dq, handed), running(dk, handed), running(dv, handed)
     call = varlen_whole(plan, 0, q.shape[0], q.shape[1], q.device) if uses_varlen(spec, step) else None
     if call is not None:
         dq, grads = ring_varlen.whole_backward(spec.kernel, call, rows, held, spec.scale)
         if _covers(grads.target, k.shape[1]):
-            return running(dq, acc), running(grads.dk, acc), running(grads.dv, acc)
+            return running(dq, handed), running(grads.dk, handed), running(grads.dv, handed)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros_like(dk)
         add_grad(dk, grads.dk, grads.target)
         add_grad(dv, grads.dv, grads.target)
-        return running(dq, acc), dk, dv
+        return running(dq, handed), dk, dv
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
@@ -143,7 +145,8 @@ def local_step(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], spec: 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, comm: RingComm | None, spec: AttentionSpec, plan: RankPlan) -> QKVGrads:
-    """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype.
+    """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype (a local step's one
+    call at ``plan.world`` 1: the kernel's own, ``local_step``).
 
     The local step runs first over every head while the first head chunk's K/V hop travels (its kernel
     outputs become dq, dk, dv); then each head chunk's remote steps add into them. At a chunk boundary the

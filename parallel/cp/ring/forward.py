@@ -127,19 +127,21 @@ def _local_forward(plan: RankPlan, q: torch.Tensor, held: list[torch.Tensor], sp
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The local step as one call over every row and head (``whole_step``): its outputs become the running out
     [B, n, H, D] and lse [B, n, H] (the accumulator dtype, contiguous: ``running``; no copy when the kernel's
-    outputs are both already)."""
+    outputs are both already). Without remote steps (``plan.world`` 1) nothing merges into out: it stays in
+    the kernel's dtype (a bf16 out cast to fp32 and back cost two copies a layer, 7 ms of an H200's 1B step)."""
     if uses_varlen(spec, plan.steps[0]):
         call = varlen_whole(plan, 0, q.shape[0], q.shape[1], q.device)
         out, lse = ring_varlen.whole_forward(spec.kernel, call, q, held, spec.scale)
     else:
         out, lse = call_forward(spec, plan.steps[0].calls[0].segment, q, held)
     acc = accumulator_dtype(q.dtype)
-    return running(out, acc), running(lse, acc)
+    return running(out, acc if plan.world > 1 else out.dtype), running(lse, acc)
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: AttentionSpec,
                  plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward over the ring: returns out [B, n, H, D] (accumulator dtype) and lse [B, n, H]."""
+    """Forward over the ring: returns out [B, n, H, D] (accumulator dtype; the kernel's own at ``plan.world`` 1
+    in one head chunk) and lse [B, n, H] (accumulator dtype)."""
     shape = q.shape
     plan = plan.on_device(q.device)
     q, k, v = plan_rows(q, plan), plan_rows(k, plan), plan_rows(v, plan)
