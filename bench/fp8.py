@@ -3,6 +3,7 @@ with ``model.fp8`` none (bf16), tensorwise and rowwise (``parallel/tp/fp8.py``).
 
     python -m bench.fp8                                   # GPU: 100 steps per variant (about 80 s each on an H200)
     python -m bench.fp8 --steps 40 --variants none tensorwise
+    python -m bench.fp8 --seq 8192 --set model.hidden_size=4096 ...  # another model shape (--set as train.py's)
     python -m bench.fp8 --tiny                            # CPU: a tiny model, a few eager steps, emulated FP8
 
 Each variant is one ``Trainer`` run in a world of one process (nccl on CUDA, gloo on CPU) on the embedded corpus,
@@ -40,7 +41,7 @@ import torch  # noqa: E402
 
 from bench.common import emit, progress  # noqa: E402
 from cp_train.config.schema import Config, ConfigError  # noqa: E402
-from cp_train.config.sources import build_config, flatten, read_yaml  # noqa: E402
+from cp_train.config.sources import build_config, flatten, parse_override, read_yaml  # noqa: E402
 from cp_train.config.validate import validate  # noqa: E402
 from cp_train.metrics.writers import METRICS_FILE  # noqa: E402
 from cp_train.parallel.mesh.state import parallel_context, world_of_one  # noqa: E402
@@ -66,7 +67,7 @@ def run_config(args: argparse.Namespace, variant: str, run_dir: Path) -> Config:
         "logging.console": False, "logging.hardware_profile": args.hardware})
     if args.tiny:
         values.update(TINY_MODEL)
-    return build_config([("bench.fp8", values)])
+    return build_config([("bench.fp8", values), ("--set", dict(parse_override(o) for o in args.overrides))])
 
 
 def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
@@ -101,6 +102,7 @@ def run_in_process(args: argparse.Namespace, variant: str) -> dict[str, Any] | N
              "--processes", "one", "--record", str(record_file), "--variants", variant]
     flags += ["--eager"] * args.eager + ["--fsdp"] * args.fsdp + ["--tiny"] * args.tiny
     flags += ["--hardware", args.hardware] if args.hardware else []
+    flags += [item for override in args.overrides for item in ("--set", override)]
     code = subprocess.run([sys.executable, "-m", "bench.fp8", *flags], cwd=ROOT).returncode
     if code != 0 or not record_file.is_file():
         print(f"bench.fp8 {variant}: its process failed with exit {code} (its output above); the others go on",
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--hardware", default=None, help="the planner's profile for the planned columns (default: "
                                                           "the GPU's own; none on CPU)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, 3 eager steps of 128 tokens (CPU smoke)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override after the bench's own (e.g. model.num_layers=8)")
     parser.add_argument("--processes", choices=("auto", "one", "each"), default="auto",
                         help="each variant in its own process (auto: on CUDA) or all in this one")
     parser.add_argument("--record", default=None, help=argparse.SUPPRESS)  # the file a child writes its record to

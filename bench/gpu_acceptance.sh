@@ -22,6 +22,9 @@
 # Measured on an H200 (2026-11-30): setup 25 s (with the machine's start, about 90 s), tests 206 s, graphs 12 s,
 # profile 82 s, offload at 64k 159 s (its four cases done, stopped at its limit on the way out), fp8 about 80 s a
 # variant. Two calls fit a 15-minute lease: `setup tests graphs profile` (~330 s), then `setup offload fp8`.
+#   fp8-8b   (not run by default) bench.fp8 at Llama-3.1-8B's layer shape (hidden 4096, 32 heads, 8 kv heads, ffn
+#            14336), 8 layers, 8,192 tokens, 40 steps: where the linears are most of the step, as in torchtitan's
+#            8k table (at 1B and 16k they are 39% of it and tensorwise gave 1.02x on an H200, 2026-11-30)
 #   fp8-fsdp (not run by default) bench.fp8 --fsdp: tensorwise under FSDP2, its weights gathered in FP8, 30 steps
 #   swiglu   bench.swiglu at the 1B MLP's shape in bf16: gate and up as two weights against the fused weight's one
 #            matmul (eager node, compiled gated_silu)
@@ -95,6 +98,13 @@ for part in $PARTS; do
         run_part fp8 330 python3 -m bench.fp8 --steps 100 --out /tmp/fp8-runs
         grep "^DONE" "$OUT/fp8.log" | cut -c1-400  # each variant as it finished (all three: the table below)
         tail -6 "$OUT/fp8.log"
+        ;;
+    fp8-8b)
+        run_part fp8-8b 300 python3 -m bench.fp8 --steps 40 --seq 8192 --out /tmp/fp8-8b-runs \
+            --set model.hidden_size=4096 --set model.num_heads=32 --set model.num_kv_heads=8 \
+            --set model.ffn_hidden_size=14336 --set model.num_layers=8
+        grep "^DONE" "$OUT/fp8-8b.log" | cut -c1-400
+        tail -6 "$OUT/fp8-8b.log"
         ;;
     fp8-fsdp)
         run_part fp8-fsdp 150 python3 -m bench.fp8 --fsdp --variants tensorwise --steps 30 --out /tmp/fp8-fsdp-runs
