@@ -30,6 +30,7 @@ from cp_train.perf.inputs.documents import consecutive_samples, document_pieces,
 
 __all__ = ["ATTENTION_BACKWARD", "AttentionStep", "Collective", "Gemm", "KernelCall", "Workload", "build_workload"]
 
+ATTENTION_BACKWARD = 2.5  # flash attention's backward: five matmuls of the forward's size against two
 # samples of packed documents the attention's time is the mean over at cp 1 (the trainer passes its first 16): one
 # sample's documents alone misjudge it (the embedded corpus at 16k: the first sample's mask is 18% of a causal
 # sample's, the first 16 samples' mean 36%)
@@ -47,7 +48,6 @@ def planned_samples(documents: tuple[int, ...], seq_len: int, cp: int) -> list[t
     pairs = [sum(piece * piece for piece in sample) for sample in samples]
     mean = sum(pairs) / len(pairs)
     return [samples[min(range(len(samples)), key=lambda i: abs(pairs[i] - mean))]]
-ATTENTION_BACKWARD = 2.5  # flash attention's backward: five matmuls of the forward's size against two
 
 
 @dataclass(frozen=True)
