@@ -113,8 +113,8 @@ def host_shortfall(records: list[dict], seq: int, mode: str) -> str | None:
     that length needs about 115 GiB, more than a 128 GiB host holds beside the process; pinned memory that does not
     fit can take the whole host down with it."""
     ran = [r for r in records if r["offload"] == mode and not r["oom"] and r.get("host_gib")]
-    available = host_available_gib()
-    if mode == "none" or not ran or available is None:
+    available = host_available_gib() if mode != "none" and ran else None
+    if available is None:
         return None
     last = max(ran, key=lambda r: r["seq"])
     needed = last["host_gib"] * seq / last["seq"]

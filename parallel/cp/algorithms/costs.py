@@ -139,10 +139,15 @@ class WorkInputs:
     documents: bool
 
 
+def step_calls(step: object, scale: int = 1) -> tuple[KernelCall, ...]:
+    """The kernel calls of one ``StepPlan``, ``scale`` times their rows (varlen where the documents shape it)."""
+    return tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal, step.by_documents)
+                 for c in step.calls)
+
+
 def calls_of(plan: object, scale: int = 1) -> tuple[KernelCall, ...]:
     """Every kernel call of a ``RankPlan``'s steps, ``scale`` times their rows."""
-    return tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal, step.by_documents)
-                 for step in plan.steps for c in step.calls)
+    return tuple(call for step in plan.steps for call in step_calls(step, scale))
 
 
 def plan_steps(plans: list, scale: int, small: int, heads: int, kv_heads: int, d: int, compute: int,
@@ -158,8 +163,7 @@ def plan_steps(plans: list, scale: int, small: int, heads: int, kv_heads: int, d
         plan = whole_plan.ring
         steps = []
         for index, step in enumerate(plan.steps):
-            calls = tuple(KernelCall(c.segment.rows * scale, c.segment.keys * scale, c.segment.causal,
-                                     step.by_documents) for c in step.calls)
+            calls = step_calls(step, scale)
             if gathered:
                 sent = (small if plan.whole_blocks else step.kv_rows[0]) * scale * kv_row if index else 0
                 back = (small if plan.whole_blocks else step.held_rows) * scale * grad_row if index else 0
