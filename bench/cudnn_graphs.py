@@ -12,7 +12,8 @@ key seen for the first time is a graph cuDNN builds. Prints a JSON line per step
 milliseconds) and a summary; on CUDA with ``TORCH_CUDNN_SDPA_CACHE_DEBUG=1`` (set here) cuDNN's own cache lookups
 and hit rate per thread are read from its warnings as a cross-check (``main`` sets it before cuDNN's first lookup,
 which reads it once). The issue's bar: no new key after step 3. ``DenseKeys`` also serves ``bench.step_profile``
-(the trainer's steps).
+(the trainer's steps). ``--kernel cudnn_ragged``: the documents as one dense call each, keyed as PyTorch's ragged
+graphs are (lengths rounded up to powers of two: ``cp_train.parallel.kernels.cudnn_ragged``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from cp_train.parallel.cp.ring import warm
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels import cudnn_ragged
 from cp_train.parallel.kernels import select as kernels
 
 CACHE_LINE = re.compile(r"SDPA Cache Called (\d+) times\. Hit rate: (\d+)%")
@@ -47,16 +49,20 @@ class DenseKeys:
     kernels without a varlen entry do): ``step`` is set by the caller; ``new_by_step`` counts the keys first seen
     at each step (each one a graph cuDNN builds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ragged: bool = False) -> None:
         self.step, self.first_seen, self.lock, self.inside = 0, {}, threading.Lock(), threading.local()
+        self.ragged = ragged  # keys as PyTorch's ragged dense path makes them (``cudnn_ragged.graph_key``)
 
     def note(self, kind: str, causal: bool, *tensors: torch.Tensor) -> None:
         if getattr(self.inside, "varlen", False):
             return
-        # one sample: cuDNN's view has no batch stride (``cudnn.op_view``)
-        layouts = tuple((tuple(x.shape), x.stride()[x.shape[0] == 1:], x.dtype) for x in tensors)
+        if self.ragged:  # the backward's (dout, q, out, k, v): the key is q's, k's and v's
+            key = cudnn_ragged.graph_key(kind, causal, *(tensors[:3] if kind == "forward" else tensors[1:2] +
+                                                         tensors[3:]))
+        else:  # one sample: cuDNN's view has no batch stride (``cudnn.op_view``)
+            key = tuple((tuple(x.shape), x.stride()[x.shape[0] == 1:], x.dtype) for x in tensors)
         with self.lock:
-            self.first_seen.setdefault((threading.get_ident(), kind, causal, layouts), self.step)
+            self.first_seen.setdefault((threading.get_ident(), kind, causal, key), self.step)
 
     def new_by_step(self, steps: int) -> list[int]:
         counts = [0] * (steps + 1)
@@ -149,8 +155,9 @@ def run(args: argparse.Namespace, kernel: Any = None, keys: DenseKeys | None = N
     import queue
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    kernel = kernel or kernels.select_kernel(device, dtype, args.head_dim)
-    spec = AttentionSpec("ring", args.layout, True, args.head_dim ** -0.5, kernel, 1, True, varlen=True)
+    kernel = kernel or kernels.select_kernel(device, dtype, args.head_dim, getattr(args, "kernel", None))
+    ragged = getattr(kernel, "ragged_graphs", False)  # documents as dense calls: no varlen calls
+    spec = AttentionSpec("ring", args.layout, True, args.head_dim ** -0.5, kernel, 1, True, varlen=not ragged)
     docs = lognormal_documents(args.seqlen, args.steps, seed=args.seed)
     world, rows = args.world, args.seqlen // args.world
     positions = torch.stack([sequence_positions(args.seqlen, r, world, args.layout) for r in range(world)])
@@ -178,7 +185,7 @@ def run(args: argparse.Namespace, kernel: Any = None, keys: DenseKeys | None = N
                 errors.append(error)
             done.wait()
 
-    keys, records = keys or DenseKeys(), []
+    keys, records = keys or DenseKeys(ragged), []
     warm.ENABLED = not args.no_warm
     forced = args.plans_per_shape and not getattr(type(kernel), "plans_per_shape", False)
     if forced:  # a CPU kernel counted as if it built plans per shape (to see the warm-up's keys)
@@ -225,6 +232,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernel", default=None, help="the attention backend (default: the automatic choice); "
+                        "cudnn_ragged: the documents as dense calls on PyTorch's ragged graphs")
     parser.add_argument("--no-warm", action="store_true", help="without the ring's warm-up (parallel/cp/ring/warm.py)")
     parser.add_argument("--plans-per-shape", action="store_true",
                         help="treat the selected kernel as one that builds a plan per shape (CPU: see the warm-up)")

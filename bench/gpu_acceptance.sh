@@ -14,6 +14,9 @@
 #   profile  the 1B config at cp 1, 2 x 16,384 tokens of packed documents, compiled, 20 steps logged every 5:
 #            MFU, the scheduled profile's idle fraction, new cuDNN keys per step (bench.step_profile)
 #   profile-nofsdp  the same without FSDP
+#   ragged   (not run by default; issue 45's MFU lever) the cudnn_ragged backend: tests.gpu.ragged_check (its trial
+#            and the ring with documents against float64), bench.cudnn_graphs on it, and the profile above on it
+#            (the documents as one dense cuDNN call each instead of PyTorch's flash varlen); about 6 minutes
 #   offload  bench.offload at 128k tokens (the longest power of two the 1B config fits without offload on an H200:
 #            84.4 GiB; 2026-11-30) and 256k, with and without activation offload; 256k with offload needs ~115 GiB
 #            of pinned host memory and is reported as not run on a 128 GiB host
@@ -79,6 +82,21 @@ for part in $PARTS; do
         cp /tmp/profile-run/profile/*.json.gz "$OUT/" 2> /dev/null  # the recorded steps' Chrome trace
         grep -E '^PROFILE \{|^PROFILE .*ms/step' "$OUT/profile.log" | head -12
         grep -iE 'mfu|step [0-9]+ |planner|measured' "$OUT/profile.log" | tail -8
+        ;;
+    ragged)  # cudnn_ragged: its trial, the ring with documents against float64, its graphs, the 1B profile on it
+        run_part ragged-check 120 python3 -m tests.gpu.ragged_check
+        tail -1 "$OUT/ragged-check.log" | cut -c1-600
+        run_part graphs-ragged 90 python3 -m bench.cudnn_graphs --steps 12 --kernel cudnn_ragged
+        grep -E '"step": (1|2|3|4|12),|summary' "$OUT/graphs-ragged.log"
+        run_part profile-ragged 180 torchrun --nproc-per-node 1 -m bench.step_profile \
+            --config launch/configs/gpt-1b-128k-cp8.yaml --cp-size 1 --set data.seq_len=16384 \
+            --set train.global_batch_size=2 --train-steps 20 --set schedule.warmup_steps=2 \
+            --set logging.interval=5 --set logging.wandb=false --set checkpoint.save=null --set checkpoint.interval=0 \
+            --set train.valid_interval=0 --set logging.dir=/tmp/profile-ragged \
+            --set model.attention_kernel=cudnn_ragged --skip 6 --active 3
+        cp /tmp/profile-ragged/profile/*.json.gz "$OUT/ragged-trace.json.gz" 2> /dev/null
+        grep -E '^PROFILE \{|^PROFILE .*ms/step' "$OUT/profile-ragged.log" | head -12
+        grep -iE 'mfu|step [0-9]+ |planner|measured|cudnn_ragged' "$OUT/profile-ragged.log" | tail -8
         ;;
     profile-nofsdp)  # the same run without FSDP (one rank: FSDP's gathers and reduce-scatters are copies)
         run_part profile-nofsdp 180 torchrun --nproc-per-node 1 -m bench.step_profile \

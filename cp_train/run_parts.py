@@ -41,6 +41,7 @@ from cp_train.metrics.writers import MetricWriters, SinkSettings
 from cp_train.model.gpt import GPTModel
 from cp_train.optim import LRSchedule, build_optimizer
 from cp_train.parallel.cp.plan.batch_plan import SamplePlanner
+from cp_train.parallel.kernels import cudnn_ragged
 from cp_train.parallel.mesh.state import ParallelState
 from cp_train.runtime.profiling import check_profile_device
 
@@ -78,6 +79,8 @@ def prepare_environment(config: Config, state: ParallelState) -> RunEnvironment:
     check_profile_device(config, device)  # logging.memory_snapshot: CUDA's allocator
     if config.train.deterministic:
         build.use_deterministic_algorithms()
+    if config.model.attention_kernel == "cudnn_ragged":
+        cudnn_ragged.enable()  # PyTorch reads it at the process's first cuDNN attention call, whichever makes it
     if device.type == "cpu" and config.train.cpu_keep_freed_memory:
         keep_freed_memory()
     autocast_dtype = build.autocast_dtype(config, device)

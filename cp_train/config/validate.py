@@ -23,7 +23,7 @@ FSDP_REDUCE = ("auto", "per_step", "per_microbatch")
 DECAYS = ("cosine", "linear", "wsd", "constant")
 OPTIMIZERS = ("auto", "fused", "foreach", "apex")  # optimizer.implementation: torch's AdamW kernels, or apex's
 WANDB_MODES = (None, "online", "offline", "disabled")
-CUDA_ATTENTION = ("fa3", "flash_attn", "torch_efficient")  # attention backends that run on CUDA only
+CUDA_ATTENTION = ("fa3", "cudnn", "cudnn_ragged", "flash_attn", "torch_efficient")  # backends on CUDA only
 FP32_MAX = 3.4028234663852886e38
 
 

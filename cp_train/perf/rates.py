@@ -21,11 +21,15 @@ def linear_precision(fp8: str) -> str:
 class DeviceRates:
     """``hardware``'s rates with linears in ``precision`` (bf16, or fp8 for fp8 linears; attention stays bf16) and
     attention by ``kernel`` (default: the profile's, the trainer's choice on that GPU); the varlen calls of packed
-    documents by the profile's ``varlen_kernel`` (default: ``kernel``)."""
+    documents by the profile's ``varlen_kernel`` (default: ``kernel``). ``cudnn_ragged`` runs the documents as
+    dense cuDNN calls: both on the profile's ``cudnn`` curves."""
 
     def __init__(self, hardware: Hardware, precision: str = "bf16", kernel: str | None = None) -> None:
-        kernel = kernel or hardware.attention_kernel
-        varlen_kernel = hardware.varlen_kernel or kernel
+        if kernel == "cudnn_ragged":
+            kernel = varlen_kernel = "cudnn"
+        else:
+            kernel = kernel or hardware.attention_kernel
+            varlen_kernel = hardware.varlen_kernel or kernel
         for name in {kernel, varlen_kernel}:  # an unknown kernel: one line naming the known ones
             hardware.attention_fraction(128, 1024.0, True, name)
         self.hardware, self.precision, self.kernel, self.varlen_kernel = hardware, precision, kernel, varlen_kernel

@@ -66,7 +66,8 @@ def run_prediction(config: Config, world: int, device: torch.device, documents: 
         hardware = run_hardware(config, device)
         if hardware is None:
             return None, None
-        rates = DeviceRates(hardware, linear_precision(config.model.fp8))  # FP8 linears planned as such
+        ragged = "cudnn_ragged" if config.model.attention_kernel == "cudnn_ragged" else None  # documents on cuDNN
+        rates = DeviceRates(hardware, linear_precision(config.model.fp8), ragged)  # FP8 linears planned as such
         planned = predict(copy.deepcopy(config), world, rates, hardware.peak_tflops("bf16"), hardware.hbm_gib,
                           reserve_gib(hardware.hbm_gib), documents)
     except (InputError, ValueError, KeyError) as error:

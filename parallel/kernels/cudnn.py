@@ -22,15 +22,16 @@ Varlen calls (packed documents) go to ``varlen_kernel`` on a GPU (``select_kerne
 Hopper, else flash-attn 2, else PyTorch's CUDA flash kernel): one varlen call per mask kind and ring step.
 Measured on an H100 with the 1B config at 16k tokens, running them segment by segment through cuDNN
 (``VarlenBySegments``, the fallback when ``varlen_kernel`` is None) cost one dense call per document and a host
-sync per call: 12.5% MFU. The native ragged cuDNN path
-(``aten::_cudnn_attention_forward`` with ``cum_seq_q``/``cum_seq_k``) is not used: its causal alignment for
-segments with more keys than queries differs between cuDNN frontend versions, and its backward is missing
-from some torch releases. Nor would it bound the graphs: PyTorch keys its cuDNN graph cache on the ragged
-call's segment count, longest segment and packed length too (``MHAParams`` in ``ATen/native/cudnn/MHA.cpp``),
-so every micro-batch of new documents would build new graphs, which is what routing the documents' steps to
-varlen calls avoids; torch 2.13's own ``varlen_attn`` keeps its cuDNN branch off. cuDNN refuses a 1 x 1
-block (``s_q = s_kv = 1``, seen on an H200 with cuDNN 9.19 for a one-token piece of a document): those calls
-are computed exactly here (``one_key_forward``).
+sync per call: 12.5% MFU. The nested (THD) cuDNN path (``aten::_cudnn_attention_forward`` with
+``cum_seq_q``/``cum_seq_k``) is not used: PyTorch's nested-tensor functions in ``ATen/native/cudnn/MHA.cpp`` look
+their graph up but never store it (the 2026 sources read), so every call builds one, and the key holds the
+segment count and longest segment anyway; its causal alignment for segments with more keys than queries differs
+between cuDNN frontend versions. So by default the documents' steps go to varlen calls. The ``cudnn_ragged``
+backend (``cudnn_ragged.py``, ``ragged_graphs``) runs them instead as one dense cuDNN call per document on views,
+PyTorch's ragged dense graphs (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE``) keeping the graphs to one per power of two.
+torch 2.13's own ``varlen_attn`` keeps its cuDNN branch off. cuDNN refuses a 1 x 1 block (``s_q = s_kv = 1``, seen
+on an H200 with cuDNN 9.19 for a one-token piece of a document): those calls are computed exactly here
+(``one_key_forward``).
 
 Any other call shape cuDNN declines after admission (``cuDNN Frontend error``: "No valid execution plans built",
 "No execution plans support the graph", reported on H200 and GH200 for shapes its trial did not cover) runs on
@@ -116,6 +117,10 @@ class CudnnAttention(VarlenBySegments):
     varlen_kernel: AttentionKernel | None = None
     native_gqa: bool = False  # K/V with fewer heads go in as they are (no expanding copy)
     plans_per_shape: bool = True  # a graph per call shape and strides, per thread (the ring warms them: ring/warm.py)
+    # PyTorch's ragged dense graphs (``cudnn_ragged.py``): one graph per power-of-two length, so the packed
+    # documents' steps run as one dense call per document on views (not on ``varlen_kernel``)
+    ragged_graphs: bool = False
+    lse_rows_major: bool = False  # the backward takes lse [B, H, Sq] laid out [B, Sq, H] (``cudnn_ragged.trial``)
     # the dense calls cuDNN declined, run on varlen_kernel since (shared by the native_gqa copy of this kernel)
     refused: set[CallKey] = field(default_factory=set, compare=False, repr=False)
 
@@ -133,14 +138,19 @@ class CudnnAttention(VarlenBySegments):
 
     @property
     def native_varlen(self) -> bool:
-        return self.varlen_kernel is not None
+        return self.varlen_kernel is not None and not self.ragged_graphs
 
     def _kv(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """K or V ``[B, S, Hk, D]`` as the op takes it (``[B, Hk or H, S, D]``). Expanded heads are a packed copy:
         ``expand_kv``'s stride-0 view of one K/V head would hand cuDNN's graph a zero stride."""
         if not self.native_gqa and x.shape[2] != heads:
             x = expand_kv(x, heads).contiguous()
-        return op_view(x)
+        return op_view(self._packed(x))
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the op gets it: with ragged graphs ``[B, S, H, D]`` contiguous (a head chunk's view copied;
+        a row slice is already), which PyTorch's ragged path needs to share graphs across lengths."""
+        return x.contiguous() if self.ragged_graphs else x
 
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
                        causal: bool, scale: float) -> OutLse:
@@ -162,8 +172,8 @@ class CudnnAttention(VarlenBySegments):
         if self.refused and ("forward", q.shape, k.shape, causal) in self.refused:  # nothing per call until then
             return self.varlen_kernel.forward(q, k, v, causal, scale)
         try:
-            out, lse = FORWARD(op_view(q), self._kv(k, heads), self._kv(v, heads), None, True, 0.0, causal, False,
-                               scale=scale)[:2]
+            out, lse = FORWARD(op_view(self._packed(q)), self._kv(k, heads), self._kv(v, heads), None, True, 0.0,
+                               causal, False, scale=scale)[:2]
         except RuntimeError as error:
             return self._instead(("forward", q.shape, k.shape, causal), error).forward(q, k, v, causal, scale)
         return out.transpose(1, 2), lse.view(q.shape[0], heads, q.shape[1])  # [B, H, Sq, 1]; raises if not so
@@ -181,11 +191,12 @@ class CudnnAttention(VarlenBySegments):
         # PyTorch keys its backward graphs on q/k/v alone and bakes in the first call's out/dout strides: packed,
         # they are the same for every call of a key (a copy only of a row slice or head chunk of a batch)
         dout_packed, out_packed = dout.contiguous(), out.contiguous()
+        lse = lse.transpose(1, 2).contiguous().transpose(1, 2) if self.lse_rows_major else lse.contiguous()
         try:
             dq, dk, dv = BACKWARD(
-                op_view(dout_packed), op_view(q), self._kv(k, heads), self._kv(v, heads), op_view(out_packed),
-                lse.contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
-                scale=scale)
+                op_view(dout_packed), op_view(self._packed(q)), self._kv(k, heads), self._kv(v, heads),
+                op_view(out_packed), lse.unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0,
+                causal, scale=scale)
         except RuntimeError as error:
             return self._instead(("backward", q.shape, k.shape, causal), error).backward(rows, k, v, causal, scale)
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

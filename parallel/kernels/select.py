@@ -10,6 +10,7 @@ name            kernel                                                  device /
 =============== ======================================================= ===================
 fa3             FA3 (``flash_attn_interface``, Hopper build)            sm90, fp16/bf16
 cudnn           cuDNN SDPA (``cudnn.py``, PyTorch's cuDNN attention ops) sm80+, fp16/bf16
+cudnn_ragged    cuDNN SDPA, documents as dense calls (``cudnn_ragged.py``) sm80+, fp16/bf16 (by name only)
 flash_attn      flash-attn 2.5-2.8 (``flash_attn.py``)                  CUDA, fp16/bf16
 torch           PyTorch's flash kernels (CPU: any float; CUDA: fp16/bf16) CPU, CUDA
 torch_efficient PyTorch's memory-efficient kernels (the CUDA fp32 path)  CUDA, fp16/bf16/fp32
@@ -40,7 +41,7 @@ import warnings
 
 import torch
 
-from cp_train.parallel.kernels import cudnn
+from cp_train.parallel.kernels import cudnn, cudnn_ragged
 from cp_train.parallel.kernels.backends import BACKENDS
 from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, OutLse, QKVGrads
 from cp_train.parallel.kernels.flash_attn import FlashAttn2, FlashAttn3
@@ -52,8 +53,10 @@ HALF = (torch.float16, torch.bfloat16)
 TrialKey = tuple[torch.device, torch.dtype, int, str]  # (device, dtype, head_dim, backend)
 _TRIALS: dict[TrialKey, str | None] = {}  # each trial call's outcome: None (passed) or the error, one line
 _CHOSEN: dict[str, None] = {}  # the names of the kernels select_kernel returned, in order (a set)
+_RAGGED: dict[TrialKey, AttentionKernel | str] = {}  # cudnn_ragged's trial: the admitted kernel, or the error
 _trial = trial_call  # the admission trial (tests replace it)
 _gqa_probe = native_gqa_agrees  # whether cuDNN takes GQA as it is (tests replace it)
+_ragged_trial = cudnn_ragged.trial  # cudnn_ragged's admission (tests replace it)
 
 
 class KernelUnavailable(ValueError):
@@ -101,9 +104,9 @@ def _build(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
     cuda = device.type == "cuda"
     if backend == "math":
         return MathKernel()
-    if backend in ("fa3", "cudnn", "flash_attn", "torch_efficient") and not cuda:
+    if backend in ("fa3", "cudnn", "cudnn_ragged", "flash_attn", "torch_efficient") and not cuda:
         raise KernelUnavailable(f"backend {backend!r} needs CUDA tensors, got {device.type}; use backend 'torch'")
-    if backend in ("fa3", "cudnn", "flash_attn") or (backend == "torch" and cuda):
+    if backend in ("fa3", "cudnn", "cudnn_ragged", "flash_attn") or (backend == "torch" and cuda):
         if dtype not in HALF:
             raise KernelUnavailable(f"backend {backend!r} takes float16/bfloat16 on CUDA, got {dtype}: use "
                                     f"backend 'torch_efficient' (float32) or 'math' (float64), or bf16 autocast")
@@ -118,6 +121,9 @@ def _build(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
             raise KernelUnavailable(f"backend 'torch_efficient' needs head_dim a multiple of 4, got {head_dim}")
         return TorchEfficient(deterministic)
     if backend == "cudnn":
+        return _build_cudnn(device, head_dim, deterministic)
+    if backend == "cudnn_ragged":
+        cudnn_ragged.enable()  # before the trial: PyTorch reads the switch at the process's first cuDNN call
         return _build_cudnn(device, head_dim, deterministic)
     if backend == "flash_attn":
         found = _import_flash_attn()
@@ -209,14 +215,33 @@ def _admit(backend: str, kernel: AttentionKernel, device: torch.device, dtype: t
 
 def _admitted(backend: str, kernel: AttentionKernel, device: torch.device, dtype: torch.dtype,
               head_dim: int) -> AttentionKernel:
-    """``kernel`` once it passes its trial (``_admit``); on CUDA, cuDNN with GQA handed to the op as it is
-    where the probe finds this build takes it (no K/V copy per call)."""
-    _admit(backend, kernel, device, dtype, head_dim)
-    if backend == "cudnn" and device.type == "cuda":
+    """``kernel`` once it passes its trial (``_admit``; ``cudnn_ragged`` its own too, ``_ragged``); on CUDA, cuDNN
+    with GQA handed to the op as it is where the probe finds this build takes it (no K/V copy per call)."""
+    if backend == "cudnn_ragged" and device.type == "cuda":
+        kernel = _ragged(kernel, device, dtype, head_dim)  # a trial of its own: dense calls only
+    else:
+        _admit(backend, kernel, device, dtype, head_dim)
+    if backend in ("cudnn", "cudnn_ragged") and device.type == "cuda":
         native = dataclasses.replace(kernel, native_gqa=True)
         if _gqa_probe(kernel, native, device, dtype, head_dim):
             return native
     return kernel
+
+
+def _ragged(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernel:
+    """The cuDNN kernel with ragged graphs once ``cudnn_ragged.trial`` passes (once per key), else
+    KernelUnavailable naming what failed."""
+    key = (device, dtype, head_dim, "cudnn_ragged")
+    if key not in _RAGGED:
+        try:
+            _RAGGED[key] = _ragged_trial(kernel, device, dtype, head_dim)
+        except Exception as error:  # noqa: BLE001 - a refusal, a mismatch or a graph per length: "not here"
+            _RAGGED[key] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    found = _RAGGED[key]
+    if isinstance(found, str):
+        raise KernelUnavailable(f"backend 'cudnn_ragged' failed its trial on {device} with {dtype} and head_dim "
+                                f"{head_dim} ({found}); use backend 'cudnn' (documents on varlen calls)")
+    return found
 
 
 def chosen_backends() -> tuple[str, ...]:

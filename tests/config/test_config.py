@@ -203,7 +203,7 @@ def test_validation_errors_name_the_numbers(overrides, world, message) -> None:
 def test_cuda_only_settings_on_a_machine_without_cuda() -> None:
     with pytest.raises(ConfigError, match=r"parallel.backend nccl needs CUDA GPUs and this machine has none: use gloo"):
         validate(small(**{"parallel.backend": "nccl"}), 2)
-    for backend in ("flash_attn", "fa3", "torch_efficient"):
+    for backend in ("flash_attn", "fa3", "cudnn", "cudnn_ragged", "torch_efficient"):
         with pytest.raises(ConfigError, match=rf"model.attention_kernel {backend} needs CUDA and this run is on the "
                                               rf"CPU \(parallel.backend gloo\): use torch or math"):
             validate(small(**{"model.attention_kernel": backend}), 2)

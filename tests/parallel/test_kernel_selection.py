@@ -7,6 +7,8 @@ failing for want of a CPU kernel, so a call that does not bind to the op's schem
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import warnings
 
 import pytest
@@ -27,6 +29,7 @@ def _clear(imports: bool = True) -> None:
                                                                   if imports else ()):
         cached.cache_clear()
     kernels._TRIALS.clear()
+    kernels._RAGGED.clear()
     kernels._CHOSEN.clear()
 
 
@@ -293,3 +296,30 @@ def test_cudnn_runs_packed_documents_on_the_fastest_varlen_kernel(monkeypatch, c
     _with_packages(monkeypatch, fa3, flash_attn, True, capability)
     kernel = select_kernel(CUDA, torch.bfloat16, 64, "cudnn")
     assert kernel.name == "cudnn" and kernel.varlen_kernel.name.startswith(varlen)
+
+
+def test_cudnn_ragged_is_chosen_by_name_after_its_own_trial(monkeypatch) -> None:
+    """``cudnn_ragged``: never in the automatic order; by name, PyTorch's switch set before its trial, which
+    decides it (and its lse layout) once; the kernel runs packed documents as dense calls (no varlen entry); a
+    failed trial is one error that names the backend to use instead; on the CPU it says it needs CUDA."""
+    _with_packages(monkeypatch, False, False, True, (9, 0))
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", raising=False)
+    trials = []
+
+    def trial(kernel, device, dtype, head_dim):  # noqa: ANN001, ANN202
+        trials.append(os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"))
+        return dataclasses.replace(kernel, name="cudnn_ragged", ragged_graphs=True, lse_rows_major=True)
+
+    monkeypatch.setattr(kernels, "_ragged_trial", trial)
+    assert select_kernel(CUDA, torch.bfloat16, 64).name == "cudnn"
+    kernel = select_kernel(CUDA, torch.bfloat16, 64, "cudnn_ragged")
+    assert kernel.name == "cudnn_ragged" and not kernel.native_varlen and kernel.lse_rows_major
+    select_kernel.cache_clear()
+    select_kernel(CUDA, torch.bfloat16, 64, "cudnn_ragged")
+    assert trials == ["1"]
+    _clear(imports=False)
+    monkeypatch.setattr(kernels, "_ragged_trial", lambda *args: (_ for _ in ()).throw(RuntimeError("built a graph")))
+    with pytest.raises(KernelUnavailable, match="'cudnn_ragged' failed its trial.*built a graph.*use backend 'cudnn'"):
+        select_kernel(CUDA, torch.bfloat16, 64, "cudnn_ragged")
+    with pytest.raises(KernelUnavailable, match="'cudnn_ragged' needs CUDA tensors"):
+        select_kernel(torch.device("cpu"), torch.bfloat16, 64, "cudnn_ragged")

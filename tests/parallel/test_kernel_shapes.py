@@ -169,18 +169,21 @@ def test_no_index_ops_at_cp1() -> None:
     assert torch.equal(out, out_control) and torch.equal(dq, dq_control)
 
 
-@pytest.mark.parametrize("documents", [True, False])
-def test_cp1_hands_over_the_kernels_own_dtype(documents: bool) -> None:
+@pytest.mark.parametrize("documents,varlen", [(True, True), (False, True), (True, False)])
+def test_cp1_hands_over_the_kernels_own_dtype(documents: bool, varlen: bool) -> None:
     """At cp 1 nothing merges into the local step's outputs: in bf16 out, dq, dk and dv stay the kernel's bf16
     (they were cast to fp32 and back: two copies a layer forward, three backward, 22 ms of an H200's 1B step),
-    lse stays fp32; packed documents (one varlen call) and one document (one dense call) alike; the values match
-    the float64 reference to bf16's precision."""
+    lse stays fp32; packed documents as one varlen call, as one dense call per document (a kernel without varlen
+    calls: ``cudnn_ragged``, the CPU's) and one document as one dense call alike; the values match the float64
+    reference to bf16's precision."""
     seqlen = 128
     q, k, v, dout = (x[:1].bfloat16() for x in inputs(seqlen, 4, 2, seed=5))  # one sample, as the GPU configs
     docs = lognormal_documents(seqlen, 1, seed=6, median=24) if documents else torch.zeros(1, seqlen, dtype=torch.long)
     plan = plan_for_documents(docs[None], positions_in_documents(docs)[None], 0, True)
     assert plan.world == 1 and all(step.by_documents for step in plan.steps) == documents
-    spec = AttentionSpec("ring", "contiguous", True, 0.25, NativeVarlen(), 1, True, varlen=True)
+    kernel = NativeVarlen() if varlen else TorchCpuFlash()
+    spec = AttentionSpec("ring", "contiguous", True, 0.25, kernel, 1, True, varlen=varlen)
+    assert varlen or len(plan.steps[0].calls) > 1
     out, lse = ring_forward(q, k, v, None, spec, plan)
     grads = ring_backward(dout, q, k, v, out, lse, None, spec, plan)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32

@@ -66,6 +66,9 @@ def test_varlen_calls_plan_on_the_varlen_kernel_and_the_samples_average() -> Non
     curves = h200.attention_fraction(planner_cases.DIM, 1.0, True, "cudnn") / h200.attention_fraction(
         planner_cases.DIM, 1.0, True, "flash2")  # both below their first point: the ratio of the first points
     assert attention_seconds(short, flash2)[0] == pytest.approx(curves * attention_seconds(short, cudnn)[0])
+    ragged = DeviceRates(h200, "bf16", "cudnn_ragged")  # the trainer's cudnn_ragged: documents as cuDNN calls
+    assert (ragged.kernel, ragged.varlen_kernel) == ("cudnn", "cudnn")
+    assert attention_seconds(short, ragged) == attention_seconds(short, cudnn)
     ring = _workload(2, "contiguous", "ring", (40, 24))  # cp 2: rank 0's own block is one document, dense
     assert [[c.varlen for step in rank for c in step.calls] for rank in ring.attention] == [[False], [True] * 3]
     assert attention_seconds(ring, flash2)[0] > attention_seconds(ring, cudnn)[0]

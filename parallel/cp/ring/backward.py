@@ -36,6 +36,7 @@ from cp_train.parallel.cp.ring.forward import (
     pass_kv,
     plan_rows,
     running,
+    unmerged,
     uses_varlen,
 )
 from cp_train.parallel.cp.ring.varlen_steps import flat_view, varlen_calls
@@ -136,6 +137,8 @@ def local_step(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], spec: 
         add_grad(dk, grads.dk, grads.target)
         add_grad(dv, grads.dv, grads.target)
         return running(dq, handed), dk, dv
+    if unmerged(spec, plan, q.shape[1], k.shape[1]):
+        return _unmerged_grads(spec, step, rows, held)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
@@ -143,10 +146,25 @@ def local_step(plan: RankPlan, rows: SavedRows, held: list[torch.Tensor], spec: 
     return dq, dk, dv
 
 
+def _unmerged_grads(spec: AttentionSpec, step: StepPlan, rows: SavedRows, held: list[torch.Tensor]) -> QKVGrads:
+    """dq, dk, dv of a local step whose dense calls write each row once (``forward.unmerged``): each call's
+    gradients copied into place, in the kernel's dtype (no zeroing, no fp32 accumulator)."""
+    q, k = rows.q, held[0]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
+    for call in step.calls:
+        dq_b, dk_b, dv_b = call_backward(spec, call.segment, rows, held)
+        keys = slice(*call.grad_kv)
+        dq[:, slice(*call.segment.q)] = dq_b
+        dk[:, keys] = dk_b
+        dv[:, keys] = dv_b
+    return dq, dk, dv
+
+
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, comm: RingComm | None, spec: AttentionSpec, plan: RankPlan) -> QKVGrads:
-    """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype (a local step's one
-    call at ``plan.world`` 1: the kernel's own, ``local_step``).
+    """Backward over the ring: dq [B, n, H, D], dk, dv [B, n, Hk, D] in the accumulator dtype (at ``plan.world`` 1
+    a local step of one call, or of calls that write each row once: the kernel's own, ``local_step``).
 
     The local step runs first over every head while the first head chunk's K/V hop travels (its kernel
     outputs become dq, dk, dv); then each head chunk's remote steps add into them. At a chunk boundary the

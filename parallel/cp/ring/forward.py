@@ -20,6 +20,7 @@ from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
 from cp_train.parallel.cp.plan.segments import Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
 from cp_train.parallel.cp.ring import warm
+from cp_train.parallel.cp.ring.blocks import tiles
 from cp_train.parallel.cp.ring.comm import KV_TAG, RingComm, Transfer
 from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
 from cp_train.parallel.cp.ring.varlen_steps import whole_call as varlen_whole
@@ -141,7 +142,8 @@ def _local_forward(plan: RankPlan, q: torch.Tensor, held: list[torch.Tensor], sp
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm | None, spec: AttentionSpec,
                  plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the ring: returns out [B, n, H, D] (accumulator dtype; the kernel's own at ``plan.world`` 1
-    in one head chunk) and lse [B, n, H] (accumulator dtype)."""
+    in one head chunk, where no call merges into another's rows: ``unmerged``) and lse [B, n, H] (accumulator
+    dtype)."""
     shape = q.shape
     plan = plan.on_device(q.device)
     q, k, v = plan_rows(q, plan), plan_rows(k, plan), plan_rows(v, plan)
@@ -150,7 +152,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
     acc = accumulator_dtype(q.dtype)
     chunks = head_chunk_bounds(k.shape[2], spec.forward_head_chunks)
     whole = len(chunks) == 1 and whole_step(spec, plan, 0, q)  # the local step's outputs start out, lse
-    out = None if whole else torch.empty(batch, n, heads, dim, dtype=acc, device=q.device)
+    out_dtype = q.dtype if len(chunks) == 1 and unmerged(spec, plan, n, k.shape[1]) else acc
+    out = None if whole else torch.empty(batch, n, heads, dim, dtype=out_dtype, device=q.device)
     lse = None if whole else torch.empty(batch, n, heads, dtype=acc, device=q.device)
     for k0, k1 in chunks:
         qs = slice(k0 * group_size, k1 * group_size)
@@ -178,6 +181,13 @@ def warm_forward(spec: AttentionSpec, q: torch.Tensor, held: list[torch.Tensor],
     for store in stores:
         for segment in warm.shapes(rows, world, spec.layout, spec.causal):
             call_forward(spec, segment, q, store)
+
+
+def unmerged(spec: AttentionSpec, plan: RankPlan, rows: int, keys: int) -> bool:
+    """Whether nothing merges into the outputs of the plan's calls: one rank (no remote steps) whose local step's
+    dense calls write each query row and each dK/dV row once (``blocks.tiles``; packed documents at cp 1 on a
+    kernel without varlen calls). Its out, dq, dk and dv then stay in the kernel's dtype."""
+    return plan.world == 1 and not uses_varlen(spec, plan.steps[0]) and tiles(plan.steps[0], rows, keys)
 
 
 def uses_varlen(spec: AttentionSpec, step: StepPlan) -> bool:

@@ -1,0 +1,156 @@
+"""The ``cudnn_ragged`` backend on CPU: packed documents as dense cuDNN calls on views, the graphs PyTorch's ragged
+dense path would build for them (one per power-of-two length), exactness through the ring, and the trial that
+admits it (through the schema-checking stand-ins of ``test_kernels_cudnn``; the device's own run is in tests/gpu).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bench.cudnn_graphs import lognormal_documents
+from cp_train.parallel.cp.ring import warm
+from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels import cudnn, cudnn_ragged
+from cp_train.parallel.kernels.cudnn import CudnnAttention
+from cp_train.parallel.kernels.cudnn_ragged import graph_key, power_of_two
+from tests.document_cases import inputs, masked_reference
+from tests.numerics import rel_err
+from tests.parallel.test_kernel_shapes import MICRO_BATCHES, SETTLED, rank_plans
+from tests.parallel.test_kernels_cudnn import standin_backward, standin_forward
+from tests.ring_threads import run_threaded_ring
+
+CPU = torch.device("cpu")
+
+
+class Recorded:
+    """The stand-in ops, recording the graph key of every call as PyTorch's ragged path would key it."""
+
+    def __init__(self, backward=standin_backward) -> None:  # noqa: ANN001 - an op stand-in
+        self.keys: list[tuple] = []
+        self._backward = backward
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the op's own signature
+        q, k, v = (args[i].transpose(1, 2) for i in range(3))
+        self.keys.append(graph_key("forward", args[6], q, k, v))
+        return standin_forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        q, k, v = (args[i].transpose(1, 2) for i in (1, 2, 3))
+        self.keys.append(graph_key("backward", args[14], q, k, v))
+        return self._backward(*args, **kwargs)
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> Recorded:
+    ops = Recorded()
+    monkeypatch.setattr(cudnn, "FORWARD", ops.forward)
+    monkeypatch.setattr(cudnn, "BACKWARD", ops.backward)
+    return ops
+
+
+def test_lengths_round_to_powers_of_two_on_packed_rows_only() -> None:
+    """Row slices of a packed block share a key within a power of two; a head chunk's view (not ``[B, S, H, D]``
+    contiguous) keys on its exact shape, as the ordinary dense path does."""
+    assert [power_of_two(n) for n in (0, 1, 2, 3, 300, 512, 513)] == [1, 1, 2, 4, 512, 512, 1024]
+    block = torch.zeros(1, 1024, 8, 16)
+    rows = [block[:, 10:10 + n] for n in (300, 400, 512)]
+    assert len({graph_key("forward", True, x, x, x) for x in rows}) == 1
+    assert graph_key("forward", True, rows[0], rows[0], rows[0]) != graph_key("forward", True, *[block[:, :600]] * 3)
+    heads = [block[:, :n, :4] for n in (300, 400)]
+    assert len({graph_key("forward", True, x, x, x) for x in heads}) == 2
+
+
+def _ragged_keys(plan) -> set[tuple]:  # noqa: ANN001 - a RankPlan
+    """The (direction, causal, rows bucket, keys bucket) of every dense call of ``plan`` (nothing routed)."""
+    return {(kind, c.segment.causal, power_of_two(c.segment.rows), power_of_two(c.segment.keys))
+            for step in plan.steps for c in step.calls for kind in ("forward", "backward")}
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_documents_as_dense_calls_build_few_graphs(world: int) -> None:
+    """40 micro-batches of 2,048 tokens of lognormal documents, every step's calls dense (one per document piece):
+    their exact shapes are new in most micro-batches (the control: over 30, and new after micro-batch 20), their
+    ragged graphs are bounded by the powers of two: at most 2 x 12 at cp 1 (a causal square per power of two up to
+    2,048, each direction; 16 measured) and 2 x 24 per rank at cp 4 (36-44 measured). A bucket first met late
+    still builds its graph then (once per run, not once per document shape)."""
+    docs = lognormal_documents(2048, MICRO_BATCHES, seed=world)
+    keys: list[set] = [set() for _ in range(world)]
+    exact: list[set] = [set() for _ in range(world)]
+    late_exact = 0
+    for number, sample in enumerate(docs):
+        for rank, plan in enumerate(rank_plans(sample, world)):
+            keys[rank] |= _ragged_keys(plan)
+            shapes = {(c.segment.rows, c.segment.keys, c.segment.causal) for s in plan.steps for c in s.calls}
+            late_exact += number >= SETTLED and bool(shapes - exact[rank])
+            exact[rank] |= shapes
+    assert late_exact >= 10
+    for rank in range(world):
+        assert len(keys[rank]) <= (24 if world == 1 else 48), sorted(keys[rank])
+        assert len(exact[rank]) > 30
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_the_ring_on_ragged_cudnn_is_exact_and_calls_those_graphs(recorded: Recorded, world: int) -> None:
+    """The ring over thread ranks (head chunks 2: the backward's views are copied to ``[B, S, H, D]``) with packed
+    documents on cuDNN with ragged graphs: no varlen call, every op call's key a power-of-two one of the plans'
+    calls or the warm-up's, and the results match the float64 reference of the per-document mask."""
+    seqlen = 256
+    q, k, v, dout = inputs(seqlen, 4, 2, seed=20 + world)
+    docs = lognormal_documents(seqlen, 2, seed=30 + world, median=48)
+    kernel = CudnnAttention(varlen_kernel=None, ragged_graphs=True)
+    assert not kernel.native_varlen
+    spec = AttentionSpec("ring", "zigzag", True, 0.25, kernel, 2, True, varlen=kernel.native_varlen)
+    got = run_threaded_ring(q, k, v, dout, world, spec, docs)
+    want = masked_reference(q, k, v, dout, docs, True, 0.25)
+    for name, value in want.items():
+        assert rel_err(got[name], value) <= 2e-6, name
+    assert recorded.keys and all(key[0] == "ragged" for key in recorded.keys), "every call on packed rows"
+    planned = set().union(*(_ragged_keys(plan) for sample in docs for plan in rank_plans(sample, world)))
+    planned |= {(kind, c.causal, power_of_two(c.rows), power_of_two(c.keys)) for kind in ("forward", "backward")
+                for c in warm.shapes(seqlen // world, world, "zigzag", True)}  # the ring's warm-up calls
+    assert {(key[1], key[2], *key[-1]) for key in recorded.keys} <= planned
+
+
+def _heads_major_only(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the op's signature
+    """A build whose backward reads lse's memory as ``[B, H, Sq]`` whatever its strides."""
+    args = list(args)
+    lse = args[5]
+    args[5] = torch.as_strided(lse, lse.shape, (lse.shape[1] * lse.shape[2], lse.shape[2], 1, 1))
+    return standin_backward(*args, **kwargs)
+
+
+def _clock(shared: float, building: float):  # noqa: ANN202
+    times = iter([0.0, shared, 0.0, building])
+    return lambda: next(times)
+
+
+@pytest.mark.parametrize("backward,rows_major", [(standin_backward, True), (_heads_major_only, False)])
+def test_the_trial_picks_the_lse_layout_the_build_reads(monkeypatch, backward, rows_major: bool) -> None:
+    ops = Recorded(backward)
+    monkeypatch.setattr(cudnn, "FORWARD", ops.forward)
+    monkeypatch.setattr(cudnn, "BACKWARD", ops.backward)
+    kernel = cudnn_ragged.trial(CudnnAttention(), CPU, torch.float32, 16, clock=_clock(0.001, 0.05))
+    assert kernel.name == "cudnn_ragged" and kernel.ragged_graphs and kernel.lse_rows_major is rows_major
+    assert not kernel.native_varlen
+
+
+def test_the_trial_refuses_inexact_calls_and_a_graph_per_length(monkeypatch, recorded: Recorded) -> None:
+    with pytest.raises(RuntimeError, match="TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 must be set before"):
+        cudnn_ragged.trial(CudnnAttention(), CPU, torch.float32, 16, clock=_clock(0.04, 0.05))
+
+    def wrong(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        dq, dk, dv = standin_backward(*args, **kwargs)
+        return dq * 1.5, dk, dv
+
+    monkeypatch.setattr(cudnn, "BACKWARD", wrong)
+    with pytest.raises(RuntimeError, match="not exact here.*dq"):
+        cudnn_ragged.trial(CudnnAttention(), CPU, torch.float32, 16, clock=_clock(0.001, 0.05))
+
+
+def test_enable_sets_pytorchs_switch(monkeypatch) -> None:
+    monkeypatch.delenv(cudnn_ragged.SWITCH, raising=False)
+    cudnn_ragged.enable()
+    assert os.environ[cudnn_ragged.SWITCH] == "1"
