@@ -11,14 +11,17 @@ import pytest
 import torch
 
 from bench.cudnn_graphs import lognormal_documents
+from cp_train.parallel.cp.plan.rank_plan import plan_for_documents
 from cp_train.parallel.cp.ring import warm
+from cp_train.parallel.cp.ring.backward import ring_backward
+from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels import cudnn, cudnn_ragged
 from cp_train.parallel.kernels.cudnn import CudnnAttention
 from cp_train.parallel.kernels.cudnn_ragged import graph_key, power_of_two
 from tests.document_cases import inputs, masked_reference
 from tests.numerics import rel_err
-from tests.parallel.test_kernel_shapes import MICRO_BATCHES, SETTLED, rank_plans
+from tests.parallel.test_kernel_shapes import MICRO_BATCHES, SETTLED, positions_in_documents, rank_plans
 from tests.parallel.test_kernels_cudnn import standin_backward, standin_forward
 from tests.ring_threads import run_threaded_ring
 
@@ -110,7 +113,7 @@ def test_the_ring_on_ragged_cudnn_is_exact_and_calls_those_graphs(recorded: Reco
     assert recorded.keys and all(key[0] == "ragged" for key in recorded.keys), "every call on packed rows"
     planned = set().union(*(_ragged_keys(plan) for sample in docs for plan in rank_plans(sample, world)))
     planned |= {(kind, c.causal, power_of_two(c.rows), power_of_two(c.keys)) for kind in ("forward", "backward")
-                for c in warm.shapes(seqlen // world, world, "zigzag", True)}  # the ring's warm-up calls
+                for c in warm.calls(spec, seqlen // world, world)}  # the ring's warm-up calls
     assert {(key[1], key[2], *key[-1]) for key in recorded.keys} <= planned
 
 
@@ -154,3 +157,23 @@ def test_enable_sets_pytorchs_switch(monkeypatch) -> None:
     monkeypatch.delenv(cudnn_ragged.SWITCH, raising=False)
     cudnn_ragged.enable()
     assert os.environ[cudnn_ragged.SWITCH] == "1"
+
+
+def test_the_warm_up_builds_every_bucket_a_document_meets_at_cp1(recorded: Recorded) -> None:
+    """cp 1, a new sample of lognormal documents per micro-batch (as the 1B profile's steps): the ring's warm-up
+    calls a causal square of every power of two below the block besides the block, so every graph key the
+    documents' calls meet is first seen in the first micro-batch."""
+    seqlen = 512
+    q, k, v, dout = (x[:1] for x in inputs(seqlen, 4, 2, seed=40))
+    kernel = CudnnAttention(varlen_kernel=None, ragged_graphs=True)
+    spec = AttentionSpec("ring", "contiguous", True, 0.25, kernel, 1, True, varlen=False)
+    warm.forget()
+    first_seen: dict[tuple, int] = {}
+    for number, docs in enumerate(lognormal_documents(seqlen, 6, seed=41, median=40)):
+        plan = plan_for_documents(docs[None, None], positions_in_documents(docs[None])[None], 0, True)
+        out, lse = ring_forward(q, k, v, None, spec, plan)
+        ring_backward(dout, q, k, v, out, lse, None, spec, plan)
+        for key in recorded.keys:
+            first_seen.setdefault(key, number)
+        assert len(plan.steps[0].calls) > 3
+    assert first_seen and set(first_seen.values()) == {0}

@@ -234,7 +234,7 @@ def warm_backward(spec: AttentionSpec, rows: SavedRows, held: list[torch.Tensor]
                   ) -> None:
     """Every layout shape of ``sample_rows`` rows per sample once (``warm.shapes``) through ``call_backward`` on
     ``rows`` and the K/V store ``held``; the gradients are dropped."""
-    for segment in warm.shapes(sample_rows, world, spec.layout, spec.causal):
+    for segment in warm.calls(spec, sample_rows, world):
         call_backward(spec, segment, rows, held)
 
 

@@ -179,7 +179,7 @@ def warm_forward(spec: AttentionSpec, q: torch.Tensor, held: list[torch.Tensor],
     per-shape plans built before a step needs them; the results are dropped."""
     stores = [held] + ([[warm.received_like(x, rows) for x in held]] if world > 1 else [])
     for store in stores:
-        for segment in warm.shapes(rows, world, spec.layout, spec.causal):
+        for segment in warm.calls(spec, rows, world):
             call_forward(spec, segment, q, store)
 
 
