@@ -14,9 +14,10 @@
 #   profile  the 1B config at cp 1, 2 x 16,384 tokens of packed documents, compiled, 20 steps logged every 5:
 #            MFU, the scheduled profile's idle fraction, new cuDNN keys per step (bench.step_profile)
 #   profile-nofsdp  the same without FSDP
-#   ragged   (not run by default; issue 45's MFU lever) the cudnn_ragged backend: tests.gpu.ragged_check (its trial
-#            and the ring with documents against float64), bench.cudnn_graphs on it, and the profile above on it
-#            (the documents as one dense cuDNN call each instead of PyTorch's flash varlen); about 6 minutes
+#   ragged   (not run by default; issue 45's MFU lever) the cudnn_ragged backend: bench.document_attention (the 1B
+#            attention at 16k on the corpus's documents: cudnn's flash varlen against cudnn_ragged's dense calls),
+#            tests.gpu.ragged_check (its trial, the ring with documents against float64), bench.cudnn_graphs on it,
+#            and the profile above on it; about 7 minutes
 #   offload  bench.offload at 128k tokens (the longest power of two the 1B config fits without offload on an H200:
 #            84.4 GiB; 2026-11-30) and 256k, with and without activation offload; 256k with offload needs ~115 GiB
 #            of pinned host memory and is reported as not run on a 128 GiB host
@@ -84,6 +85,8 @@ for part in $PARTS; do
         grep -iE 'mfu|step [0-9]+ |planner|measured' "$OUT/profile.log" | tail -8
         ;;
     ragged)  # cudnn_ragged: its trial, the ring with documents against float64, its graphs, the 1B profile on it
+        run_part document-attention 150 python3 -m bench.document_attention  # cudnn (flash varlen) vs cudnn_ragged
+        tail -6 "$OUT/document-attention.log"
         run_part ragged-check 120 python3 -m tests.gpu.ragged_check
         tail -1 "$OUT/ragged-check.log" | cut -c1-600
         run_part graphs-ragged 90 python3 -m bench.cudnn_graphs --steps 12 --kernel cudnn_ragged
