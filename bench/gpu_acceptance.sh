@@ -91,7 +91,8 @@ for part in $PARTS; do
         tail -1 "$OUT/ragged-check.log" | cut -c1-600
         run_part graphs-ragged 90 python3 -m bench.cudnn_graphs --steps 12 --kernel cudnn_ragged
         grep -E '"step": (1|2|3|4|12),|summary' "$OUT/graphs-ragged.log"
-        run_part profile-ragged 180 torchrun --nproc-per-node 1 -m bench.step_profile \
+        # TORCH_LOGS: Inductor's code, to see what the 2026-11-30 trace's aten::copy_ inside the compiled blocks are
+        TORCH_LOGS=output_code run_part profile-ragged 180 torchrun --nproc-per-node 1 -m bench.step_profile \
             --config launch/configs/gpt-1b-128k-cp8.yaml --cp-size 1 --set data.seq_len=16384 \
             --set train.global_batch_size=2 --train-steps 20 --set schedule.warmup_steps=2 \
             --set logging.interval=5 --set logging.wandb=false --set checkpoint.save=null --set checkpoint.interval=0 \
