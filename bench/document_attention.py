@@ -88,9 +88,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     device, dtype, names = torch.device(args.device), getattr(torch, args.dtype), args.backends.split(",")
-    if "cudnn_ragged" in names:
+    chosen = {}
+    if "cudnn_ragged" in names:  # first: its trial decides the lse layout every cuDNN call of the process needs
         cudnn_ragged.enable()
-    chosen = {name: kernels.select_kernel(device, dtype, args.head_dim, name) for name in names}
+        chosen["cudnn_ragged"] = kernels.select_kernel(device, dtype, args.head_dim, "cudnn_ragged")
+    for name in names:
+        if name == "cudnn" and "cudnn_ragged" in chosen:  # the switch is on: cudnn is the ragged kernel's twin
+            chosen[name] = cudnn_ragged.documents_on_varlen(chosen["cudnn_ragged"])
+        elif name not in chosen:
+            chosen[name] = kernels.select_kernel(device, dtype, args.head_dim, name)
+    chosen = {name: chosen[name] for name in names}
     scale = args.head_dim ** -0.5
     specs = {name: AttentionSpec("ring", "contiguous", True, scale, kernel, 1, True, varlen=kernel.native_varlen)
              for name, kernel in chosen.items()}

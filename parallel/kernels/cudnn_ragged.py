@@ -45,6 +45,13 @@ def enable() -> None:
     os.environ[SWITCH] = "1"
 
 
+def documents_on_varlen(kernel: CudnnAttention) -> CudnnAttention:
+    """``kernel`` (ragged graphs, admitted by ``trial``) with the documents on its varlen kernel: the ``cudnn``
+    backend of a process whose switch is on (its dense calls run on ragged graphs too, so they need the lse layout
+    the trial found; a ``cudnn`` selected there by name runs its own trial with the default layout)."""
+    return dataclasses.replace(kernel, name="cudnn", ragged_graphs=False)
+
+
 def bshd_packed(x: torch.Tensor) -> bool:
     """Whether ``x`` ``[B, S, H, D]`` is laid out as PyTorch's ragged path requires (``[B, S, H, D]`` contiguous;
     the strides of size-one dims do not count): a row slice of a packed block is, a head slice is not."""

@@ -5,7 +5,8 @@ first cuDNN attention call, so the GPU suite's other tests would have decided it
 
 Admits the backend (its trial: exact at two lengths of a bucket, lse layout, one graph per bucket), then runs the
 ring over thread ranks with packed documents in bf16, every layout, against the float64 reference of the
-per-document mask, beside the default ``cudnn`` backend's ring (the documents on varlen calls) on the same inputs.
+per-document mask, beside the same kernel with the documents on its varlen calls (``cudnn``'s way) on the same
+inputs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import json
 import torch
 
 from cp_train.parallel.cp.spec import AttentionSpec
+from cp_train.parallel.kernels import cudnn_ragged
 from cp_train.parallel.kernels import select as kernels
+from cp_train.parallel.kernels.contract import AttentionKernel
 from tests.document_cases import masked_reference
 from tests.numerics import rel_err
 from tests.ring_threads import run_threaded_ring
@@ -23,7 +26,7 @@ from tests.ring_threads import run_threaded_ring
 CASES = ((1, "contiguous"), (2, "zigzag"), (4, "zigzag"), (4, "stripe"), (4, "contiguous"))
 
 
-def _errors(backend: str, world: int, layout: str, seed: int) -> dict[str, float]:
+def _errors(kernel: AttentionKernel, world: int, layout: str, seed: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(seed)
     seqlen = 256 * world
     q, k, v, dout = (torch.randn(2, seqlen, heads, 64, generator=gen).bfloat16() for heads in (8, 2, 2, 8))
@@ -32,7 +35,6 @@ def _errors(backend: str, world: int, layout: str, seed: int) -> dict[str, float
     docs = torch.cumsum(starts.long(), 1)
     want = masked_reference(q.double(), k.double(), v.double(), dout.double(), docs, True, 0.125)
     q, k, v, dout = (x.cuda() for x in (q, k, v, dout))
-    kernel = kernels.select_kernel(q.device, q.dtype, 64, backend)
     spec = AttentionSpec("ring", layout, True, 0.125, kernel, 2, True, varlen=kernel.native_varlen)
     got = run_threaded_ring(q, k, v, dout, world, spec, docs.cuda())
     return {name: rel_err(got[name].double().cpu(), value) for name, value in want.items()}
@@ -47,8 +49,9 @@ def main() -> dict:
         return record
     record = {"admitted": True, "lse_rows_major": kernel.lse_rows_major, "native_gqa": kernel.native_gqa,
               "cases": []}
+    twin = cudnn_ragged.documents_on_varlen(kernel)  # cudnn in this process: the documents on its varlen kernel
     for number, (world, layout) in enumerate(CASES):
-        ragged, varlen = (_errors(backend, world, layout, number) for backend in ("cudnn_ragged", "cudnn"))
+        ragged, varlen = (_errors(backend, world, layout, number) for backend in (kernel, twin))
         record["cases"].append({"world": world, "layout": layout, "ragged": ragged, "cudnn_varlen": varlen})
     print(json.dumps(record), flush=True)
     return record
