@@ -66,7 +66,7 @@ for part in $PARTS; do
         python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
         ;;
     tests)
-        run_part tests 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+        run_part tests 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
         grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12
         ;;
     graphs)
