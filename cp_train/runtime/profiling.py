@@ -64,7 +64,9 @@ class StepProfiler:
             return
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         plan = schedule(skip_first=step, wait=0, warmup=self.warmup, active=self.end - self.start, repeat=1)
-        self._profiler = profile(activities=activities, schedule=plan, on_trace_ready=self._mark_ready)
+        # shapes in the trace (as torchtitan's profiler records them): which copy a kernel belongs to
+        self._profiler = profile(activities=activities, schedule=plan, on_trace_ready=self._mark_ready,
+                                 record_shapes=True)
         # the profiler counts from the run's step, so the trace's ProfilerStep#N is the run's step N
         self._profiler.step_num, self._profiler.current_action = step, plan(step)
         self._profiler.start()

@@ -36,6 +36,8 @@ def test_every_chosen_rank_writes_its_trace_and_rank_0_logs_the_figures(spawn_wo
         names = {event.get("name", "") for event in events}
         assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#1" not in names
         assert {"c10d::send", "c10d::recv_", "c10d::allreduce_"} <= names  # the ring's messages, DDP's reduction
+        copies = [e for e in events if e.get("name") == "aten::copy_" and e.get("cat") == "cpu_op"]
+        assert copies and all("Input Dims" in e["args"] for e in copies)  # shapes recorded: which copy is which
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (profile,) = [r for r in records if r["kind"] == "profile"]
     assert profile["rank"] == 0 and profile["step"] == 3 and profile["profiled_steps"] == [2, 3]
