@@ -43,6 +43,8 @@ def print_report(record: dict[str, Any]) -> None:
     for name, ms in record["longest_ms"]:
         label = kind(name) if record["device"] == "cuda" else "cpu op"
         print(f"PROFILE {ms:9.2f} ms/step  {label:18s} {name}", flush=True)
+    for name, ms in record.get("copies_ms", []):  # the copy ops' kernels, by op, shapes and region
+        print(f"PROFILE {ms:9.2f} ms/step  {'copy op':18s} {name}", flush=True)
 
 
 def run(argv: list[str], skip: int = 6, active: int = 3) -> tuple[int, list[dict[str, Any]], DenseKeys]:

@@ -3,7 +3,9 @@
 The busy time is the union of the device's kernel and copy intervals on CUDA (the step markers and other
 annotations the profiler draws on the device's timeline are not busy time), or of the training thread's top-level
 ops on CPU, over the span from the first to the last of them; the idle fraction is the rest of the span (the device
-waiting on the host: launches, Python, reads). The kernels are grouped by kind from their names.
+waiting on the host: launches, Python, reads). The kernels are grouped by kind from their names. ``copies``: the
+device time of the copy ops (``aten::copy_`` and the like), by op, input shapes and the region that ran them (the
+trace's shapes: the profiler records them).
 """
 
 from __future__ import annotations
@@ -87,3 +89,27 @@ def longest(events: list[Any], cuda: bool, count: int = 16) -> list[tuple[str, f
     for event in busy_events(events, cuda):
         totals[event.name[:80]] += event.time_range.elapsed_us()
     return [(name, us / 1e3) for name, us in totals.most_common(count)]
+
+
+COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::index_copy_", "aten::cat")
+
+
+def _region(event: Any) -> str:
+    """The outermost op above ``event`` below the step marker (a compiled graph's call, autograd's backward node, a
+    module's op): where a copy came from."""
+    region = event
+    while region.cpu_parent is not None and not region.cpu_parent.name.startswith("ProfilerStep"):
+        region = region.cpu_parent
+    return region.name[:60]
+
+
+def copies(events: list[Any], count: int = 8) -> list[tuple[str, float]]:
+    """The ``count`` copy ops (``COPY_OPS``) of most device time, grouped by (op, input shapes, region): (label,
+    milliseconds of their kernels over all recorded steps). Empty on CPU (no device kernels)."""
+    totals: collections.Counter = collections.Counter()
+    for event in events:
+        if event.name in COPY_OPS and event.kernels:
+            shapes = [list(s) for s in getattr(event, "input_shapes", None) or [] if s]
+            label = f"{event.name} {shapes} in {_region(event)}"
+            totals[label[:160]] += sum(k.duration for k in event.kernels)
+    return [(label, us / 1e3) for label, us in totals.most_common(count)]

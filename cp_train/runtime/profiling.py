@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from cp_train.config.schema import Config, ConfigError, LoggingConfig
-from cp_train.metrics.trace import longest, summary
+from cp_train.metrics.trace import copies, longest, summary
 
 MEMORY_EVENTS = 100_000  # allocator events the memory snapshot keeps (the newest)
 
@@ -95,8 +95,9 @@ class StepProfiler:
         self._close()
         figures = summary(events, self.cuda, steps)
         top = [[name, round(ms / steps, 3)] for name, ms in longest(events, self.cuda)]
+        copied = [[label, round(ms / steps, 3)] for label, ms in copies(events)]
         return {"kind": "profile", "step": step, "profiled_steps": [self.start, self.end - 1], "rank": self.rank,
-                **figures, "longest_ms": top, **files}
+                **figures, "longest_ms": top, "copies_ms": copied, **files}
 
     def _close(self) -> None:
         if self._profiler is not None:

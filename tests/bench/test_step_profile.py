@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench import step_profile
-from cp_train.metrics.trace import summary, union_seconds
+from cp_train.metrics.trace import copies, summary, union_seconds
 
 
 def test_the_union_of_intervals_counts_overlaps_once() -> None:
@@ -37,6 +37,27 @@ def test_the_annotations_on_the_device_timeline_are_not_busy_time() -> None:
     assert record["by_kind_s"] == {"matmul": 0.0, "attention": 0.0}  # rounded to 0.1 ms; the annotations absent
     marker_only = [_device_event("ProfilerStep#9", 0, 100)] + events[2:]  # a build without is_user_annotation
     assert summary(marker_only, cuda=True, steps=1)["idle_fraction"] == pytest.approx(0.2)
+
+
+def _op(name: str, parent: SimpleNamespace | None, shapes: list, kernel_us: tuple[float, ...] = ()) -> SimpleNamespace:
+    return SimpleNamespace(name=name, cpu_parent=parent, input_shapes=shapes,
+                           kernels=[SimpleNamespace(duration=us) for us in kernel_us])
+
+
+def test_copies_are_grouped_by_op_shapes_and_region() -> None:
+    """The copy ops' device time by (op, input shapes, the outermost op below the step marker): two copies of one
+    shape in one compiled graph add up; another shape, another region and a non-copy op are apart or left out."""
+    step = _op("ProfilerStep#8", None, [])
+    graph = _op("## Call CompiledFxGraph abc ##", step, [])
+    backward = _op("autograd::engine::evaluate_function: CompiledFunctionBackward", step, [])
+    events = [step, graph, backward,
+              _op("aten::copy_", graph, [[4, 8], [4, 8]], (300.0,)),
+              _op("aten::copy_", graph, [[4, 8], [4, 8]], (200.0,)),
+              _op("aten::copy_", _op("aten::to", backward, []), [[2, 2], [2, 2]], (100.0,)),
+              _op("aten::mm", graph, [[4, 8], [8, 4]], (900.0,)), _op("aten::copy_", graph, [[1]], ())]
+    found = copies(events)
+    assert found == [("aten::copy_ [[4, 8], [4, 8]] in ## Call CompiledFxGraph abc ##", 0.5),
+                     ("aten::copy_ [[2, 2], [2, 2]] in " + backward.name[:60], 0.1)]
 
 
 def test_a_scheduled_profile_of_real_steps(tmp_path, capsys) -> None:
