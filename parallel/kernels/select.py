@@ -123,8 +123,9 @@ def _build(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
     if backend == "cudnn":
         return _build_cudnn(device, head_dim, deterministic)
     if backend == "cudnn_ragged":
+        kernel = _build_cudnn(device, head_dim, deterministic, backend)
         cudnn_ragged.enable()  # before the trial: PyTorch reads the switch at the process's first cuDNN call
-        return _build_cudnn(device, head_dim, deterministic)
+        return kernel
     if backend == "flash_attn":
         found = _import_flash_attn()
         if isinstance(found, str):
@@ -149,20 +150,20 @@ def _build(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
     raise KernelUnavailable(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def _build_cudnn(device: torch.device, head_dim: int, deterministic: bool) -> AttentionKernel:
-    """The cuDNN kernel (dtype already checked); KernelUnavailable saying why not."""
+def _build_cudnn(device: torch.device, head_dim: int, deterministic: bool, name: str = "cudnn") -> AttentionKernel:
+    """The cuDNN kernel (dtype already checked) for backend ``name``; KernelUnavailable saying why not."""
     why = _cudnn_unavailable()
     if why is not None:
-        raise KernelUnavailable(f"backend 'cudnn': {why}; use backend 'flash_attn' or 'torch'")
+        raise KernelUnavailable(f"backend {name!r}: {why}; use backend 'flash_attn' or 'torch'")
     major, minor = cuda_capability(device)
     if major < 8:
-        raise KernelUnavailable(f"backend 'cudnn' needs an sm80 or newer GPU, this one is sm{major}{minor}; "
+        raise KernelUnavailable(f"backend {name!r} needs an sm80 or newer GPU, this one is sm{major}{minor}; "
                                 f"use backend 'torch'")
     if head_dim > cudnn.MAX_HEAD_DIM:
-        raise KernelUnavailable(f"backend 'cudnn' takes head_dim up to {cudnn.MAX_HEAD_DIM}, got {head_dim}; "
+        raise KernelUnavailable(f"backend {name!r} takes head_dim up to {cudnn.MAX_HEAD_DIM}, got {head_dim}; "
                                 f"use backend 'flash_attn' or 'torch'")
     if deterministic:
-        raise KernelUnavailable("backend 'cudnn' has no deterministic backward; use backend 'fa3', 'flash_attn' "
+        raise KernelUnavailable(f"backend {name!r} has no deterministic backward; use backend 'fa3', 'flash_attn' "
                                 "or 'torch', or turn deterministic off")
     return cudnn.CudnnAttention(varlen_kernel=_varlen_for_cudnn(device, head_dim, deterministic))
 

@@ -323,3 +323,5 @@ def test_cudnn_ragged_is_chosen_by_name_after_its_own_trial(monkeypatch) -> None
         select_kernel(CUDA, torch.bfloat16, 64, "cudnn_ragged")
     with pytest.raises(KernelUnavailable, match="'cudnn_ragged' needs CUDA tensors"):
         select_kernel(torch.device("cpu"), torch.bfloat16, 64, "cudnn_ragged")
+    with pytest.raises(KernelUnavailable, match="'cudnn_ragged' has no deterministic backward"):
+        select_kernel(CUDA, torch.bfloat16, 64, "cudnn_ragged", True)
