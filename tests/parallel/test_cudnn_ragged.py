@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from bench import cudnn_graphs
 from bench.cudnn_graphs import lognormal_documents
 from cp_train.parallel.cp.plan.rank_plan import plan_for_documents
 from cp_train.parallel.cp.ring import warm
@@ -22,6 +23,7 @@ from cp_train.parallel.kernels.cudnn_ragged import graph_key, power_of_two
 from tests.document_cases import inputs, masked_reference
 from tests.numerics import rel_err
 from tests.parallel.test_kernel_shapes import MICRO_BATCHES, SETTLED, positions_in_documents, rank_plans
+from tests.parallel.test_kernel_warmup import _args
 from tests.parallel.test_kernels_cudnn import standin_backward, standin_forward
 from tests.ring_threads import run_threaded_ring
 
@@ -177,3 +179,13 @@ def test_the_warm_up_builds_every_bucket_a_document_meets_at_cp1(recorded: Recor
             first_seen.setdefault(key, number)
         assert len(plan.steps[0].calls) > 3
     assert first_seen and set(first_seen.values()) == {0}
+
+
+def test_the_graphs_bench_counts_ragged_keys(recorded: Recorded) -> None:
+    """``bench.cudnn_graphs`` on a kernel with ragged graphs (cp 1, a new sample of lognormal documents per step):
+    no varlen call, its keys rounded as PyTorch's ragged path rounds them (a handful of powers of two, not one per
+    document shape), every one first seen at step 1 (the warm-up)."""
+    args = _args("contiguous", 1, no_warm=False)
+    summary = cudnn_graphs.run(args, kernel=CudnnAttention(varlen_kernel=None, ragged_graphs=True))[-1]
+    assert summary["kernel"] == "cudnn" and 0 < summary["keys"] <= 2 * 11 and summary["new_after_step_1"] == 0
+    assert {key[0] for key in recorded.keys} == {"ragged"}
