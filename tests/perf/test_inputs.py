@@ -1,48 +1,21 @@
 """The planner's data: every hardware profile loads with sane constants and round-trips through YAML, a bad file
-or name fails in one line naming the key, the presets match the published parameter counts, and every
-published run names a known preset and profile in a layout the model accepts."""
+or name fails in one line naming the key; FP8 linears and FSDP in the workload (the presets and published runs:
+``test_presets_and_runs.py``)."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
-from cp_train.errors import InputError
-from cp_train.model.family import model_flops_per_token
-from cp_train.model.hf.config import hf_config
 from cp_train.perf.inputs.hardware import HardwareError, from_dict, interpolate, known_hardware, load_hardware
-from cp_train.perf.inputs.presets import (
-    ModelSpecError,
-    load_model,
-    model_preset,
-    parameter_count,
-    preset_names,
-)
-from cp_train.perf.inputs.runs import FLOP_CONVENTIONS, measured_run, measured_runs
+from cp_train.perf.inputs.runs import measured_runs
+from tests.perf.input_cases import one_line_error
 
-ROOT = Path(__file__).resolve().parents[2]
-# published parameter counts (the model cards' / HF pages' rounding), the presets' checks
-PUBLISHED_PARAMETERS: dict[str, float] = {
-    "llama3-8b": 8.03e9,     # https://huggingface.co/meta-llama/Llama-3.1-8B ("8.03B params")
-    "llama3-70b": 70.6e9,    # https://huggingface.co/meta-llama/Llama-3.1-70B ("70.6B params")
-    "llama3-405b": 405.9e9,  # https://huggingface.co/meta-llama/Llama-3.1-405B (405,853,388,800 weights)
-    "llama2-7b": 6.74e9,     # https://huggingface.co/meta-llama/Llama-2-7b-hf ("6.74B params")
-    "qwen2.5-7b": 7.62e9,    # https://huggingface.co/Qwen/Qwen2.5-7B ("7.62B params", with the q/k/v biases)
-}
 BUILT_IN = ("h100-sxm", "h100-sxm-96g", "h200", "b200", "a100-80g", "h800")
 POSITIVE = ("bf16_tflops", "hbm_gib", "hbm_tb_s", "nvlink_gb_s", "nvlink_latency_us", "net_gb_s", "net_latency_us",
             "collective_latency_us")
-
-
-def _one_line_error(error: pytest.ExceptionInfo, *words: str) -> str:
-    message = str(error.value)
-    assert isinstance(error.value, InputError) and "\n" not in message and message
-    for word in words:
-        assert word in message, (word, message)
-    return message
 
 
 def test_the_named_profiles_are_built_in() -> None:
@@ -80,16 +53,16 @@ def test_a_file_missing_a_constant_names_it(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))  # JSON is YAML
     with pytest.raises(HardwareError) as error:
         load_hardware(path)
-    _one_line_error(error, str(path), "missing nvlink_gb_s", "GB/s", "add it")
+    one_line_error(error, str(path), "missing nvlink_gb_s", "GB/s", "add it")
 
 
 def test_an_unknown_name_lists_the_profiles() -> None:
     with pytest.raises(HardwareError) as error:
         load_hardware("h100")
-    _one_line_error(error, "unknown hardware 'h100'", *BUILT_IN)
+    one_line_error(error, "unknown hardware 'h100'", *BUILT_IN)
     with pytest.raises(HardwareError) as error:
         load_hardware("nowhere/h100.yaml")
-    _one_line_error(error, "does not exist", "h100-sxm")
+    one_line_error(error, "does not exist", "h100-sxm")
 
 
 @pytest.mark.parametrize("change, words", [
@@ -105,7 +78,7 @@ def test_an_unknown_name_lists_the_profiles() -> None:
 def test_a_bad_value_names_the_key(change: dict, words: tuple[str, ...]) -> None:
     with pytest.raises(HardwareError) as error:
         from_dict({**load_hardware("h100-sxm").to_dict(), **change}, "hardware file x.yaml")
-    _one_line_error(error, "hardware file x.yaml", *words)
+    one_line_error(error, "hardware file x.yaml", *words)
 
 
 def test_curves_interpolate_in_log_space_and_hold_their_ends() -> None:
@@ -124,7 +97,7 @@ def test_attention_lookup_uses_the_nearest_head_dim_and_mask() -> None:
     assert h100.attention_fraction(128, 8192, kernel="flash2") == pytest.approx(0.2623)
     with pytest.raises(HardwareError) as error:
         h100.attention_fraction(128, 8192, kernel="fa3")
-    _one_line_error(error, "fa3", "cudnn, flash2")
+    one_line_error(error, "fa3", "cudnn, flash2")
 
 
 def test_precisions_and_a_gpu_without_fp8() -> None:
@@ -132,104 +105,17 @@ def test_precisions_and_a_gpu_without_fp8() -> None:
     assert h100.peak_tflops("fp8") == 1979.0 and h100.gemm_fraction(1e12, "fp8") <= 0.71
     with pytest.raises(HardwareError) as error:
         a100.peak_tflops("fp8")
-    _one_line_error(error, "a100-80g", "bf16")
+    one_line_error(error, "a100-80g", "bf16")
     from cp_train.perf.rates import DeviceRates  # the rates check the precision once, at the boundary
 
     with pytest.raises(HardwareError):
         DeviceRates(h100, "fp16")
     with pytest.raises(HardwareError) as error:
         DeviceRates(a100, "fp8")
-    _one_line_error(error, "a100-80g", "no fp8 peak")
+    one_line_error(error, "a100-80g", "no fp8 peak")
 
 
 # exact counts of the released checkpoints (HF safetensors totals); Qwen2.5-7B's less its 129,024 q/k/v biases
-EXACT = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
-         "llama2-7b": 6_738_415_616, "qwen2.5-7b": 7_615_616_512 - 28 * (3584 + 2 * 512)}
-
-
-@pytest.mark.parametrize("name, tolerance", [("llama3-8b", 1e-3), ("llama3-70b", 1e-3), ("llama3-405b", 1e-3),
-                                             ("llama2-7b", 1e-3), ("qwen2.5-7b", 5e-3)])
-def test_preset_parameter_counts_match_the_published_sizes(name: str, tolerance: float) -> None:
-    count = parameter_count(model_preset(name))
-    assert count == pytest.approx(PUBLISHED_PARAMETERS[name], rel=tolerance)
-    assert count == EXACT[name]
-
-
-def test_every_preset_is_a_valid_model_and_a_fresh_copy() -> None:
-    for name in preset_names():
-        model_preset(name).validate()
-    first = model_preset("llama3-8b")
-    first.rope_scaling["factor"] = 1.0
-    assert model_preset("llama3-8b").rope_scaling["factor"] == 8.0
-    assert model_preset("gpt-8b") == load_model(ROOT / "launch/configs/gpt-8b-128k-cp8.yaml")
-    assert model_preset("gpt-1b").vocab_size == 32768
-
-
-def test_an_unknown_model_lists_the_presets() -> None:
-    for call in (lambda: model_preset("llama-8b"), lambda: load_model("llama-8b")):
-        with pytest.raises(ModelSpecError) as error:
-            call()
-        _one_line_error(error, "llama-8b", *preset_names())
-
-
-def test_load_model_reads_hf_config_and_project_yaml(tmp_path: Path) -> None:
-    llama = model_preset("llama3-8b")
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(hf_config(llama)))
-    loaded = load_model(path)
-    assert parameter_count(loaded) == parameter_count(llama) and loaded.num_kv_heads == 8
-    assert loaded.rope_theta == 500000.0 and loaded.rope_scaling["rope_type"] == "llama3"
-    assert load_model(tmp_path).hidden_size == 4096  # the directory holding config.json
-    tiny = ROOT / "launch/configs/cpu-tiny.yaml"
-    with pytest.raises(ModelSpecError) as error:
-        load_model(tiny)
-    _one_line_error(error, "model.vocab_size")
-    assert load_model(tiny, vocab_size=512).vocab_size == 512
-    with pytest.raises(ModelSpecError) as error:
-        load_model(tmp_path / "missing.json")
-    _one_line_error(error, "does not exist")
-
-
-def test_every_published_run_names_a_known_preset_and_profile() -> None:
-    presets, profiles = set(preset_names()), set(known_hardware())
-    assert len({run.key for run in measured_runs()}) == len(measured_runs()) >= 30
-    for run in measured_runs():
-        assert run.model in presets and run.hardware in profiles, run.key
-        assert run.precision in ("bf16", "fp8") and run.activation_checkpointing in (
-            "full", "selective", "none", "unknown"), run.key
-        value, unit = run.measured
-        assert value > 0 and unit in ("tokens_per_s_per_gpu", "tflops_per_gpu", "attention_fraction_of_ideal")
-        assert (run.tflops_per_gpu is None) == (run.flop_convention is None), run.key
-        assert run.flop_convention in (None, *FLOP_CONVENTIONS), run.key
-        assert run.layout_gpus == run.gpus or "a quarter" in run.notes, run.key
-        run.model_config().validate(tp=run.tp, cp=run.cp, seq_len=run.seq_len, layout=run.cp_layout or "zigzag")
-
-
-def test_the_issue_rows_are_recorded_as_published() -> None:
-    titan = measured_run("titan-8b-128k-fsdp2-cp4")
-    assert (titan.tokens_per_s_per_gpu, titan.peak_memory_gib, titan.seq_len, titan.gpus) == (1071, 84.0, 131072, 8)
-    assert (titan.dp, titan.cp, titan.tp, titan.fsdp, titan.precision, titan.activation_checkpointing,
-            titan.compiled, titan.hardware) == (2, 4, 1, True, "fp8", "full", True, "h100-sxm-96g")
-    short = measured_run("titan-8b-8k-fsdp8-compile")
-    assert (short.tokens_per_s_per_gpu, short.dp, short.precision, short.compiled) == (6667, 8, "bf16", True)
-    nemo = measured_run("nemo-l2-7b-128k")
-    assert (nemo.tflops_per_gpu, nemo.flop_convention, nemo.tp, nemo.cp, nemo.dp, nemo.gpus, nemo.precision) == (
-        555, "causal_full", 4, 4, 8, 128, "fp8")
-    ring = measured_run("ring-h800-zigzag")
-    assert (ring.attention_fraction_of_ideal, ring.cp, ring.cp_layout, ring.hardware) == (0.902, 8, "zigzag", "h800")
-    with pytest.raises(KeyError):
-        measured_run("nope")
-
-
-def test_rows_with_both_figures_count_causal_attention_in_full() -> None:
-    """NeMo 24.07's TFLOP/s over tokens/s is 6N + 12·L·d·s per token (the 'full' convention), within 1%."""
-    for run in measured_runs():
-        if run.tflops_per_gpu is not None and run.tokens_per_s_per_gpu is not None:
-            per_token = run.tflops_per_gpu * 1e12 / run.tokens_per_s_per_gpu
-            full = model_flops_per_token(run.model_config(), run.seq_len, causal=False)
-            assert math.isclose(per_token, full, rel_tol=0.01), run.key
-
-
 def test_fp8_linears_pay_their_casts_and_keep_the_head_in_bf16() -> None:
     """``--precision fp8``: the block GEMMs run at the fp8 rate and add the recipe's ``FP8_CAST_BYTES`` per element
     cast at the memory rate: tensorwise the input and weight forward and the output's gradient backward; rowwise
