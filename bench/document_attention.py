@@ -19,6 +19,7 @@ switch (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE``) is set before the first cuDNN call
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -91,7 +92,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     chosen = {}
     if "cudnn_ragged" in names:  # first: its trial decides the lse layout every cuDNN call of the process needs
         cudnn_ragged.enable()
-        chosen["cudnn_ragged"] = kernels.select_kernel(device, dtype, args.head_dim, "cudnn_ragged")
+        try:
+            chosen["cudnn_ragged"] = kernels.select_kernel(device, dtype, args.head_dim, "cudnn_ragged")
+        except kernels.KernelUnavailable as error:  # said, and the other backends timed all the same
+            print(json.dumps({"backend": "cudnn_ragged", "unavailable": str(error)}), flush=True)
+            names.remove("cudnn_ragged")
     for name in names:
         if name == "cudnn" and "cudnn_ragged" in chosen:  # the switch is on: cudnn is the ragged kernel's twin
             chosen[name] = cudnn_ragged.documents_on_varlen(chosen["cudnn_ragged"])
