@@ -49,14 +49,15 @@ class DenseKeys:
     kernels without a varlen entry do): ``step`` is set by the caller; ``new_by_step`` counts the keys first seen
     at each step (each one a graph cuDNN builds)."""
 
-    def __init__(self, ragged: bool = False) -> None:
+    def __init__(self) -> None:
         self.step, self.first_seen, self.lock, self.inside = 0, {}, threading.Lock(), threading.local()
-        self.ragged = ragged  # keys as PyTorch's ragged dense path makes them (``cudnn_ragged.graph_key``)
 
-    def note(self, kind: str, causal: bool, *tensors: torch.Tensor) -> None:
+    def note(self, kind: str, causal: bool, *tensors: torch.Tensor, ragged: bool = False) -> None:
+        """One dense call's key; ``ragged``: as PyTorch's ragged dense path makes it (``cudnn_ragged.graph_key``:
+        a kernel with ``ragged_graphs``)."""
         if getattr(self.inside, "varlen", False):
             return
-        if self.ragged:  # the backward's (dout, q, out, k, v): the key is q's, k's and v's
+        if ragged:  # the backward's (dout, q, out, k, v): the key is q's, k's and v's
             key = cudnn_ragged.graph_key(kind, causal, *(tensors[:3] if kind == "forward" else tensors[1:2] +
                                                          tensors[3:]))
         else:  # one sample: cuDNN's view has no batch stride (``cudnn.op_view``)
@@ -86,11 +87,12 @@ class DenseKeys:
             return call
 
         def noted_forward(kernel, q, k, v, causal, scale):  # noqa: ANN001, ANN202 - the kernel contract's
-            self.note("forward", causal, q, k, v)
+            self.note("forward", causal, q, k, v, ragged=getattr(kernel, "ragged_graphs", False))
             return forward(kernel, q, k, v, causal, scale)
 
         def noted_backward(kernel, rows, k, v, causal, scale):  # noqa: ANN001, ANN202
-            self.note("backward", causal, rows.dout, rows.q, rows.out, k, v)
+            self.note("backward", causal, rows.dout, rows.q, rows.out, k, v,
+                      ragged=getattr(kernel, "ragged_graphs", False))
             return backward(kernel, rows, k, v, causal, scale)
 
         kernel_class.forward, kernel_class.backward = noted_forward, noted_backward
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace, kernel: Any = None, keys: DenseKeys | None = N
                 errors.append(error)
             done.wait()
 
-    keys, records = keys or DenseKeys(ragged), []
+    keys, records = keys or DenseKeys(), []
     warm.ENABLED = not args.no_warm
     forced = args.plans_per_shape and not getattr(type(kernel), "plans_per_shape", False)
     if forced:  # a CPU kernel counted as if it built plans per shape (to see the warm-up's keys)

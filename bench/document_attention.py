@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import emit, median  # noqa: E402
+from cp_train.parallel.cp.balanced_layout import document_starts  # noqa: E402
 from cp_train.parallel.cp.plan.rank_plan import plan_for_documents  # noqa: E402
 from cp_train.parallel.cp.ring.backward import ring_backward  # noqa: E402
 from cp_train.parallel.cp.ring.forward import ring_forward  # noqa: E402
@@ -57,13 +58,6 @@ def sample_documents(seqlen: int, samples: int, seed: int, lengths: np.ndarray |
                      max(1, int(rng.lognormal(np.log(median_tokens), 1.0))))
     ids = np.repeat(np.arange(len(drawn)), drawn)[: seqlen * samples].reshape(samples, seqlen)
     return [torch.from_numpy(row) for row in ids]
-
-
-def _positions(docs: torch.Tensor) -> torch.Tensor:
-    index = torch.arange(docs.numel())
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[1:] = docs[1:] != docs[:-1]
-    return index - torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values
 
 
 def _pass(spec: AttentionSpec, plan, tensors: tuple[torch.Tensor, ...]) -> None:  # noqa: ANN001 - a RankPlan
@@ -108,7 +102,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
              for name, kernel in chosen.items()}
     lengths = corpus_lengths() if args.documents == "corpus" else None
     samples = sample_documents(args.seqlen, args.samples, args.seed, lengths, args.median)
-    plans = [plan_for_documents(d[None, None], _positions(d)[None, None], 0, True) for d in samples]
+    index = torch.arange(args.seqlen)  # a token's position in its document: its index less its document's start
+    plans = [plan_for_documents(d[None, None], (index - document_starts(d))[None, None], 0, True) for d in samples]
     whole = plan_for_documents(torch.zeros(1, 1, args.seqlen, dtype=torch.long),
                                torch.arange(args.seqlen)[None, None], 0, True)
     gen = torch.Generator(device=device).manual_seed(args.seed)

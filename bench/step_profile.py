@@ -51,8 +51,7 @@ def run(argv: list[str], skip: int = 6, active: int = 3) -> tuple[int, list[dict
     """``train.py argv`` with the profile of ``active`` steps after ``skip``: (exit code, the profile records, the
     dense attention keys by step). The records are printed as they come."""
     records: list[dict[str, Any]] = []
-    # the dense attention calls' new keys per step (each a cuDNN graph on CUDA; PyTorch's ragged keys for cudnn_ragged)
-    dense_keys = DenseKeys(ragged="model.attention_kernel=cudnn_ragged" in argv)
+    dense_keys = DenseKeys()  # the dense attention calls' new keys per step (each a cuDNN graph on CUDA)
     before, after = StepProfiler.before_step, StepProfiler.after_step
 
     def counting(self: StepProfiler, step: int) -> None:

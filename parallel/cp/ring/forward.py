@@ -152,8 +152,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingCo
     acc = accumulator_dtype(q.dtype)
     chunks = head_chunk_bounds(k.shape[2], spec.forward_head_chunks)
     whole = len(chunks) == 1 and whole_step(spec, plan, 0, q)  # the local step's outputs start out, lse
-    out_dtype = q.dtype if len(chunks) == 1 and unmerged(spec, plan, n, k.shape[1]) else acc
-    out = None if whole else torch.empty(batch, n, heads, dim, dtype=out_dtype, device=q.device)
+    out = None if whole else torch.empty(batch, n, heads, dim, device=q.device, dtype=q.dtype if len(chunks) == 1
+                                         and unmerged(spec, plan, n, k.shape[1]) else acc)
     lse = None if whole else torch.empty(batch, n, heads, dtype=acc, device=q.device)
     for k0, k1 in chunks:
         qs = slice(k0 * group_size, k1 * group_size)
