@@ -17,7 +17,7 @@
 #   ragged   (not run by default; issue 45's MFU lever) the cudnn_ragged backend: bench.document_attention (the 1B
 #            attention at 16k on the corpus's documents: cudnn's flash varlen against cudnn_ragged's dense calls),
 #            tests.gpu.ragged_check (its trial, the ring with documents against float64), bench.cudnn_graphs on it,
-#            and the profile above on it; about 7 minutes
+#            and the profile above on it with ZeRO-2 (parallel.fsdp_reshard_after_forward false); about 7 minutes
 #   offload  bench.offload at 128k tokens (the longest power of two the 1B config fits without offload on an H200:
 #            84.4 GiB; 2026-11-30) and 256k, with and without activation offload; 256k with offload needs ~115 GiB
 #            of pinned host memory and is reported as not run on a 128 GiB host
@@ -91,13 +91,15 @@ for part in $PARTS; do
         tail -1 "$OUT/ragged-check.log" | cut -c1-600
         run_part graphs-ragged 90 python3 -m bench.cudnn_graphs --steps 12 --kernel cudnn_ragged
         grep -E '"step": (1|2|3|4|12),|summary' "$OUT/graphs-ragged.log"
-        # TORCH_LOGS: Inductor's code, to see what the 2026-11-30 trace's aten::copy_ inside the compiled blocks are
-        TORCH_LOGS=output_code run_part profile-ragged 180 torchrun --nproc-per-node 1 -m bench.step_profile \
+        # ZeRO-2: on one rank FSDP shards nothing, and ZeRO-3 cast every block's weights again for the backward
+        # (FSDP::pre_backward's copies, 7.8 of the 30 ms a step FSDP's kernels took in the 2026-11-30 trace)
+        run_part profile-ragged 180 torchrun --nproc-per-node 1 -m bench.step_profile \
             --config launch/configs/gpt-1b-128k-cp8.yaml --cp-size 1 --set data.seq_len=16384 \
             --set train.global_batch_size=2 --train-steps 20 --set schedule.warmup_steps=2 \
             --set logging.interval=5 --set logging.wandb=false --set checkpoint.save=null --set checkpoint.interval=0 \
             --set train.valid_interval=0 --set logging.dir=/tmp/profile-ragged \
-            --set model.attention_kernel=cudnn_ragged --skip 6 --active 3
+            --set model.attention_kernel=cudnn_ragged --set parallel.fsdp_reshard_after_forward=false \
+            --skip 6 --active 3
         cp /tmp/profile-ragged/profile/*.json.gz "$OUT/ragged-trace.json.gz" 2> /dev/null
         grep -E '^PROFILE \{|^PROFILE .*ms/step' "$OUT/profile-ragged.log" | head -12
         grep -iE 'mfu|step [0-9]+ |planner|measured|cudnn_ragged' "$OUT/profile-ragged.log" | tail -8
