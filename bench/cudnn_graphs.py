@@ -158,8 +158,9 @@ def run(args: argparse.Namespace, kernel: Any = None, keys: DenseKeys | None = N
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     kernel = kernel or kernels.select_kernel(device, dtype, args.head_dim, getattr(args, "kernel", None))
-    ragged = getattr(kernel, "ragged_graphs", False)  # documents as dense calls: no varlen calls
-    spec = AttentionSpec("ring", args.layout, True, args.head_dim ** -0.5, kernel, 1, True, varlen=not ragged)
+    ragged = getattr(kernel, "ragged_graphs", False)  # documents as dense calls (their full pieces varlen: rectangles)
+    spec = AttentionSpec("ring", args.layout, True, args.head_dim ** -0.5, kernel, 1, True, varlen=not ragged,
+                         rectangles=getattr(kernel, "varlen_rectangles", False))
     docs = lognormal_documents(args.seqlen, args.steps, seed=args.seed)
     world, rows = args.world, args.seqlen // args.world
     positions = torch.stack([sequence_positions(args.seqlen, r, world, args.layout) for r in range(world)])

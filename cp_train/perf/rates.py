@@ -21,15 +21,14 @@ def linear_precision(fp8: str) -> str:
 class DeviceRates:
     """``hardware``'s rates with linears in ``precision`` (bf16, or fp8 for fp8 linears; attention stays bf16) and
     attention by ``kernel`` (default: the profile's, the trainer's choice on that GPU); the varlen calls of packed
-    documents by the profile's ``varlen_kernel`` (default: ``kernel``). ``cudnn_ragged`` runs the documents as
-    dense cuDNN calls: both on the profile's ``cudnn`` curves."""
+    documents by the profile's ``varlen_kernel`` (default: ``kernel``). ``cudnn_ragged`` runs the documents' causal
+    squares as dense cuDNN calls (the profile's ``cudnn`` curves) and their full pieces, at cp > 1, on the varlen
+    kernel (``AttentionSpec.rectangles``)."""
 
     def __init__(self, hardware: Hardware, precision: str = "bf16", kernel: str | None = None) -> None:
-        if kernel == "cudnn_ragged":
-            kernel = varlen_kernel = "cudnn"
-        else:
-            kernel = kernel or hardware.attention_kernel
-            varlen_kernel = hardware.varlen_kernel or kernel
+        self.ragged = kernel == "cudnn_ragged"
+        kernel = "cudnn" if self.ragged else kernel or hardware.attention_kernel
+        varlen_kernel = hardware.varlen_kernel or kernel
         for name in {kernel, varlen_kernel}:  # an unknown kernel: one line naming the known ones
             hardware.attention_fraction(128, 1024.0, True, name)
         self.hardware, self.precision, self.kernel, self.varlen_kernel = hardware, precision, kernel, varlen_kernel
@@ -51,7 +50,7 @@ class DeviceRates:
         """FLOP/s of one kernel call (forward and backward alike) at the square of its area's side, on the varlen
         kernel for a varlen call."""
         side = math.sqrt(call.rows * call.keys)
-        kernel = self.varlen_kernel if call.varlen else self.kernel
+        kernel = self.varlen_kernel if call.varlen and not (self.ragged and call.causal) else self.kernel
         return self._matmul_peak["bf16"] * self.hardware.attention_fraction(head_dim, side, call.causal, kernel)
 
     def link(self, spans_nodes: bool) -> tuple[float, float]:

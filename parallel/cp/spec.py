@@ -23,7 +23,8 @@ class AttentionSpec:
     """One call site's settings, decided once: ``algorithm``, CP ``layout``, ``causal``, softmax ``scale``,
     the ``kernel``, the kv-head ``head_chunks`` (the ring's backward and the all-gather), the ring backward's
     ``overlap`` policy, whether the steps the documents shape run as ``varlen`` calls (the kernel has its own:
-    ``ring/forward.py``; else their dense calls on views) and the ring forward's ``forward_head_chunks``.
+    ``ring/forward.py``; else their dense calls on views), whether only their full pieces do (``rectangles``:
+    ``cudnn_ragged``, its causal squares on ragged graphs) and the ring forward's ``forward_head_chunks``.
 
     The ring's forward runs in one head chunk unless asked otherwise: chunks bound the K/V it receives,
     but a training step's backward holds dq, dk and dv whole, which is at least that, and an eval forward
@@ -39,6 +40,7 @@ class AttentionSpec:
     overlap: bool
     varlen: bool = False
     forward_head_chunks: int = 1
+    rectangles: bool = False
 
 
 def _many_small_calls(plan: CPPlan | None) -> bool:
@@ -119,4 +121,5 @@ def build_spec(device: torch.device, dtype: torch.dtype, batch: int, heads: int,
         algorithm=get_cp_algorithm(algorithm), layout=layout, causal=causal,
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim), kernel=kernel,
         head_chunks=head_chunks, overlap=default_overlap(device, plan) if overlap is None else overlap,
-        varlen=kernel.native_varlen, forward_head_chunks=forward_head_chunks)
+        varlen=kernel.native_varlen, forward_head_chunks=forward_head_chunks,
+        rectangles=getattr(kernel, "varlen_rectangles", False))

@@ -140,6 +140,13 @@ class CudnnAttention(VarlenBySegments):
     def native_varlen(self) -> bool:
         return self.varlen_kernel is not None and not self.ragged_graphs
 
+    @property
+    def varlen_rectangles(self) -> bool:
+        """Whether the documents' full (non-causal) pieces of a ring step go to ``varlen_kernel`` as one varlen call
+        while their causal squares stay dense calls (ragged graphs with a varlen kernel: at cp > 1 a document's
+        pieces on two ranks pair any two powers of two, too many graphs to build ahead; ``ring/forward.py``)."""
+        return self.ragged_graphs and self.varlen_kernel is not None
+
     def _kv(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """K or V ``[B, S, Hk, D]`` as the op takes it (``[B, Hk or H, S, D]``). Expanded heads are a packed copy:
         ``expand_kv``'s stride-0 view of one K/V head would hand cuDNN's graph a zero stride."""

@@ -7,7 +7,9 @@ keys rounded up to powers of two, without the batch stride (``graph_key``). Pack
 dense cuDNN call per document on views of the packed rows: nothing gathered, cuDNN's dense speed, and at most
 ``log2(rows) + 1`` lengths per direction and mask, where one graph per document shape would be new in almost
 every micro-batch. ``CudnnAttention(ragged_graphs=True)`` has no varlen entry of its own (``native_varlen`` False),
-so the ring runs the documents' steps as those dense calls.
+so the ring runs the documents' steps as those dense calls; above cp 1 their full (non-causal) pieces, whose
+(rows, keys) pairs are any two powers of two, go to its varlen kernel as one call per step (``varlen_rectangles``,
+``AttentionSpec.rectangles``), so the graphs are the causal squares' and the layout's, all built by the warm-up.
 
 PyTorch reads the switch once, at a process's first cuDNN SDPA call: ``enable`` sets it before the backend's trial
 call. The trial (``trial``) checks what the switch promises on the device: a causal GQA forward and backward at two

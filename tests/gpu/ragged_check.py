@@ -35,7 +35,8 @@ def _errors(kernel: AttentionKernel, world: int, layout: str, seed: int) -> dict
     docs = torch.cumsum(starts.long(), 1)
     want = masked_reference(q.double(), k.double(), v.double(), dout.double(), docs, True, 0.125)
     q, k, v, dout = (x.cuda() for x in (q, k, v, dout))
-    spec = AttentionSpec("ring", layout, True, 0.125, kernel, 2, True, varlen=kernel.native_varlen)
+    spec = AttentionSpec("ring", layout, True, 0.125, kernel, 2, True, varlen=kernel.native_varlen,
+                         rectangles=kernel.varlen_rectangles)
     got = run_threaded_ring(q, k, v, dout, world, spec, docs.cuda())
     return {name: rel_err(got[name].double().cpu(), value) for name, value in want.items()}
 

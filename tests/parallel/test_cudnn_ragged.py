@@ -5,6 +5,7 @@ admits it (through the schema-checking stand-ins of ``test_kernels_cudnn``; the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels import cudnn, cudnn_ragged
 from cp_train.parallel.kernels.cudnn import CudnnAttention
 from cp_train.parallel.kernels.cudnn_ragged import graph_key, power_of_two
+from cp_train.parallel.kernels.torch_ops import TorchCpuFlash
 from tests.document_cases import inputs, masked_reference
 from tests.numerics import rel_err
 from tests.parallel.test_kernel_shapes import MICRO_BATCHES, SETTLED, positions_in_documents, rank_plans
@@ -119,6 +121,69 @@ def test_the_ring_on_ragged_cudnn_is_exact_and_calls_those_graphs(recorded: Reco
     assert {(key[1], key[2], *key[-1]) for key in recorded.keys} <= planned
 
 
+def _warm_keys(spec: AttentionSpec, rows: int, world: int) -> set[tuple]:
+    """The (direction, causal, rows bucket, keys bucket) of the ring's warm-up calls."""
+    return {(kind, c.causal, power_of_two(c.rows), power_of_two(c.keys)) for kind in ("forward", "backward")
+            for c in warm.calls(spec, rows, world)}
+
+
+def _rectangles_spec(layout: str) -> AttentionSpec:
+    """cudnn_ragged with a varlen kernel (the CPU's by-segment one here): the documents' full pieces go to it."""
+    kernel = CudnnAttention(varlen_kernel=TorchCpuFlash(), ragged_graphs=True)
+    assert kernel.varlen_rectangles and not kernel.native_varlen
+    return AttentionSpec("ring", layout, True, 0.25, kernel, 2, True, varlen=False, rectangles=True)
+
+
+@pytest.mark.parametrize(("world", "layout"), [(4, "zigzag"), (8, "zigzag"), (4, "stripe"), (4, "contiguous")])
+def test_full_pieces_on_varlen_leave_only_graphs_the_warm_up_builds(world: int, layout: str) -> None:
+    """Above cp 1 a document's pieces on two ranks pair any two powers of two (36-44 graphs per rank at cp 4,
+    some first met late). With the full pieces as one varlen call per step, every dense call of 40 micro-batches
+    (the documents' causal squares, the layout's block shapes) is one the ring's warm-up makes."""
+    spec, rows = _rectangles_spec(layout), 2048 // world
+    warmed = _warm_keys(spec, rows, world)
+    full_pieces = 0
+    for sample in lognormal_documents(2048, MICRO_BATCHES, seed=world):
+        for plan in rank_plans(sample, world, layout):
+            for step in plan.steps:
+                dense = [c for c in step.calls if not (step.by_documents and not c.segment.causal)]
+                full_pieces += len(step.calls) - len(dense)
+                keys = {(kind, c.segment.causal, power_of_two(c.segment.rows), power_of_two(c.segment.keys))
+                        for c in dense for kind in ("forward", "backward")}
+                assert keys <= warmed, sorted(keys - warmed)
+    assert len(warmed) <= 2 * 12 and (full_pieces > 100 or layout == "stripe")  # stripe's pieces: causal
+
+
+@pytest.mark.parametrize(("layout", "causal"), [("zigzag", True), ("contiguous", True), ("zigzag", False)])
+def test_the_ring_with_full_pieces_on_varlen_is_exact(recorded: Recorded, monkeypatch, layout: str,
+                                                       causal: bool) -> None:
+    """cp 4 over thread ranks, packed documents: the causal squares on cuDNN's ragged graphs (the stand-in ops),
+    the full pieces on the varlen kernel, merged into the same rows; the results match float64 and every cuDNN
+    call is one of the warm-up's graphs. Without a causal mask every piece is full: the local step's varlen call
+    writes the rows first."""
+    varlen: list[bool] = []  # each varlen call's causal flag
+
+    def counting(real):  # noqa: ANN001, ANN202 - wraps a kernel method
+        def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            varlen.append(args[-2])
+            return real(self, *args, **kwargs)
+        return counted
+
+    for name in ("varlen_forward", "varlen_backward"):
+        monkeypatch.setattr(TorchCpuFlash, name, counting(getattr(TorchCpuFlash, name)))
+    world, seqlen = 4, 256
+    q, k, v, dout = inputs(seqlen, 4, 2, seed=50)
+    docs = lognormal_documents(seqlen, 2, seed=51, median=48)
+    spec = dataclasses.replace(_rectangles_spec(layout), causal=causal)
+    warm.forget()
+    got = run_threaded_ring(q, k, v, dout, world, spec, docs)
+    want = masked_reference(q, k, v, dout, docs, causal, 0.25)
+    for name, value in want.items():
+        assert rel_err(got[name], value) <= 2e-6, name
+    assert {(key[1], key[2], *key[-1]) for key in recorded.keys} <= _warm_keys(spec, seqlen // world, world)
+    assert len(varlen) > 10 and not any(varlen), "the full pieces went to the varlen kernel, and only they"
+    assert any(key[2] for key in recorded.keys) == causal  # the causal squares on cuDNN
+
+
 def _heads_major_only(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the op's signature
     """A build whose backward reads lse's memory as ``[B, H, Sq]`` whatever its strides."""
     args = list(args)
@@ -181,11 +246,13 @@ def test_the_warm_up_builds_every_bucket_a_document_meets_at_cp1(recorded: Recor
     assert first_seen and set(first_seen.values()) == {0}
 
 
-def test_the_graphs_bench_counts_ragged_keys(recorded: Recorded) -> None:
-    """``bench.cudnn_graphs`` on a kernel with ragged graphs (cp 1, a new sample of lognormal documents per step):
-    no varlen call, its keys rounded as PyTorch's ragged path rounds them (a handful of powers of two, not one per
-    document shape), every one first seen at step 1 (the warm-up)."""
-    args = _args("contiguous", 1, no_warm=False)
-    summary = cudnn_graphs.run(args, kernel=CudnnAttention(varlen_kernel=None, ragged_graphs=True))[-1]
-    assert summary["kernel"] == "cudnn" and 0 < summary["keys"] <= 2 * 11 and summary["new_after_step_1"] == 0
+@pytest.mark.parametrize(("layout", "world"), [("contiguous", 1), ("zigzag", 4)])
+def test_the_graphs_bench_counts_ragged_keys(recorded: Recorded, layout: str, world: int) -> None:
+    """``bench.cudnn_graphs`` on a kernel with ragged graphs (a new sample of lognormal documents per step): its keys
+    rounded as PyTorch's ragged path rounds them (a handful of powers of two, not one per document shape), every one
+    first seen at step 1 (the warm-up); at cp 4 with the full pieces on the varlen kernel."""
+    args = _args(layout, world, no_warm=False)
+    kernel = CudnnAttention(varlen_kernel=TorchCpuFlash() if world > 1 else None, ragged_graphs=True)
+    summary = cudnn_graphs.run(args, kernel=kernel)[-1]
+    assert summary["kernel"] == "cudnn" and 0 < summary["keys"] <= 2 * 11 * world and summary["new_after_step_1"] == 0
     assert {key[0] for key in recorded.keys} == {"ragged"}

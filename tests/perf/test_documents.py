@@ -21,7 +21,7 @@ from cp_train.perf.inputs.documents import document_pieces, packed_document_ids,
 from cp_train.perf.inputs.hardware import HardwareError, from_dict, load_hardware
 from cp_train.perf.rates import DeviceRates
 from cp_train.perf.time_model import attention_seconds
-from cp_train.perf.workload import TIME_SAMPLES, planned_samples
+from cp_train.perf.workload import TIME_SAMPLES, KernelCall, planned_samples
 from tests import planner_cases
 from tests.perf.test_planner import SEQ, _workload
 
@@ -66,12 +66,19 @@ def test_varlen_calls_plan_on_the_varlen_kernel_and_the_samples_average() -> Non
     curves = h200.attention_fraction(planner_cases.DIM, 1.0, True, "cudnn") / h200.attention_fraction(
         planner_cases.DIM, 1.0, True, "flash2")  # both below their first point: the ratio of the first points
     assert attention_seconds(short, flash2)[0] == pytest.approx(curves * attention_seconds(short, cudnn)[0])
-    ragged = DeviceRates(h200, "bf16", "cudnn_ragged")  # the trainer's cudnn_ragged: documents as cuDNN calls
-    assert (ragged.kernel, ragged.varlen_kernel) == ("cudnn", "cudnn")
-    assert attention_seconds(short, ragged) == attention_seconds(short, cudnn)
+    # the trainer's cudnn_ragged: the documents' causal squares as cuDNN calls, their full pieces (cp > 1) varlen
+    ragged = DeviceRates(h200, "bf16", "cudnn_ragged")
+    assert (ragged.kernel, ragged.varlen_kernel, ragged.ragged) == ("cudnn", "flash2", True)
+    assert attention_seconds(short, ragged) == attention_seconds(short, cudnn)  # cp 1: every call a causal square
     ring = _workload(2, "contiguous", "ring", (40, 24))  # cp 2: rank 0's own block is one document, dense
     assert [[c.varlen for step in rank for c in step.calls] for rank in ring.attention] == [[False], [True] * 3]
+    assert [[c.causal for step in rank for c in step.calls] for rank in ring.attention] == [[True],
+                                                                                             [True, True, False]]
     assert attention_seconds(ring, flash2)[0] > attention_seconds(ring, cudnn)[0]
+    assert attention_seconds(ring, cudnn)[0] < attention_seconds(ring, ragged)[0] == attention_seconds(ring, flash2)[0]
+    square, piece = (KernelCall(512, 512, True, True), KernelCall(512, 1024, False, True))
+    assert ragged.attention(square, 128) == cudnn.attention(square, 128) > flash2.attention(square, 128)
+    assert ragged.attention(piece, 128) == flash2.attention(piece, 128) < cudnn.attention(piece, 128)
     mixed = _workload(1, "contiguous", "ring", (SEQ,) + (SEQ // 16,) * 16)
     assert len(mixed.attention_samples) == TIME_SAMPLES
     mean = (attention_seconds(one, flash2)[0] + attention_seconds(short, flash2)[0]) / 2

@@ -36,6 +36,7 @@ from cp_train.parallel.cp.ring.forward import (
     pass_kv,
     plan_rows,
     running,
+    split_rectangles,
     unmerged,
     uses_varlen,
 )
@@ -69,11 +70,14 @@ def step_grads(plan: RankPlan, index: int, rows: SavedRows, held: list[torch.Ten
     if uses_varlen(spec, step):
         calls = varlen_calls(plan, index, rows.q.shape[0], rows.q.shape[1], dq.device)
         return ring_varlen.backward_step(spec.kernel, calls, rows, held, dq, spec.scale)
+    dense, rectangles = split_rectangles(spec, plan, index, rows.q)
     grads = []
-    for call in step.calls:
+    for call in dense:
         dq_b, dk_b, dv_b = call_backward(spec, call.segment, rows, held)
         dq[:, slice(*call.segment.q)] += dq_b
         grads.append(BlockGrads(dk_b, dv_b, call.grad_kv))
+    if rectangles:
+        grads += ring_varlen.backward_step(spec.kernel, rectangles, rows, held, dq, spec.scale)
     return grads
 
 

@@ -14,7 +14,7 @@ from cp_train.parallel.cp.plan.rank_plan import StepPlan
 from cp_train.parallel.cp.plan.segments import Interval
 
 
-def _cover(parts: list[Interval], total: int) -> bool:
+def cover(parts: list[Interval], total: int) -> bool:
     """Whether ``parts`` (sorted) are back to back from 0 to ``total``."""
     end = 0
     for start, stop in parts:
@@ -27,8 +27,8 @@ def _cover(parts: list[Interval], total: int) -> bool:
 def tiles(step: StepPlan, rows: int, keys: int) -> bool:
     """Whether ``step``'s dense calls write each of its ``rows`` query rows and each of its ``keys`` dK/dV rows
     once (packed documents at cp 1: a causal call per document): their outputs then need no accumulator."""
-    return (_cover(sorted(c.segment.q for c in step.calls), rows)
-            and _cover(sorted(c.grad_kv for c in step.calls), keys))
+    return (cover(sorted(c.segment.q for c in step.calls), rows)
+            and cover(sorted(c.grad_kv for c in step.calls), keys))
 
 
 class SavedRows(NamedTuple):

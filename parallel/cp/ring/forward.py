@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 
 from cp_train.parallel.cp.plan.device import Selector
-from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
+from cp_train.parallel.cp.plan.rank_plan import KernelCall, RankPlan, StepPlan
 from cp_train.parallel.cp.plan.segments import Segment
 from cp_train.parallel.cp.ring import varlen_steps as ring_varlen
 from cp_train.parallel.cp.ring import warm
 from cp_train.parallel.cp.ring.blocks import tiles
 from cp_train.parallel.cp.ring.comm import KV_TAG, RingComm, Transfer
-from cp_train.parallel.cp.ring.varlen_steps import varlen_calls
+from cp_train.parallel.cp.ring.varlen_steps import VarlenCall, varlen_calls
 from cp_train.parallel.cp.ring.varlen_steps import whole_call as varlen_whole
 from cp_train.parallel.cp.spec import AttentionSpec
 from cp_train.parallel.kernels.contract import accumulator_dtype
@@ -84,8 +84,9 @@ def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.T
         calls = varlen_calls(plan, index, q.shape[0], q.shape[1], q.device)
         ring_varlen.forward_step(spec.kernel, calls, q, held, out, lse, spec.scale, index == 0)
         return
+    dense, rectangles = split_rectangles(spec, plan, index, q)
     written = 0  # rows [0, written) of the local step hold a first value
-    for call in step.calls:
+    for call in dense:
         segment = call.segment
         rows = slice(*segment.q)
         block_out, block_lse = call_forward(spec, segment, q, held)
@@ -96,6 +97,21 @@ def forward_step(plan: RankPlan, index: int, q: torch.Tensor, held: list[torch.T
         else:
             merge_block(out[:, rows], lse[:, rows], block_out, block_lse)
         del block_out, block_lse
+    if rectangles:  # merged into the rows the causal calls wrote (``rectangle_calls``)
+        ring_varlen.forward_step(spec.kernel, rectangles, q, held, out, lse, spec.scale, index == 0 and not dense)
+
+
+def split_rectangles(spec: AttentionSpec, plan: RankPlan, index: int, q: torch.Tensor
+                     ) -> tuple[list[KernelCall], tuple[VarlenCall, ...]]:
+    """Step ``index``'s dense calls and its varlen ones: with ``spec.rectangles`` (``cudnn_ragged``) a step the
+    documents shape keeps its causal squares dense (a graph per power of two, built by the warm-up) and sends its
+    full pieces to one varlen call (``rectangle_calls``); every call dense otherwise. q ``[B, n, ...]``."""
+    step = plan.steps[index]
+    rectangles = ring_varlen.rectangle_calls(plan, index, q.shape[0], q.shape[1], q.device) \
+        if spec.rectangles and step.by_documents else None
+    if rectangles is None:
+        return step.calls, ()
+    return [call for call in step.calls if call.segment.causal], rectangles
 
 
 def call_forward(spec: AttentionSpec, call: Segment, q: torch.Tensor, held: list[torch.Tensor]
@@ -113,7 +129,8 @@ def call_forward(spec: AttentionSpec, call: Segment, q: torch.Tensor, held: list
 
 def one_call(spec: AttentionSpec, step: StepPlan, rows: int) -> bool:
     """Whether ``step`` is one dense kernel call over all ``rows`` query rows."""
-    return not uses_varlen(spec, step) and len(step.calls) == 1 and step.calls[0].segment.q == (0, rows)
+    return not uses_varlen(spec, step) and not (spec.rectangles and step.by_documents) and len(step.calls) == 1 \
+        and step.calls[0].segment.q == (0, rows)
 
 
 def whole_step(spec: AttentionSpec, plan: RankPlan, index: int, q: torch.Tensor) -> bool:
@@ -187,7 +204,9 @@ def unmerged(spec: AttentionSpec, plan: RankPlan, rows: int, keys: int) -> bool:
     """Whether nothing merges into the outputs of the plan's calls: one rank (no remote steps) whose local step's
     dense calls write each query row and each dK/dV row once (``blocks.tiles``; packed documents at cp 1 on a
     kernel without varlen calls). Its out, dq, dk and dv then stay in the kernel's dtype."""
-    return plan.world == 1 and not uses_varlen(spec, plan.steps[0]) and tiles(plan.steps[0], rows, keys)
+    step = plan.steps[0]
+    return plan.world == 1 and not uses_varlen(spec, step) and not (spec.rectangles and step.by_documents) and \
+        tiles(step, rows, keys)
 
 
 def uses_varlen(spec: AttentionSpec, step: StepPlan) -> bool:

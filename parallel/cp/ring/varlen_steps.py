@@ -22,12 +22,12 @@ import torch
 from cp_train.parallel.cp.plan.device import Selector
 from cp_train.parallel.cp.plan.rank_plan import RankPlan
 from cp_train.parallel.cp.plan.varlen_plan import VarlenCall, batched, step_varlen
-from cp_train.parallel.cp.ring.blocks import BlockGrads, SavedRows
+from cp_train.parallel.cp.ring.blocks import BlockGrads, SavedRows, cover
 from cp_train.parallel.kernels.contract import AttentionKernel, BackwardRows, QKVGrads
 from cp_train.parallel.kernels.varlen import merge_block
 
-__all__ = ["VarlenCall", "backward_step", "flat_view", "forward_step", "varlen_calls", "whole_backward",
-           "whole_call", "whole_forward"]
+__all__ = ["VarlenCall", "backward_step", "flat_view", "forward_step", "rectangle_calls", "varlen_calls",
+           "whole_backward", "whole_call", "whole_forward"]
 
 
 def varlen_calls(plan: RankPlan, index: int, batch: int, rows: int, device: torch.device
@@ -49,6 +49,38 @@ def varlen_calls(plan: RankPlan, index: int, batch: int, rows: int, device: torc
     if key not in plan.cache:
         plan.cache[key] = batched(calls, batch, rows, step.held_rows, step.acc_rows)
     return plan.cache[key]
+
+
+def rectangle_calls(plan: RankPlan, index: int, batch: int, rows: int, device: torch.device
+                    ) -> tuple[VarlenCall, ...] | None:
+    """Step ``index``'s full (non-causal) dense calls as one varlen call, its causal calls staying dense
+    (``AttentionSpec.rectangles``); None where every call stays dense: none is full, or the local step's causal
+    calls leave a query row to the full ones (they write each row first; the full call merges into them). Built
+    on the host once per plan and step, moved without a sync (cached in the plan); ``batch`` as ``varlen_calls``."""
+    key = ("rectangles", index, str(device))
+    if key not in plan.cache:
+        plan.cache[key] = _rectangles(plan, index, device)
+    calls = plan.cache[key]
+    if calls is None or batch == 1:
+        return calls
+    step, key = plan.steps[index], ("rectangles", index, batch, rows, str(device))
+    if key not in plan.cache:
+        plan.cache[key] = batched(calls, batch, rows, step.held_rows, step.acc_rows)
+    return plan.cache[key]
+
+
+def _rectangles(plan: RankPlan, index: int, device: torch.device) -> tuple[VarlenCall, ...] | None:
+    step = plan.steps[index]
+    full = [call for call in step.calls if not call.segment.causal]
+    causal = sorted(call.segment.q for call in step.calls if call.segment.causal)
+    if not full or (index == 0 and causal and not cover(causal, plan.rows)):
+        return None
+    built = step_varlen(tuple(call.segment for call in full), tuple(call.grad_kv for call in full))
+
+    def move(x: torch.Tensor) -> torch.Tensor:
+        return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+
+    return tuple(call.apply(move) for call in built)
 
 
 def rows_of(x: torch.Tensor, index: Selector) -> torch.Tensor:

@@ -49,8 +49,9 @@ def shapes(rows: int, world: int, layout: str, causal: bool) -> list[Segment]:
 
 def calls(spec: AttentionSpec, rows: int, world: int) -> list[Segment]:
     """The warm-up's calls for ``spec``: the layout's ``shapes``; with a kernel on ragged graphs (``cudnn_ragged``:
-    one graph per power-of-two length, its documents run as dense calls) also a causal square of each power of two
-    from 2 below ``rows``, so that a document of any length meets a built graph."""
+    one graph per power-of-two length, its documents' causal squares run as dense calls, their full pieces as
+    varlen calls with ``spec.rectangles``) also a causal square of each power of two from 2 below ``rows``, so that
+    a document of any length meets a built graph."""
     found = shapes(rows, world, spec.layout, spec.causal)
     if spec.causal and getattr(spec.kernel, "ragged_graphs", False):
         found += [Segment((0, 1 << i), (0, 1 << i), True) for i in range(1, (rows - 1).bit_length())]
