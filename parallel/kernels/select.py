@@ -20,12 +20,11 @@ math            float64 reference, materialises the scores (tests)       any
 CPU always runs ``torch``; CUDA float64 has no fused kernel: it runs on ``math``. The flash-attn
 packages are imported when a backend is first chosen; an install that fails to import (a wheel built
 against another torch raises "undefined symbol") is skipped with one warning naming the error.
-Importing is not enough on CUDA: every fused backend is admitted only after a trial call (a tiny
-causal forward and backward, GQA, on the device, its results checked against ``math``'s; once per
-(device, dtype, head_dim, backend)). In the
-automatic order a failed trial (a wheel without kernels for this GPU, a cuDNN build without this
-shape) skips the backend with one warning naming it and the error; a backend asked for by name that
-fails its trial raises ``KernelUnavailable``. ``chosen_backends()`` names the kernels chosen so far.
+Importing is not enough on CUDA: every fused backend is admitted only after a trial call (a tiny causal forward
+and backward, GQA, on the device, its results checked against ``math``'s; once per (device, dtype, head_dim,
+backend)). In the automatic order a failed trial (a wheel without kernels for this GPU, a cuDNN build without this
+shape) skips the backend with one warning naming it and the error; a backend asked for by name that fails its
+trial raises ``KernelUnavailable``. ``chosen_backends()`` names the kernels chosen so far.
 ``deterministic=True`` reaches flash-attn's and FA3's backward, turns the efficient kernel's key
 splitting off, runs PyTorch's CUDA flash backward under ``torch.use_deterministic_algorithms``, and
 rules cuDNN out (its backward is not deterministic); the CPU and math kernels are deterministic anyway.
@@ -242,6 +241,9 @@ def _ragged(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, h
     if isinstance(found, str):
         raise KernelUnavailable(f"backend 'cudnn_ragged' failed its trial on {device} with {dtype} and head_dim "
                                 f"{head_dim} ({found}); use backend 'cudnn' (documents on varlen calls)")
+    if found.varlen_kernel is not None:  # the documents' full pieces above cp 1 (``varlen_rectangles``) run on it
+        _admit(f"cudnn_ragged's varlen kernel ({found.varlen_kernel.name})", found.varlen_kernel, device, dtype,
+               head_dim)
     return found
 
 

@@ -246,8 +246,11 @@ def test_cudnn_ragged_is_chosen_by_name_after_its_own_trial(monkeypatch) -> None
 
     monkeypatch.setattr(kernels, "_ragged_trial", trial)
     assert select_kernel(CUDA, torch.bfloat16, 64).name == "cudnn"
+    varlen_trials = []
+    monkeypatch.setattr(kernels, "_trial", lambda kernel, *key: varlen_trials.append(kernel.name))
     kernel = select_kernel(CUDA, torch.bfloat16, 64, "cudnn_ragged")
     assert kernel.name == "cudnn_ragged" and not kernel.native_varlen and kernel.lse_rows_major
+    assert kernel.varlen_rectangles and varlen_trials == [kernel.varlen_kernel.name]  # its full pieces' kernel
     select_kernel.cache_clear()
     select_kernel(CUDA, torch.bfloat16, 64, "cudnn_ragged")
     assert trials == ["1"]
