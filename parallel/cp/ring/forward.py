@@ -108,7 +108,7 @@ def split_rectangles(spec: AttentionSpec, plan: RankPlan, index: int, q: torch.T
     full pieces to one varlen call (``rectangle_calls``); every call dense otherwise. q ``[B, n, ...]``."""
     step = plan.steps[index]
     rectangles = ring_varlen.rectangle_calls(plan, index, q.shape[0], q.shape[1], q.device) \
-        if spec.rectangles and step.by_documents else None
+        if uses_rectangles(spec, step) else None
     if rectangles is None:
         return step.calls, ()
     return [call for call in step.calls if call.segment.causal], rectangles
@@ -129,7 +129,7 @@ def call_forward(spec: AttentionSpec, call: Segment, q: torch.Tensor, held: list
 
 def one_call(spec: AttentionSpec, step: StepPlan, rows: int) -> bool:
     """Whether ``step`` is one dense kernel call over all ``rows`` query rows."""
-    return not uses_varlen(spec, step) and not (spec.rectangles and step.by_documents) and len(step.calls) == 1 \
+    return not uses_varlen(spec, step) and not uses_rectangles(spec, step) and len(step.calls) == 1 \
         and step.calls[0].segment.q == (0, rows)
 
 
@@ -205,7 +205,7 @@ def unmerged(spec: AttentionSpec, plan: RankPlan, rows: int, keys: int) -> bool:
     dense calls write each query row and each dK/dV row once (``blocks.tiles``; packed documents at cp 1 on a
     kernel without varlen calls). Its out, dq, dk and dv then stay in the kernel's dtype."""
     step = plan.steps[0]
-    return plan.world == 1 and not uses_varlen(spec, step) and not (spec.rectangles and step.by_documents) and \
+    return plan.world == 1 and not uses_varlen(spec, step) and not uses_rectangles(spec, step) and \
         tiles(step, rows, keys)
 
 
@@ -213,3 +213,9 @@ def uses_varlen(spec: AttentionSpec, step: StepPlan) -> bool:
     """Varlen calls for the steps the documents shape (``StepPlan.by_documents``) on a kernel that has them
     (``spec.varlen``); dense calls for the rest (a layout's block shapes, a handful per run)."""
     return spec.varlen and step.by_documents
+
+
+def uses_rectangles(spec: AttentionSpec, step: StepPlan) -> bool:
+    """Whether a step the documents shape sends its full pieces to one varlen call, its causal squares staying
+    dense (``spec.rectangles``: ``cudnn_ragged``; ``split_rectangles``)."""
+    return spec.rectangles and step.by_documents
