@@ -30,6 +30,11 @@
 #            14336), 8 layers, 8,192 tokens, 40 steps: where the linears are most of the step, as in torchtitan's
 #            8k table (at 1B and 16k they are 39% of it and tensorwise gave 1.02x on an H200, 2026-11-30)
 #   fp8-fsdp (not run by default) bench.fp8 --fsdp: tensorwise under FSDP2, its weights gathered in FP8, 30 steps
+#   fp8-gemms (not run by default; about 30 s) bench.fp8_linears --parts gemm: the 1B block's four linears at
+#            16,384 tokens, their three GEMMs each in bf16 and in FP8 as torchao's tensorwise and rowwise run them,
+#            and the best FP8 step the linears allow (bf16's step from fp8's run when it ran first, else 0.373 s)
+#   fp8-linears (not run by default; about 3 minutes) the same with each linear's compiled forward and backward
+#            (its casts included)
 #   swiglu   bench.swiglu at the 1B MLP's shape in bf16: gate and up as two weights against the fused weight's one
 #            matmul (eager node, compiled gated_silu)
 set -u
@@ -122,6 +127,13 @@ for part in $PARTS; do
         run_part fp8 330 python3 -m bench.fp8 --steps 100 --out /tmp/fp8-runs
         grep "^DONE" "$OUT/fp8.log" | cut -c1-400  # each variant as it finished (all three: the table below)
         tail -6 "$OUT/fp8.log"
+        ;;
+    fp8-gemms|fp8-linears)
+        step=$(python3 -c "import json; print(json.load(open('/tmp/fp8-runs/none.record.json'))['step_time_s'])" \
+            2> /dev/null || echo 0.373)  # bf16's measured step (2026-11-30: 0.373 s)
+        parts=$([ "$part" = fp8-gemms ] && echo gemm || echo gemm linear)
+        run_part "$part" 240 python3 -m bench.fp8_linears --parts $parts --bf16-step "$step"
+        grep -v "^{" "$OUT/$part.log" | tail -24  # the table
         ;;
     fp8-8b)
         run_part fp8-8b 300 python3 -m bench.fp8 --steps 40 --seq 8192 --out /tmp/fp8-8b-runs \

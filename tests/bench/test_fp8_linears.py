@@ -1,0 +1,59 @@
+"""``bench/fp8_linears.py`` on CPU at a toy shape: its FP8 GEMMs compute the bf16 GEMMs' products (operands,
+layouts and scales right), and its totals and step cap add up, so the GPU run measures the GEMMs it names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import fp8_linears
+from cp_train.parallel.tp.fp8 import fp8_unavailable
+
+if fp8_unavailable("tensorwise", torch.device("cpu")):  # the dev extra installs torchao
+    pytest.skip(fp8_unavailable("tensorwise", torch.device("cpu")), allow_module_level=True)
+
+CPU = torch.device("cpu")
+
+
+def _products(recipe: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)  # every recipe's operands from the same draws
+    calls = fp8_linears.gemm_calls(recipe, 64, 96, 48, CPU, (True, False, False))
+    return {name: call().float() for name, call in calls}
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_gemms_compute_the_bf16_products(recipe: str) -> None:
+    bf16, fp8 = _products("bf16"), _products(recipe)
+    assert [name for name in fp8] == ["output", "grad input", "grad weight"]
+    for name, product in fp8.items():
+        assert product.shape == bf16[name].shape
+        # FP8's rounding (e4m3: 3 mantissa bits; tensorwise's e5m2 gradients: 2) moves a product by 4-6% here: a wrong
+        # layout or scale by far more (below), the bf16 products not at all
+        assert 0.01 < _error(product, bf16[name]) < 0.1, (name, _error(product, bf16[name]))
+    # the check tells products apart: another draw's product is nowhere near
+    torch.manual_seed(1)
+    other = dict((name, call().float()) for name, call in fp8_linears.gemm_calls("bf16", 64, 96, 48, CPU, (0, 0, 0)))
+    assert all(_error(other[name], bf16[name]) > 0.5 for name in bf16)
+
+
+def test_totals_and_the_step_cap(capsys) -> None:
+    records = fp8_linears.main(["--tiny", "--bf16-step", "0.5", "--samples", "2", "--recipes", "bf16", "tensorwise"])
+    per_linear = [r for r in records if not r["linear"].startswith("model")]
+    assert len(per_linear) == 2 * 4 * 2  # recipes x the block's 4 linears x (gemm, linear)
+    assert {r["linear"] for r in per_linear} == {"qkv", "attention out", "mlp gate+up", "mlp down"}
+    totals = {(r["recipe"], r["part"]): r for r in records if r["linear"].startswith("model")}
+    for (recipe, part), total in totals.items():
+        block = sum(r["ms"] for r in per_linear if r["recipe"] == recipe and r["part"] == part)
+        assert total["ms"] == pytest.approx(2 * block)  # the tiny model's 2 blocks
+        bf16 = totals["bf16", part]["ms"]
+        assert total["best_step_s"] == pytest.approx(0.5 - (bf16 - total["ms"]) * 2 / 1e3)
+        assert total["step_speedup_cap"] == pytest.approx(0.5 / total["best_step_s"])
+    assert totals["bf16", "gemm"]["speedup"] == 1.0 and totals["bf16", "gemm"]["step_speedup_cap"] == 1.0
+    gemm = next(r for r in per_linear if r["recipe"] == "tensorwise" and r["part"] == "gemm")
+    assert set(gemm["gemms"]) == {"output", "grad input", "grad weight"}
+    assert gemm["gemms"]["output"]["flops"] == 2 * 64 * gemm["in"] * gemm["out"]
+    assert "step cap" in capsys.readouterr().out
