@@ -13,7 +13,8 @@ For each linear of a block (``ModelFamily.block_linears``: qkv, attention out, M
   fast-accumulation flags as torchao 0.18's ``Float8LinearConfig`` sets them (tensorwise: e4m3 x e4m3 forward,
   e5m2 gradients, one scale per tensor; rowwise: e4m3 throughout, a scale per row or column). The tensor cores'
   rate: milliseconds, TFLOP/s and the fraction of the peak (bf16's or FP8's, ``FP8_PEAK_RATIO``), the numbers the
-  planner's GEMM curves hold (``cp_train/perf/inputs/profiles``: ``gemm_bf16``, ``gemm_fp8``).
+  planner's GEMM curves hold (``cp_train/perf/inputs/profiles``: ``gemm_bf16``, ``gemm_fp8``), and beside them
+  the planner's time for the same GEMMs on ``--hardware`` (h200; its FP8 curve is derived, not measured).
 - ``linear``: the layer's forward and backward as the trainer runs it (``F.linear`` under bf16 autocast on an
   fp32 weight, or ``parallel/tp/fp8.py``'s ``Float8Matmul``), compiled on CUDA (``--eager``: not), its weight's
   fp32 gradient included: the GEMMs plus every cast FP8 adds, for one linear on its own (in a whole compiled
@@ -44,6 +45,7 @@ from cp_train.config.sources import build_config, flatten, parse_override, read_
 from cp_train.metrics.throughput import FP8_PEAK_RATIO, gpu_peak_tflops  # noqa: E402
 from cp_train.model.family import Linear, get_model_family  # noqa: E402
 from cp_train.parallel.tp.fp8 import Float8Matmul, float8_config, fp8_unavailable  # noqa: E402
+from cp_train.perf.inputs.hardware import Hardware, load_hardware  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "launch" / "configs" / "gpt-1b-128k-cp8.yaml"
@@ -144,8 +146,16 @@ def model_linears(args: argparse.Namespace) -> tuple[int, tuple[Linear, ...]]:
     return config.model.num_layers, get_model_family(config.model.family).block_linears(config.model)
 
 
+def planned_ms(hardware: Hardware, recipe: str, flops: float) -> float:
+    """One GEMM of ``flops`` as the planner times it on ``hardware`` (its ``gemm_bf16`` / ``gemm_fp8`` curve)."""
+    precision = "bf16" if recipe == "bf16" else "fp8"
+    return flops / (hardware.peak_tflops(precision) * 1e12 * hardware.gemm_fraction(flops, precision)) * 1e3
+
+
 def measure(args: argparse.Namespace, device: torch.device, peak: float | None) -> list[dict[str, Any]]:
-    """One record per (recipe, linear, part: gemm or linear), then per (recipe, part) totals over the model."""
+    """One record per (recipe, linear, part: gemm or linear), then per (recipe, part) totals over the model; the
+    gemm rows with the planner's time for them on ``--hardware``."""
+    hardware = load_hardware(args.hardware)
     layers, linears = model_linears(args)
     compiled = device.type == "cuda" and not args.eager
     records: list[dict[str, Any]] = []
@@ -164,6 +174,7 @@ def measure(args: argparse.Namespace, device: torch.device, peak: float | None) 
                 gemm_s = {name: seconds(fn, device, args.repeats)
                           for name, fn in gemm_calls(recipe, args.tokens, in_f, out_f, device, fast)}
                 records.append({**shape, "part": "gemm", "ms": 1e3 * sum(gemm_s.values()),
+                                "planned_ms": 3 * planned_ms(hardware, recipe, flops),
                                 "tflops": 3 * flops / sum(gemm_s.values()) / 1e12,
                                 "gemms": {name: {"flops": flops, "ms": 1e3 * s, "tflops": flops / s / 1e12,
                                                  "of_peak": flops / s / 1e12 / rate if rate else None}
@@ -175,9 +186,11 @@ def measure(args: argparse.Namespace, device: torch.device, peak: float | None) 
                                  "tflops": 3 * flops / linear_s / 1e12})
     for recipe in args.recipes:
         for part in args.parts:
-            block = sum(r["ms"] for r in records if r["recipe"] == recipe and r["part"] == part)
+            rows = [r for r in records if r["recipe"] == recipe and r["part"] == part]
+            block = sum(r["ms"] for r in rows)
+            planned = sum(r["planned_ms"] for r in rows) * layers if part == "gemm" else None
             records.append({"recipe": recipe, "linear": f"model ({layers} blocks)", "part": part,
-                            "tokens": args.tokens, "ms": block * layers, "block_ms": block})
+                            "tokens": args.tokens, "ms": block * layers, "block_ms": block, "planned_ms": planned})
     return records
 
 
@@ -210,6 +223,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--eager", action="store_true", help="the linear rows uncompiled (CPU: always)")
     parser.add_argument("--bf16-step", type=float, default=None, help="a measured bf16 step (s), for the cap")
     parser.add_argument("--samples", type=int, default=1, help="samples of --tokens in that step")
+    parser.add_argument("--hardware", default="h200", help="the planner's profile for the planned GEMM times")
     parser.add_argument("--tiny", action="store_true", help="a tiny model at 64 tokens, 3 repeats (CPU smoke)")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -223,7 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     records = measure(args, device, peak)
     compare(records, args)
     emit(records, [("recipe", "recipe", str), ("linear", "linear", str), ("part", "part", str),
-                   ("ms", "ms", _number("{:.3f}")), ("tflops", "TFLOP/s", _number("{:.0f}")),
+                   ("ms", "ms", _number("{:.3f}")), ("planned_ms", "planned ms", _number("{:.3f}")),
+                   ("tflops", "TFLOP/s", _number("{:.0f}")),
                    ("speedup", "vs bf16", _number("{:.2f}x")), ("best_step_s", "best step s", _number("{:.3f}")),
                    ("step_speedup_cap", "step cap", _number("{:.2f}x"))])
     return records

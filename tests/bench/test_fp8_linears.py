@@ -56,4 +56,8 @@ def test_totals_and_the_step_cap(capsys) -> None:
     gemm = next(r for r in per_linear if r["recipe"] == "tensorwise" and r["part"] == "gemm")
     assert set(gemm["gemms"]) == {"output", "grad input", "grad weight"}
     assert gemm["gemms"]["output"]["flops"] == 2 * 64 * gemm["in"] * gemm["out"]
+    # the planner's time for the same GEMMs (h200's curves): FP8's below bf16's, the model's the blocks' sum
+    assert totals["tensorwise", "gemm"]["planned_ms"] < totals["bf16", "gemm"]["planned_ms"]
+    assert totals["bf16", "gemm"]["planned_ms"] == pytest.approx(
+        2 * sum(r["planned_ms"] for r in per_linear if r["recipe"] == "bf16" and r["part"] == "gemm"))
     assert "step cap" in capsys.readouterr().out
