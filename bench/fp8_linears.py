@@ -6,7 +6,8 @@
     python -m bench.fp8_linears --tiny                     # CPU: tiny shapes (a smoke test)
 
 For each linear of a block (``ModelFamily.block_linears``: qkv, attention out, MLP gate+up, MLP down; TP-local at
-``--tp``) with ``--tokens`` rows, and each of bf16, tensorwise and rowwise (``model.fp8``):
+the config's ``parallel.tp``, ``--set parallel.tp=2``) with ``--tokens`` rows, and each of bf16, tensorwise and
+rowwise (``model.fp8``):
 
 - ``gemm``: the linear's three GEMMs (output = x W^T, grad input = dy W, grad weight = dy^T x) on operands made
   beforehand: bf16 ``torch.mm``, or ``torch._scaled_mm`` with the recipe's dtypes, scales, operand layouts and
@@ -23,14 +24,13 @@ For each linear of a block (``ModelFamily.block_linears``: qkv, attention out, M
 The totals add a block's linears and multiply by the layers. With ``--bf16-step S`` (a measured bf16 step of
 ``--samples`` samples of ``--tokens``: ``bench.fp8``'s bf16 run), the best FP8 step: S minus what FP8 saves over
 the layers' linears, and the speedup that caps; the issue's bar is tensorwise at 1.2x. JSON lines, then a table.
+Shapes the GPU's FP8 GEMMs refuse stop the bench first with the config's one line (``check_fp8_shapes``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,11 +41,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import emit  # noqa: E402
+from bench.gpu import time_call  # noqa: E402
+from cp_train.config.fp8_shapes import check_fp8_shapes, local_linears  # noqa: E402
+from cp_train.config.schema import Config, ConfigError  # noqa: E402
 from cp_train.config.sources import build_config, flatten, parse_override, read_yaml  # noqa: E402
 from cp_train.metrics.throughput import FP8_PEAK_RATIO, gpu_peak_tflops  # noqa: E402
-from cp_train.model.family import Linear, get_model_family  # noqa: E402
 from cp_train.parallel.tp.fp8 import Float8Matmul, float8_config, fp8_unavailable  # noqa: E402
-from cp_train.perf.inputs.hardware import Hardware, load_hardware  # noqa: E402
+from cp_train.perf.calibrate import cuda_seconds  # noqa: E402
+from cp_train.perf.inputs.hardware import load_hardware  # noqa: E402
+from cp_train.perf.rates import DeviceRates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "launch" / "configs" / "gpt-1b-128k-cp8.yaml"
@@ -56,26 +60,9 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of one ``fn()``: on CUDA five rounds of ``repeats`` calls between two events (no sync per
-    call: short GEMMs would time the sync), on the CPU ``repeats`` calls timed one by one; two calls first."""
-    fn(), fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-    rounds = []
-    for _ in range(5):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        rounds.append(begin.elapsed_time(end) / 1e3 / repeats)
-    return statistics.median(rounds)
+    """Median seconds of one ``fn()``: on CUDA the calibration's event-timed rounds (``cuda_seconds``: no sync per
+    call, which short GEMMs would time), on the CPU ``repeats`` calls after two."""
+    return cuda_seconds(fn) if device.type == "cuda" else time_call(fn, device, 2, repeats)
 
 
 def _scaled(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,26 +124,22 @@ def linear_call(recipe: str, tokens: int, in_f: int, out_f: int, device: torch.d
     return step
 
 
-def model_linears(args: argparse.Namespace) -> tuple[int, tuple[Linear, ...]]:
-    """(layers, one block's linears) of ``--config`` with ``--set`` (``--tiny``: a tiny model)."""
+def bench_config(args: argparse.Namespace) -> Config:
+    """``--config`` with ``--set`` (``--tiny``: a tiny model) as one sample of ``--tokens`` at cp 1, with FP8 on when
+    a recipe asks for it, so that ``check_fp8_shapes`` judges these GEMMs' shapes."""
     values = flatten(read_yaml(Path(args.config)), args.config)
     values.update(TINY if args.tiny else {})
-    config = build_config([("bench.fp8_linears", values),
-                           ("--set", dict(parse_override(o) for o in args.overrides))])
-    return config.model.num_layers, get_model_family(config.model.family).block_linears(config.model)
+    values.update({"data.seq_len": args.tokens, "parallel.cp": 1, "train.micro_batch_size": 1, "model.mlp_chunks": 1,
+                   "model.fp8": next((r for r in args.recipes if r != "bf16"), "none")})
+    return build_config([("bench.fp8_linears", values), ("--set", dict(parse_override(o) for o in args.overrides))])
 
 
-def planned_ms(hardware: Hardware, recipe: str, flops: float) -> float:
-    """One GEMM of ``flops`` as the planner times it on ``hardware`` (its ``gemm_bf16`` / ``gemm_fp8`` curve)."""
-    precision = "bf16" if recipe == "bf16" else "fp8"
-    return flops / (hardware.peak_tflops(precision) * 1e12 * hardware.gemm_fraction(flops, precision)) * 1e3
-
-
-def measure(args: argparse.Namespace, device: torch.device, peak: float | None) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, config: Config, device: torch.device, peak: float | None
+            ) -> list[dict[str, Any]]:
     """One record per (recipe, linear, part: gemm or linear), then per (recipe, part) totals over the model; the
-    gemm rows with the planner's time for them on ``--hardware``."""
+    gemm rows with the planner's time for them on ``--hardware`` (``DeviceRates.matmul``)."""
     hardware = load_hardware(args.hardware)
-    layers, linears = model_linears(args)
+    layers = config.model.num_layers
     compiled = device.type == "cuda" and not args.eager
     records: list[dict[str, Any]] = []
     for recipe in args.recipes:
@@ -166,15 +149,15 @@ def measure(args: argparse.Namespace, device: torch.device, peak: float | None) 
             fast = tuple(g.use_fast_accum for g in (gemms.gemm_config_output, gemms.gemm_config_grad_input,
                                                     gemms.gemm_config_grad_weight))
         rate = peak * (1 if recipe == "bf16" else FP8_PEAK_RATIO) if peak else None
-        for linear in linears:
-            in_f, out_f = linear.shard(args.tp)
+        planner = DeviceRates(hardware, "bf16" if recipe == "bf16" else "fp8")
+        for linear, (out_f, in_f) in local_linears(config):
             flops = 2.0 * args.tokens * in_f * out_f  # one GEMM's
             shape = {"recipe": recipe, "linear": linear.name, "tokens": args.tokens, "in": in_f, "out": out_f}
             if "gemm" in args.parts:
                 gemm_s = {name: seconds(fn, device, args.repeats)
                           for name, fn in gemm_calls(recipe, args.tokens, in_f, out_f, device, fast)}
                 records.append({**shape, "part": "gemm", "ms": 1e3 * sum(gemm_s.values()),
-                                "planned_ms": 3 * planned_ms(hardware, recipe, flops),
+                                "planned_ms": 3e3 * flops / planner.matmul(args.tokens, out_f, in_f),
                                 "tflops": 3 * flops / sum(gemm_s.values()) / 1e12,
                                 "gemms": {name: {"flops": flops, "ms": 1e3 * s, "tflops": flops / s / 1e12,
                                                  "of_peak": flops / s / 1e12 / rate if rate else None}
@@ -216,7 +199,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--tokens", type=int, default=16384, help="rows of each linear (tokens of one sample)")
-    parser.add_argument("--tp", type=int, default=1, help="the linears' TP-local shapes")
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--parts", nargs="+", choices=("gemm", "linear"), default=["gemm", "linear"])
     parser.add_argument("--repeats", type=int, default=20)
@@ -233,8 +215,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         problem = fp8_unavailable(recipe, device)
         if problem is not None:
             raise SystemExit(f"bench.fp8_linears: {problem}")
+    config = bench_config(args)
+    try:
+        check_fp8_shapes(config)
+    except ConfigError as error:
+        raise SystemExit(f"bench.fp8_linears (--tokens is data.seq_len): {error}") from None
     peak = gpu_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    records = measure(args, device, peak)
+    records = measure(args, config, device, peak)
     compare(records, args)
     emit(records, [("recipe", "recipe", str), ("linear", "linear", str), ("part", "part", str),
                    ("ms", "ms", _number("{:.3f}")), ("planned_ms", "planned ms", _number("{:.3f}")),

@@ -61,3 +61,17 @@ def test_totals_and_the_step_cap(capsys) -> None:
     assert totals["bf16", "gemm"]["planned_ms"] == pytest.approx(
         2 * sum(r["planned_ms"] for r in per_linear if r["recipe"] == "bf16" and r["part"] == "gemm"))
     assert "step cap" in capsys.readouterr().out
+
+
+def test_tp_local_shapes_and_the_one_line_shape_error() -> None:
+    """``--set parallel.tp=2`` times each rank's shard (column-parallel outputs, row-parallel inputs halved); a
+    token count the GPU's FP8 GEMMs refuse stops the bench with the config's one line, before any timing."""
+    full, half = (fp8_linears.main(["--tiny", "--parts", "gemm", "--recipes", "bf16", *extra])
+                  for extra in ([], ["--set", "parallel.tp=2"]))
+    shapes = [{r["linear"]: (r["in"], r["out"]) for r in records if "in" in r} for records in (full, half)]
+    assert shapes[1]["qkv"] == (shapes[0]["qkv"][0], shapes[0]["qkv"][1] // 2)
+    assert shapes[1]["mlp down"] == (shapes[0]["mlp down"][0] // 2, shapes[0]["mlp down"][1])
+    with pytest.raises(SystemExit) as stop:
+        fp8_linears.main(["--tiny", "--tokens", "60", "--recipes", "bf16", "tensorwise"])
+    message = str(stop.value)
+    assert "\n" not in message and "multiple of 16" in message and "--tokens is data.seq_len" in message
