@@ -1,5 +1,6 @@
 """FP8 linears against bf16 on one GPU: the trainer's run of the 1B config at 16,384 tokens per step, compiled,
-with ``model.fp8`` none (bf16), tensorwise and rowwise (``parallel/tp/fp8.py``).
+with ``model.fp8`` none (bf16), tensorwise and rowwise (``parallel/tp/fp8.py``); ``tensorwise-fast`` and
+``rowwise-fast`` (not run by default) also accumulate the backward's FP8 GEMMs fast (``model.fp8_fast_accum=all``).
 
     python -m bench.fp8                                   # GPU: 100 steps per variant (about 80 s each on an H200)
     python -m bench.fp8 --steps 40 --variants none tensorwise
@@ -50,7 +51,13 @@ from cp_train.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "launch" / "configs" / "gpt-1b-128k-cp8.yaml"
-VARIANTS = ("none", "tensorwise", "rowwise")
+VARIANTS = ("none", "tensorwise", "rowwise", "tensorwise-fast", "rowwise-fast")  # -fast: model.fp8_fast_accum=all
+DEFAULT_VARIANTS = VARIANTS[:3]
+
+
+def recipe_of(variant: str) -> str:
+    """``model.fp8`` of a variant (``tensorwise-fast``: tensorwise, every GEMM accumulating fast)."""
+    return variant.removesuffix("-fast")
 TINY_MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
               "model.ffn_hidden_size": 128, "model.max_position_embeddings": 128}
 
@@ -59,12 +66,14 @@ def run_config(args: argparse.Namespace, variant: str, run_dir: Path) -> Config:
     """The 1B config (or ``--tiny``'s) for one variant, in a world of one."""
     values = flatten(read_yaml(CONFIG), str(CONFIG))
     values.update({
-        "model.fp8": variant, "parallel.cp": 1, "parallel.fsdp": args.fsdp, "parallel.backend": None,
+        "model.fp8": recipe_of(variant), "parallel.cp": 1, "parallel.fsdp": args.fsdp, "parallel.backend": None,
         "data.seq_len": args.seq, "train.micro_batch_size": 1, "train.global_batch_size": 1,
         "train.steps": args.steps, "schedule.warmup_steps": max(1, args.steps // 10), "train.valid_interval": 0,
         "train.compile": not args.eager, "train.dtype": "auto", "checkpoint.save": None, "checkpoint.interval": 0,
         "logging.dir": str(run_dir), "logging.interval": args.interval, "logging.wandb": False,
         "logging.console": False, "logging.hardware_profile": args.hardware})
+    if variant.endswith("-fast"):
+        values["model.fp8_fast_accum"] = "all"
     if args.tiny:
         values.update(TINY_MODEL)
     return build_config([("bench.fp8", values), ("--set", dict(parse_override(o) for o in args.overrides))])
@@ -111,12 +120,23 @@ def run_in_process(args: argparse.Namespace, variant: str) -> dict[str, Any] | N
     return json.loads(record_file.read_text())
 
 
+def read_baseline(path: str) -> dict[str, Any]:
+    """The bf16 record ``--baseline`` names (a child run's ``none.record.json``); one line when it is not one."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        sys.exit(f"bench.fp8 --baseline {path}: cannot read a run's record ({error}); run --variants none first")
+    if not isinstance(record, dict) or record.get("variant") != "none":
+        sys.exit(f"bench.fp8 --baseline {path}: not a bf16 run's record (variant none); give OUT/none.record.json")
+    return record
+
+
 def check_variants(args: argparse.Namespace) -> str | None:
     """Why one of the variants cannot run here (torchao missing, a GPU without FP8, a shape FP8 refuses), as one
     line, or None: checked for all of them before the first (bf16's) run."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for variant in args.variants:
-        problem = fp8_unavailable(variant, device)
+        problem = fp8_unavailable(recipe_of(variant), device)
         if problem is None:
             try:
                 validate(run_config(args, variant, Path(args.out) / variant), 1)
@@ -144,7 +164,8 @@ def compare(records: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS),
+                        help="model.fp8 of each run (-fast: model.fp8_fast_accum=all, the backward's GEMMs too)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seq", type=int, default=16384, help="tokens per step (one sample)")
     parser.add_argument("--interval", type=int, default=10, help="steps per logged interval")
@@ -158,6 +179,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="a config override after the bench's own (e.g. model.num_layers=8)")
     parser.add_argument("--processes", choices=("auto", "one", "each"), default="auto",
                         help="each variant in its own process (auto: on CUDA) or all in this one")
+    parser.add_argument("--baseline", default=None, help="a bf16 run's record (OUT/none.record.json of an earlier "
+                                                          "run with the same flags) to compare with, not run again")
     parser.add_argument("--record", default=None, help=argparse.SUPPRESS)  # the file a child writes its record to
     args = parser.parse_args(argv)
     if args.tiny:
@@ -165,6 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     problem = check_variants(args)
     if problem is not None:
         sys.exit(problem)  # one line, exit 1
+    baseline = read_baseline(args.baseline) if args.baseline and "none" not in args.variants else None
     each = args.processes == "each" or (args.processes == "auto" and torch.cuda.is_available())
     if each:
         records = [r for r in (run_in_process(args, variant) for variant in args.variants) if r is not None]
@@ -174,6 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.record:
         Path(args.record).write_text(json.dumps(records[0]))
         return records
+    if baseline is not None:
+        records.insert(0, baseline)
     compare(records)
     percent = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     times = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731

@@ -7,7 +7,8 @@
 
 For each linear of a block (``ModelFamily.block_linears``: qkv, attention out, MLP gate+up, MLP down; TP-local at
 the config's ``parallel.tp``, ``--set parallel.tp=2``) with ``--tokens`` rows, and each of bf16, tensorwise and
-rowwise (``model.fp8``):
+rowwise (``model.fp8``), and tensorwise-fast (``rowwise-fast`` when asked): the recipe with every GEMM accumulating
+fast (``model.fp8_fast_accum=all``; the recipes accumulate the backward's two slowly):
 
 - ``gemm``: the linear's three GEMMs (output = x W^T, grad input = dy W, grad weight = dy^T x) on operands made
   beforehand: bf16 ``torch.mm``, or ``torch._scaled_mm`` with the recipe's dtypes, scales, operand layouts and
@@ -53,7 +54,7 @@ from cp_train.perf.rates import DeviceRates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "launch" / "configs" / "gpt-1b-128k-cp8.yaml"
-RECIPES = ("bf16", "tensorwise", "rowwise")
+RECIPES = ("bf16", "tensorwise", "rowwise", "tensorwise-fast", "rowwise-fast")  # -fast: model.fp8_fast_accum=all
 TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
         "model.ffn_hidden_size": 128, "model.max_position_embeddings": 128}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -86,7 +87,7 @@ def gemm_calls(recipe: str, tokens: int, in_f: int, out_f: int, device: torch.de
         wt, dyt = w.t().contiguous(), dy.t().contiguous()
         return [("output", lambda: torch.mm(x, wt)), ("grad input", lambda: torch.mm(dy, w)),
                 ("grad weight", lambda: torch.mm(dyt, x))]
-    rowwise = recipe == "rowwise"
+    rowwise = recipe.startswith("rowwise")
     grad_dtype = E4M3 if rowwise else E5M2
 
     def pair(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_dtype: torch.dtype, use_fast: bool
@@ -100,13 +101,21 @@ def gemm_calls(recipe: str, tokens: int, in_f: int, out_f: int, device: torch.de
             ("grad weight", pair(dy.t(), grad_dtype, x, E4M3, fast[2]))]
 
 
+def recipe_config(recipe: str, device: torch.device) -> Any:
+    """torchao's config of a recipe row (``tensorwise-fast``: tensorwise with ``fast_accum`` all), emulated off
+    CUDA."""
+    fast = recipe.endswith("-fast")
+    return float8_config(recipe.removesuffix("-fast"), emulate=device.type != "cuda",
+                         fast_accum="all" if fast else "output")
+
+
 def linear_call(recipe: str, tokens: int, in_f: int, out_f: int, device: torch.device, compiled: bool
                 ) -> Callable[[], object]:
     """One forward and backward of the layer's matmul as the trainer runs it (bf16 autocast, an fp32 weight)."""
     x = torch.randn(tokens, in_f, device=device, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.nn.Parameter(torch.randn(out_f, in_f, device=device) * in_f ** -0.5)
     dy = torch.randn(tokens, out_f, device=device, dtype=torch.bfloat16)
-    matmul = F.linear if recipe == "bf16" else Float8Matmul(float8_config(recipe, emulate=device.type != "cuda"))
+    matmul = F.linear if recipe == "bf16" else Float8Matmul(recipe_config(recipe, device))
 
     def forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return matmul(a, b)
@@ -130,7 +139,7 @@ def bench_config(args: argparse.Namespace) -> Config:
     values = flatten(read_yaml(Path(args.config)), args.config)
     values.update(TINY if args.tiny else {})
     values.update({"data.seq_len": args.tokens, "parallel.cp": 1, "train.micro_batch_size": 1, "model.mlp_chunks": 1,
-                   "model.fp8": next((r for r in args.recipes if r != "bf16"), "none")})
+                   "model.fp8": next((r.removesuffix("-fast") for r in args.recipes if r != "bf16"), "none")})
     return build_config([("bench.fp8_linears", values), ("--set", dict(parse_override(o) for o in args.overrides))])
 
 
@@ -145,7 +154,7 @@ def measure(args: argparse.Namespace, config: Config, device: torch.device, peak
     for recipe in args.recipes:
         fast = (False, False, False)
         if recipe != "bf16":
-            gemms = float8_config(recipe, emulate=False)
+            gemms = recipe_config(recipe, torch.device("cuda"))  # the flags only: not emulated
             fast = tuple(g.use_fast_accum for g in (gemms.gemm_config_output, gemms.gemm_config_grad_input,
                                                     gemms.gemm_config_grad_weight))
         rate = peak * (1 if recipe == "bf16" else FP8_PEAK_RATIO) if peak else None
@@ -156,7 +165,7 @@ def measure(args: argparse.Namespace, config: Config, device: torch.device, peak
             if "gemm" in args.parts:
                 gemm_s = {name: seconds(fn, device, args.repeats)
                           for name, fn in gemm_calls(recipe, args.tokens, in_f, out_f, device, fast)}
-                records.append({**shape, "part": "gemm", "ms": 1e3 * sum(gemm_s.values()),
+                records.append({**shape, "part": "gemm", "fast_accum": list(fast), "ms": 1e3 * sum(gemm_s.values()),
                                 "planned_ms": 3e3 * flops / planner.matmul(args.tokens, out_f, in_f),
                                 "tflops": 3 * flops / sum(gemm_s.values()) / 1e12,
                                 "gemms": {name: {"flops": flops, "ms": 1e3 * s, "tflops": flops / s / 1e12,
@@ -199,7 +208,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--tokens", type=int, default=16384, help="rows of each linear (tokens of one sample)")
-    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES[:4]))
     parser.add_argument("--parts", nargs="+", choices=("gemm", "linear"), default=["gemm", "linear"])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="the linear rows uncompiled (CPU: always)")
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.tokens, args.repeats = min(args.tokens, 64), min(args.repeats, 3)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for recipe in set(args.recipes) - {"bf16"}:
-        problem = fp8_unavailable(recipe, device)
+        problem = fp8_unavailable(recipe.removesuffix("-fast"), device)
         if problem is not None:
             raise SystemExit(f"bench.fp8_linears: {problem}")
     config = bench_config(args)

@@ -32,9 +32,13 @@
 #   fp8-fsdp (not run by default) bench.fp8 --fsdp: tensorwise under FSDP2, its weights gathered in FP8, 30 steps
 #   fp8-gemms (not run by default; about 30 s) bench.fp8_linears --parts gemm: the 1B block's four linears at
 #            16,384 tokens, their three GEMMs each in bf16 and in FP8 as torchao's tensorwise and rowwise run them,
-#            and the best FP8 step the linears allow (bf16's step from fp8's run when it ran first, else 0.373 s)
+#            and tensorwise with every GEMM accumulating fast (model.fp8_fast_accum=all: torchao's recipes
+#            accumulate the backward's two slowly), and the best FP8 step the linears allow (bf16's step from
+#            fp8's run when it ran first, else 0.373 s)
 #   fp8-linears (not run by default; about 3 minutes) the same with each linear's compiled forward and backward
-#            (its casts included)
+#            (its casts included), bf16, tensorwise and tensorwise-fast
+#   fp8-fast (not run by default; about 80 s) bench.fp8's tensorwise-fast, 100 steps, against bf16's record from
+#            fp8's run (run fp8 first): speed and the loss at step 100 with the backward accumulating fast
 #   swiglu   bench.swiglu at the 1B MLP's shape in bf16: gate and up as two weights against the fused weight's one
 #            matmul (eager node, compiled gated_silu)
 set -u
@@ -131,9 +135,14 @@ for part in $PARTS; do
     fp8-gemms|fp8-linears)
         step=$(python3 -c "import json; print(json.load(open('/tmp/fp8-runs/none.record.json'))['step_time_s'])" \
             2> /dev/null || echo 0.373)  # bf16's measured step (2026-11-30: 0.373 s)
-        parts=$([ "$part" = fp8-gemms ] && echo gemm || echo gemm linear)
+        parts=$([ "$part" = fp8-gemms ] && echo "gemm" || echo "gemm linear --recipes bf16 tensorwise tensorwise-fast")
         run_part "$part" 240 python3 -m bench.fp8_linears --parts $parts --bf16-step "$step"
         grep -v "^{" "$OUT/$part.log" | tail -24  # the table
+        ;;
+    fp8-fast)
+        run_part fp8-fast 150 python3 -m bench.fp8 --steps 100 --out /tmp/fp8-runs --variants tensorwise-fast \
+            --baseline /tmp/fp8-runs/none.record.json
+        tail -4 "$OUT/fp8-fast.log"
         ;;
     fp8-8b)
         run_part fp8-8b 300 python3 -m bench.fp8 --steps 40 --seq 8192 --out /tmp/fp8-8b-runs \

@@ -252,7 +252,7 @@ def build_model(config: Config, state: ParallelState, device: torch.device, hf_d
     # the blocks' linears (parallel/tp/fp8.py; their shapes: validate); the LM head and the embedding stay in the
     # compute dtype; under FSDP tensorwise gathers in FP8 the weights that split evenly over its shard group
     convert_to_fp8(model.layers, config.model.fp8, device, fsdp_shards=state.fsdp_shard.size if parallel.fsdp else 0,
-                   prefix="layers.", indices=config.model.fp8_blocks)
+                   prefix="layers.", indices=config.model.fp8_blocks, fast_accum=config.model.fp8_fast_accum)
     if config.train.compile:
         model.compile_parts()
     if parallel.fsdp:

@@ -80,6 +80,10 @@ class ModelConfig:
     # --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16), where FP8's range costs the most accuracy
     fp8_bf16_layers_at_start: int = 0
     fp8_bf16_layers_at_end: int = 0
+    # with fp8: the FP8 GEMMs that accumulate fast (Hopper's fast accumulation: fewer promotions of the partial
+    # sums to fp32, faster and less exact over long sums): output (torchao's recipes) | all (the backward's grad
+    # input and grad weight GEMMs too) | none
+    fp8_fast_accum: str = "output"
 
     def __post_init__(self) -> None:
         self.resolve()

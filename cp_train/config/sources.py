@@ -233,6 +233,7 @@ def unused_settings(config: Config) -> tuple[str, ...]:
              ("parallel.fsdp_reshard_after_forward", fsdp, parallel.fsdp),
              ("model.fp8_bf16_layers_at_start", fp8, model.fp8 != "none"),
              ("model.fp8_bf16_layers_at_end", fp8, model.fp8 != "none"),
+             ("model.fp8_fast_accum", fp8, model.fp8 != "none"),
              ("train.check_cp_tolerance", "train.check_cp_every > 0", config.train.check_cp_every > 0),
              ("logging.profile_step_start", profile, logging.profile),
              ("logging.profile_step_end", profile, logging.profile),

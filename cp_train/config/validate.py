@@ -16,6 +16,7 @@ from cp_train.parallel.cp.layout import LAYOUTS, check_layout
 from cp_train.parallel.mesh.rank_groups import check_replicate, check_ulysses
 from cp_train.parallel.mesh.rank_groups import resolve_dp as resolve_layout_dp
 from cp_train.parallel.mesh.state import ParallelDims, ParallelState
+from cp_train.parallel.tp.fp8 import FAST_ACCUM as FP8_FAST_ACCUM
 from cp_train.parallel.tp.fp8 import RECIPES as FP8_RECIPES
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -109,6 +110,7 @@ def _check_impls(config: Config) -> None:
     _choice("optimizer.implementation", optimizer.implementation, OPTIMIZERS)
     _choice("model.norm", config.model.norm, NORMS)
     _choice("model.fp8", config.model.fp8, FP8_RECIPES)  # torchao and the GPU: build.build_model (parallel/tp/fp8.py)
+    _choice("model.fp8_fast_accum", config.model.fp8_fast_accum, FP8_FAST_ACCUM)
     if optimizer.implementation == "apex" and config.parallel.fsdp:
         raise ConfigError("optimizer.implementation apex: apex's FusedAdam cannot update FSDP2's sharded (DTensor) "
                           "parameters; set optimizer.implementation=auto (torch's fused AdamW) or parallel.fsdp=false")

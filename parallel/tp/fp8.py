@@ -53,6 +53,8 @@ from torch import nn
 from cp_train.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 RECIPES = ("none", "tensorwise", "rowwise")  # model.fp8
+# model.fp8_fast_accum: which of a linear's three FP8 GEMMs (output, grad input, grad weight) accumulate fast
+FAST_ACCUM = {"output": (True, False, False), "all": (True, True, True), "none": (False, False, False)}
 FP8_CAPABILITY = (8, 9)  # the first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0)
 INSTALL = 'pip install -e ".[fp8]"'
 _WRAPPER_MODULE = "torchao.float8.fsdp_utils"  # where torchao's FSDP float8 weight wrapper lives
@@ -99,12 +101,16 @@ def fp8_unavailable(recipe: str, device: torch.device) -> str | None:
     return None
 
 
-def float8_config(recipe: str, emulate: bool, fsdp_all_gather: bool = False) -> Any:
+def float8_config(recipe: str, emulate: bool, fsdp_all_gather: bool = False, fast_accum: str = "output") -> Any:
     """torchao's ``Float8LinearConfig`` of ``recipe`` (its ``from_recipe_name``), emulated (CPU) or not, with FP8
-    all-gathers of the weights under FSDP2 where the recipe allows it (tensorwise)."""
+    all-gathers of the weights under FSDP2 where the recipe allows it (tensorwise), and fast accumulation in the
+    GEMMs ``fast_accum`` names (``FAST_ACCUM``; "output" is both recipes' own; the emulation ignores it)."""
     float8 = import_float8()
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
-    changes: dict[str, bool] = {"emulate": emulate}
+    fields = ("gemm_config_output", "gemm_config_grad_input", "gemm_config_grad_weight")
+    changes: dict[str, Any] = {"emulate": emulate}
+    changes.update({field: dataclasses.replace(getattr(config, field), use_fast_accum=fast)
+                    for field, fast in zip(fields, FAST_ACCUM[fast_accum], strict=True)})
     if fsdp_all_gather and recipe == "tensorwise":
         changes["enable_fsdp_float8_all_gather"] = True
     return dataclasses.replace(config, **changes)
@@ -144,19 +150,21 @@ def _tp_linears(blocks: nn.Module, prefix: str) -> list[tuple[str, ColumnParalle
 
 
 def convert_to_fp8(blocks: nn.ModuleList, recipe: str, device: torch.device, fsdp_shards: int = 0, prefix: str = "",
-                   indices: Sequence[int] | None = None) -> list[str]:
+                   indices: Sequence[int] | None = None, fast_accum: str = "output") -> list[str]:
     """Make every column- and row-parallel layer inside ``blocks`` (the model's blocks, ``model.layers``; those at
     ``indices`` only when given: ``ModelConfig.fp8_blocks``) compute its local matmul in FP8 by ``recipe``, before
     ``torch.compile`` and FSDP2 wrap them (on the meta device or a real one); emulated unless ``device`` is CUDA.
     ``fsdp_shards``: the size of the group FSDP2 shards over (0: no FSDP); tensorwise then gathers in FP8 the
     weights whose split is even there (``fsdp_gathers_fp8``). Returns the converted layers' names (in ``blocks``,
-    after ``prefix``: ``"layers."``). Call ``fp8_unavailable`` first: this assumes the recipe runs here; the shapes
-    the GPU's GEMMs take are the config's check (``validate``)."""
+    after ``prefix``: ``"layers."``). ``fast_accum``: ``model.fp8_fast_accum`` (``float8_config``). Call
+    ``fp8_unavailable`` first: this assumes the recipe runs here; the shapes the GPU's GEMMs take are the config's
+    check (``validate``)."""
     chosen = range(len(blocks)) if indices is None else indices
     if recipe == "none" or not chosen:
         return []
     _patch_inductor()
-    config = float8_config(recipe, emulate=device.type != "cuda", fsdp_all_gather=fsdp_shards > 0)
+    config = float8_config(recipe, emulate=device.type != "cuda", fsdp_all_gather=fsdp_shards > 0,
+                           fast_accum=fast_accum)
     matmul = Float8Matmul(config)
     layers = [pair for index in chosen for pair in _tp_linears(blocks[index], f"{prefix}{index}.")]
     for _, layer in layers:

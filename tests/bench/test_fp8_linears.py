@@ -75,3 +75,16 @@ def test_tp_local_shapes_and_the_one_line_shape_error() -> None:
         fp8_linears.main(["--tiny", "--tokens", "60", "--recipes", "bf16", "tensorwise"])
     message = str(stop.value)
     assert "\n" not in message and "multiple of 16" in message and "--tokens is data.seq_len" in message
+
+
+def test_a_fast_recipe_row_accumulates_every_gemm_fast() -> None:
+    """``tensorwise-fast``: the recipe's GEMMs with fast accumulation in all three (``model.fp8_fast_accum=all``),
+    where tensorwise keeps the recipe's (the output GEMM only); both rows time the same shapes; its linear row runs
+    the trainer's ``Float8Matmul`` with those settings."""
+    records = fp8_linears.main(["--tiny", "--recipes", "bf16", "tensorwise", "tensorwise-fast"])
+    gemm = {r["recipe"]: r for r in records if r["part"] == "gemm" and r["linear"] == "qkv"}
+    assert gemm["tensorwise"]["fast_accum"] == [True, False, False]
+    assert gemm["tensorwise-fast"]["fast_accum"] == [True, True, True] and gemm["bf16"]["fast_accum"] == [False] * 3
+    assert (gemm["tensorwise-fast"]["in"], gemm["tensorwise-fast"]["out"]) == (gemm["bf16"]["in"], gemm["bf16"]["out"])
+    assert fp8_linears.recipe_config("tensorwise-fast", CPU).gemm_config_grad_weight.use_fast_accum
+    assert any(r["recipe"] == "tensorwise-fast" and r["part"] == "linear" and r["ms"] > 0 for r in records)

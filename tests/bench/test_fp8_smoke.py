@@ -38,7 +38,28 @@ def test_each_variant_in_its_own_process(tmp_path, capsys, monkeypatch) -> None:
                         "--set", "model.num_layers=1"])  # the override reaches the children: one block's 4 linears
     assert [r["variant"] for r in records] == ["none", "tensorwise"] and records[0]["speedup_vs_bf16"] == 1.0
     assert abs(records[1]["loss_vs_bf16"]) < 0.01 and records[1]["fp8_linears"] == 4
+    # --baseline: a later run compares with that bf16 record, not running bf16 again (the tensorwise run's loss
+    # against it as against a bf16 run in the same command)
+    again = fp8.main(["--tiny", "--out", str(tmp_path / "later"), "--processes", "one", "--variants", "tensorwise",
+                      "--set", "model.num_layers=1", "--baseline", str(tmp_path / "none.record.json")])
+    assert [r["variant"] for r in again] == ["none", "tensorwise"] and again[0]["speedup_vs_bf16"] == 1.0
+    assert again[1]["loss_vs_bf16"] == pytest.approx(records[1]["loss_vs_bf16"], abs=1e-6)
+    for bad in (tmp_path / "missing.json", tmp_path / "tensorwise.record.json"):
+        with pytest.raises(SystemExit, match="^bench.fp8 --baseline .*(cannot read|not a bf16)"):
+            fp8.main(["--tiny", "--out", str(tmp_path), "--variants", "tensorwise", "--baseline", str(bad)])
     monkeypatch.setattr(fp8.sys, "executable", "false")  # the child exits 1 at once
     records = fp8.main(["--tiny", "--out", str(tmp_path), "--processes", "each", "--variants", "none", "rowwise"])
     assert records == []
     assert "bench.fp8 none: its process failed with exit 1" in capsys.readouterr().out
+
+
+def test_a_fast_variant_is_its_recipe_with_every_gemm_accumulating_fast(tmp_path) -> None:
+    """``tensorwise-fast``: ``model.fp8`` tensorwise with ``model.fp8_fast_accum`` all; the plain variants keep the
+    recipe's own (the output GEMM only) and do not set the key (no note that it does nothing under bf16)."""
+    args = fp8.argparse.Namespace(fsdp=False, seq=128, steps=3, eager=True, interval=1, hardware=None, tiny=True,
+                                  overrides=[])
+    fast = fp8.run_config(args, "tensorwise-fast", tmp_path)
+    assert (fast.model.fp8, fast.model.fp8_fast_accum) == ("tensorwise", "all")
+    plain = fp8.run_config(args, "none", tmp_path)
+    assert (plain.model.fp8, plain.model.fp8_fast_accum) == ("none", "output")
+    assert "model.fp8_fast_accum" not in plain.explicit_keys

@@ -192,6 +192,31 @@ def test_an_unknown_recipe_is_a_config_error() -> None:
     config = build_config([("test", {"model.fp8": "fp16", "model.vocab_size": 128, "data.eod_id": 0})])
     with pytest.raises(ConfigError, match=r"^model.fp8 must be one of none, tensorwise, rowwise; got 'fp16'$"):
         validate(config, 1)
+    config = build_config([("test", {"model.fp8": "tensorwise", "model.fp8_fast_accum": "some",
+                                     "model.vocab_size": 128, "data.eod_id": 0})])
+    with pytest.raises(ConfigError, match=r"^model.fp8_fast_accum must be one of output, all, none; got 'some'$"):
+        validate(config, 1)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fast_accumulation_reaches_the_gemms_it_names(recipe: str) -> None:
+    """``model.fp8_fast_accum``: output (the recipes' own: the forward GEMM only), all, none; the converted layers'
+    matmul carries it to torchao's per-GEMM settings, FSDP's FP8 weight wrapper included; the recipe's casts stay."""
+    for choice, flags in (("output", (True, False, False)), ("all", (True, True, True)), ("none", (False,) * 3)):
+        config = float8_config(recipe, emulate=True, fast_accum=choice)
+        own = import_float8().Float8LinearConfig.from_recipe_name(recipe)
+        assert config.cast_config_input == own.cast_config_input and config.emulate
+        assert (config.gemm_config_output.use_fast_accum, config.gemm_config_grad_input.use_fast_accum,
+                config.gemm_config_grad_weight.use_fast_accum) == flags
+        model = GPTModel(tiny_config())
+        convert_to_fp8(model.layers, recipe, CPU, fsdp_shards=2, fast_accum=choice)
+        matmul = model.layers[0].mlp.down.linear_fn
+        assert tuple(c.use_fast_accum for c in matmul.mm_config) == flags
+        weight = model.layers[0].mlp.down.weight  # the FSDP FP8 gather's wrapper (tensorwise) holds the same settings
+        if recipe == "tensorwise":
+            assert tuple(c.use_fast_accum for c in weight._linear_mm_config) == flags
+    assert float8_config(recipe, emulate=True) == dataclasses.replace(
+        import_float8().Float8LinearConfig.from_recipe_name(recipe), emulate=True)  # the default is the recipe's
 
 
 # ----------------------------------------------------------------------------------------------- metrics
