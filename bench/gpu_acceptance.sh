@@ -26,6 +26,8 @@
 # Measured on an H200 (2026-11-30): setup 25 s (with the machine's start, about 90 s), tests 206 s, graphs 12 s,
 # profile 82 s, offload at 64k 159 s (its four cases done, stopped at its limit on the way out), fp8 about 80 s a
 # variant. Two calls fit a 15-minute lease: `setup tests graphs profile` (~330 s), then `setup offload fp8`.
+#   fp8-profile (not run by default; about 90 s) the step profile of fp8's tensorwise run (no FSDP, one sample of
+#            16,384 tokens): kernel time by kind, and fp8_s: the FP8 GEMMs' time and the scales' amax reductions
 #   fp8-8b   (not run by default) bench.fp8 at Llama-3.1-8B's layer shape (hidden 4096, 32 heads, 8 kv heads, ffn
 #            14336), 8 layers, 8,192 tokens, 40 steps: where the linears are most of the step, as in torchtitan's
 #            8k table (at 1B and 16k they are 39% of it and tensorwise gave 1.02x on an H200, 2026-11-30)
@@ -143,6 +145,16 @@ for part in $PARTS; do
         run_part fp8-fast 150 python3 -m bench.fp8 --steps 100 --out /tmp/fp8-runs --variants tensorwise-fast \
             --baseline /tmp/fp8-runs/none.record.json
         tail -4 "$OUT/fp8-fast.log"
+        ;;
+    fp8-profile)  # where the FP8 step's time goes: bench.fp8's tensorwise run (no FSDP, one sample), profiled
+        run_part fp8-profile 180 torchrun --nproc-per-node 1 -m bench.step_profile \
+            --config launch/configs/gpt-1b-128k-cp8.yaml --cp-size 1 --set data.seq_len=16384 \
+            --set train.global_batch_size=1 --train-steps 14 --set schedule.warmup_steps=2 --set parallel.fsdp=false \
+            --set model.fp8=tensorwise --set logging.interval=5 --set logging.wandb=false --set checkpoint.save=null \
+            --set checkpoint.interval=0 --set train.valid_interval=0 --set logging.dir=/tmp/fp8-profile --skip 6 --active 3
+        cp /tmp/fp8-profile/profile/*.json.gz "$OUT/fp8-trace.json.gz" 2> /dev/null
+        grep -E '^PROFILE \{|^PROFILE .*ms/step' "$OUT/fp8-profile.log" | head -14
+        grep -iE 'mfu' "$OUT/fp8-profile.log" | tail -3
         ;;
     fp8-8b)
         run_part fp8-8b 300 python3 -m bench.fp8 --steps 40 --seq 8192 --out /tmp/fp8-8b-runs \

@@ -10,9 +10,10 @@ busy time is read from the trace (``cp_train/metrics/trace.py``): on CUDA the un
 device, on CPU the union of the training thread's top-level ops, over the span from the first to the last of them;
 ``idle_fraction`` is the rest of that span. Prints one JSON line (``step_s``, ``busy_s``, ``idle_fraction``, the
 kernel seconds by kind on CUDA: matmul, attention, Inductor's fused kernels, other memory-bound kernels, optimizer,
-copies, NCCL) and the 16 longest kernels or ops, each line prefixed ``PROFILE``; at the end, the dense attention
-calls' new keys per step (``bench.cudnn_graphs.DenseKeys``: each one a graph cuDNN builds on CUDA; on CPU the CPU
-kernel's, which builds none).
+copies, NCCL; with FP8 linears ``fp8_s``: their GEMMs' and their scales' seconds) and the 16 longest kernels or ops,
+each line prefixed ``PROFILE``; at the end, the dense attention calls' new keys per step
+(``bench.cudnn_graphs.DenseKeys``: each one a graph cuDNN builds on CUDA; on CPU the CPU kernel's, which builds
+none).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def profile_flags(skip: int, active: int) -> list[str]:
 
 def print_report(record: dict[str, Any]) -> None:
     """The ``PROFILE`` lines of the trainer's ``profile`` record."""
-    keys = ("device", "step_s", "busy_s", "idle_fraction", "by_kind_s", "profiled_steps", "trace")
-    print("PROFILE " + json.dumps({key: record[key] for key in keys}), flush=True)
+    keys = ("device", "step_s", "busy_s", "idle_fraction", "by_kind_s", "fp8_s", "profiled_steps", "trace")
+    print("PROFILE " + json.dumps({key: record[key] for key in keys if key in record}), flush=True)
     for name, ms in record["longest_ms"]:
         label = kind(name) if record["device"] == "cuda" else "cpu op"
         print(f"PROFILE {ms:9.2f} ms/step  {label:18s} {name}", flush=True)

@@ -5,7 +5,8 @@ annotations the profiler draws on the device's timeline are not busy time), or o
 ops on CPU, over the span from the first to the last of them; the idle fraction is the rest of the span (the device
 waiting on the host: launches, Python, reads). The kernels are grouped by kind from their names. ``copies``: the
 device time of the copy ops (``aten::copy_`` and the like), by op, input shapes and the region that ran them (the
-trace's shapes: the profiler records them).
+trace's shapes: the profiler records them). ``fp8_s``: with FP8 linears, their GEMMs' and their dynamic scales'
+device time.
 """
 
 from __future__ import annotations
@@ -70,17 +71,29 @@ def busy_events(events: list[Any], cuda: bool) -> list[Any]:
             and not e.name.startswith("ProfilerStep") and e.thread == thread]
 
 
+def fp8_seconds(events: list[Any], busy: list[Any]) -> dict[str, float]:
+    """The device seconds FP8 linears spend, on CUDA: ``gemm``, the kernels ``aten::_scaled_mm`` launched (also
+    from a compiled graph; part of ``matmul``), and ``scales``, the kernels that take an absolute maximum (named
+    ``abs`` and ``amax``: a dynamic scale's reduction, fused or not; part of their kinds). Empty without FP8."""
+    gemm = sum(k.duration for e in events if e.name == "aten::_scaled_mm" for k in (e.kernels or ()))
+    scales = sum(e.time_range.elapsed_us() for e in busy if "abs" in e.name.lower() and "amax" in e.name.lower())
+    return {"gemm": gemm / 1e6, "scales": scales / 1e6} if gemm else {}
+
+
 def summary(events: list[Any], cuda: bool, steps: int) -> dict[str, Any]:
-    """The recorded steps' figures, per step: ``step_s`` (the busy span), ``busy_s``, ``idle_fraction`` and
-    ``by_kind_s`` (kernel seconds by kind on CUDA; ``cpu op`` on CPU)."""
+    """The recorded steps' figures, per step: ``step_s`` (the busy span), ``busy_s``, ``idle_fraction``,
+    ``by_kind_s`` (kernel seconds by kind on CUDA; ``cpu op`` on CPU) and, with FP8 linears, ``fp8_s``
+    (``fp8_seconds``)."""
     busy = busy_events(events, cuda)
     busy_s, span_s = union_seconds((e.time_range.start, e.time_range.end) for e in busy)
     by_kind: collections.Counter = collections.Counter()
     for event in busy:
         by_kind[kind(event.name) if cuda else "cpu op"] += event.time_range.elapsed_us()
+    fp8 = fp8_seconds(events, busy) if cuda else {}
     return {"device": "cuda" if cuda else "cpu", "steps": steps, "step_s": span_s / steps,
             "busy_s": busy_s / steps, "idle_fraction": 1 - busy_s / span_s if span_s else 0.0,
-            "by_kind_s": {k: round(v / 1e6 / steps, 4) for k, v in by_kind.most_common()}}
+            "by_kind_s": {k: round(v / 1e6 / steps, 4) for k, v in by_kind.most_common()},
+            **({"fp8_s": {k: round(v / steps, 4) for k, v in fp8.items()}} if fp8 else {})}
 
 
 def longest(events: list[Any], cuda: bool, count: int = 16) -> list[tuple[str, float]]:

@@ -39,8 +39,25 @@ def test_the_annotations_on_the_device_timeline_are_not_busy_time() -> None:
     assert summary(marker_only, cuda=True, steps=1)["idle_fraction"] == pytest.approx(0.2)
 
 
+def test_fp8_gemms_and_scales_are_read_apart() -> None:
+    """With FP8 linears the record adds ``fp8_s``: the kernels ``aten::_scaled_mm`` launched (a compiled graph's
+    too) and the dynamic scales' absolute-maximum reductions (by kernel name); a bf16 step (no ``_scaled_mm``) has
+    none, though its loss's ``amax`` kernels look alike without ``abs``."""
+    graph = _op("## Call CompiledFxGraph abc ##", None, [])
+    kernels = [_device_event("nvjet_fp8_gemm", 0, 30), _device_event("triton_red_fused_abs_amax_clamp_0", 30, 40),
+               _device_event("triton_red_fused__log_softmax_amax_1", 40, 45), _device_event("nvjet_bf16", 45, 50)]
+    fp8 = [*kernels, _op("aten::_scaled_mm", graph, [], (30.0,)), _op("aten::mm", graph, [], (5.0,))]
+    record = summary(fp8, cuda=True, steps=1)
+    assert record["fp8_s"] == {"gemm": pytest.approx(30e-6, abs=1e-4), "scales": pytest.approx(10e-6, abs=1e-4)}
+    assert "fp8_s" not in summary([*kernels, _op("aten::mm", graph, [], (5.0,))], cuda=True, steps=1)
+    assert "fp8_s" not in summary(fp8, cuda=False, steps=1)
+    from cp_train.metrics.trace import fp8_seconds
+    assert fp8_seconds(fp8, kernels) == {"gemm": pytest.approx(30e-6), "scales": pytest.approx(10e-6)}
+
+
 def _op(name: str, parent: SimpleNamespace | None, shapes: list, kernel_us: tuple[float, ...] = ()) -> SimpleNamespace:
-    return SimpleNamespace(name=name, cpu_parent=parent, input_shapes=shapes,
+    return SimpleNamespace(name=name, cpu_parent=parent, input_shapes=shapes, device_type=torch.autograd.DeviceType.CPU,
+                           thread=0, time_range=SimpleNamespace(start=0, end=1, elapsed_us=lambda: 1),
                            kernels=[SimpleNamespace(duration=us) for us in kernel_us])
 
 
