@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from cp_train.config.schema import Config
 from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
-from cp_train.parallel.cp.plan.rank_plan import layout_shapes
+from cp_train.parallel.cp.plan.routing import layout_shapes
 from cp_train.perf.inputs.documents import consecutive_samples, rank_plans
 from cp_train.perf.workload import Workload
 

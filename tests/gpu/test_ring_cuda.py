@@ -93,7 +93,7 @@ def test_packed_documents_give_cudnn_only_the_layouts_shapes() -> None:
     each, forward and backward apart) are the layout's block shapes, at most 8 over every micro-batch; the steps
     the documents shape are varlen calls."""
     from bench.cudnn_graphs import lognormal_documents
-    from cp_train.parallel.cp.plan.rank_plan import layout_shapes
+    from cp_train.parallel.cp.plan.routing import layout_shapes
 
     world, seqlen = 4, 2048
     kernel = kernels.select_kernel(torch.device("cuda"), torch.bfloat16, 64)

@@ -14,7 +14,8 @@ import torch
 from bench.cudnn_graphs import lognormal_documents
 from cp_train.parallel.cp.layout import sequence_positions
 from cp_train.parallel.cp.plan import varlen_plan
-from cp_train.parallel.cp.plan.rank_plan import layout_shapes, plan_for_documents
+from cp_train.parallel.cp.plan.rank_plan import plan_for_documents
+from cp_train.parallel.cp.plan.routing import layout_shapes
 from cp_train.parallel.cp.ring.backward import ring_backward
 from cp_train.parallel.cp.ring.forward import ring_forward
 from cp_train.parallel.cp.spec import AttentionSpec

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from cp_train.parallel.cp.plan.device import Apply, Selector, apply_rows
-from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan, route_by_documents
+from cp_train.parallel.cp.plan.rank_plan import RankPlan, StepPlan
+from cp_train.parallel.cp.plan.routing import route_by_documents
 from cp_train.parallel.cp.plan.segments import Window, runs, visible_intervals, window_pairs
 
 TOLERANCE = (102, 100)  # the busiest rank's work may exceed the mean by 2%

@@ -19,7 +19,7 @@ from collections.abc import Hashable
 
 import torch
 
-from cp_train.parallel.cp.plan.rank_plan import layout_shapes
+from cp_train.parallel.cp.plan.routing import layout_shapes
 from cp_train.parallel.cp.plan.segments import Segment
 from cp_train.parallel.cp.spec import AttentionSpec
 
