@@ -5,12 +5,22 @@ kernel that builds a plan per shape (cuDNN's SDPA graphs) builds them in the fir
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
 from cp_train.parallel.cp.plan.segments import Window
 
-if TYPE_CHECKING:
-    from cp_train.parallel.cp.plan.rank_plan import StepPlan
+
+class _Step(Protocol):
+    """What routing reads of a step (``rank_plan.StepPlan``, a frozen dataclass with ``by_documents``)."""
+
+    @property
+    def calls(self) -> list[Any]: ...
+
+    @property
+    def segments(self) -> tuple[Any, ...]: ...
+
+
+Step = TypeVar("Step", bound=_Step)
 
 
 def layout_shapes(rows: int) -> set[tuple[int, int]]:
@@ -21,8 +31,8 @@ def layout_shapes(rows: int) -> set[tuple[int, int]]:
     return shapes | {(rows // 2, rows), (rows, rows // 2)} if rows % 2 == 0 else shapes
 
 
-def route_by_documents(steps: list[StepPlan], rows: int, documents: bool, window: Window | None = None
-                       ) -> tuple[StepPlan, ...]:
+def route_by_documents(steps: list[Step], rows: int, documents: bool, window: Window | None = None
+                       ) -> tuple[Step, ...]:
     """``steps`` with ``by_documents`` set where the documents shape the calls: with more than one document
     (``documents``), a step is anything but one dense call of a layout shape (``layout_shapes``). Such a step
     runs as one varlen call per mask kind on a kernel that has them (``ring/forward.py``), so the dense shapes a
@@ -33,7 +43,7 @@ def route_by_documents(steps: list[StepPlan], rows: int, documents: bool, window
         return tuple(steps)
     shapes = layout_shapes(rows)
 
-    def routed(step: StepPlan) -> bool:
+    def routed(step: Step) -> bool:
         calls = step.calls
         if not calls or (window is not None and any(segment.slide for segment in step.segments)):
             return False
