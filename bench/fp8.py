@@ -54,12 +54,13 @@ CONFIG = ROOT / "launch" / "configs" / "gpt-1b-128k-cp8.yaml"
 VARIANTS = ("none", "tensorwise", "rowwise", "tensorwise-fast", "rowwise-fast")  # -fast: model.fp8_fast_accum=all
 DEFAULT_VARIANTS = VARIANTS[:3]
 
+TINY_MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
+              "model.ffn_hidden_size": 128, "model.max_position_embeddings": 128}
+
 
 def recipe_of(variant: str) -> str:
     """``model.fp8`` of a variant (``tensorwise-fast``: tensorwise, every GEMM accumulating fast)."""
     return variant.removesuffix("-fast")
-TINY_MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
-              "model.ffn_hidden_size": 128, "model.max_position_embeddings": 128}
 
 
 def run_config(args: argparse.Namespace, variant: str, run_dir: Path) -> Config:
@@ -120,14 +121,18 @@ def run_in_process(args: argparse.Namespace, variant: str) -> dict[str, Any] | N
     return json.loads(record_file.read_text())
 
 
-def read_baseline(path: str) -> dict[str, Any]:
-    """The bf16 record ``--baseline`` names (a child run's ``none.record.json``); one line when it is not one."""
+def read_baseline(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The bf16 record ``--baseline`` names (a child run's ``none.record.json``); one line when it is not one, or
+    when its run took other steps or tokens per step than this one."""
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:
         sys.exit(f"bench.fp8 --baseline {path}: cannot read a run's record ({error}); run --variants none first")
     if not isinstance(record, dict) or record.get("variant") != "none":
         sys.exit(f"bench.fp8 --baseline {path}: not a bf16 run's record (variant none); give OUT/none.record.json")
+    if (record.get("steps"), record.get("seq_len")) != (args.steps, args.seq):
+        sys.exit(f"bench.fp8 --baseline {path}: its run took {record.get('steps')} steps of {record.get('seq_len')} "
+                 f"tokens and this one {args.steps} of {args.seq}: give the same --steps and --seq")
     return record
 
 
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     problem = check_variants(args)
     if problem is not None:
         sys.exit(problem)  # one line, exit 1
-    baseline = read_baseline(args.baseline) if args.baseline and "none" not in args.variants else None
+    baseline = read_baseline(args.baseline, args) if args.baseline and "none" not in args.variants else None
     each = args.processes == "each" or (args.processes == "auto" and torch.cuda.is_available())
     if each:
         records = [r for r in (run_in_process(args, variant) for variant in args.variants) if r is not None]

@@ -22,9 +22,13 @@ fast (``model.fp8_fast_accum=all``; the recipes accumulate the backward's two sl
   fp32 gradient included: the GEMMs plus every cast FP8 adds, for one linear on its own (in a whole compiled
   block Inductor may fuse some casts into their neighbours, so this bounds FP8's cost from above).
 
-The totals add a block's linears and multiply by the layers. With ``--bf16-step S`` (a measured bf16 step of
-``--samples`` samples of ``--tokens``: ``bench.fp8``'s bf16 run), the best FP8 step: S minus what FP8 saves over
-the layers' linears, and the speedup that caps; the issue's bar is tensorwise at 1.2x. JSON lines, then a table.
+For tensorwise the gemm rows also give ``cast_ms``: the bytes its casts move as torchao 0.18 runs them
+(``TENSORWISE_CAST_BYTES``: the input cast again in the backward, the gradient twice, fp32 weights twice) at the
+planner's memory rate on ``--hardware``, a count, not a measurement (``fp8-profile`` in ``bench/gpu_acceptance.sh``
+measures them). The totals add a block's linears and multiply by the layers. With ``--bf16-step S`` (a measured bf16
+step of ``--samples`` samples of ``--tokens``: ``bench.fp8``'s bf16 run), the best FP8 step: S minus what FP8 saves
+over the layers' linears, and the speedup that caps; with the counted casts added back, ``with casts``; the issue's
+bar is tensorwise at 1.2x. JSON lines, then a table.
 Shapes the GPU's FP8 GEMMs refuse stop the bench first with the config's one line (``check_fp8_shapes``).
 """
 
@@ -58,6 +62,20 @@ RECIPES = ("bf16", "tensorwise", "rowwise", "tensorwise-fast", "rowwise-fast")  
 TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
         "model.ffn_hidden_size": 128, "model.max_position_embeddings": 128}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+# tensorwise as torchao 0.18 runs it (``matmul_with_hp_or_float8_args``): bytes per element of each operand, each
+# absolute maximum one read and each cast one read and one FP8 write. The input (bf16): amax 2 + cast 3 forward, and
+# again in the backward (it saves the input as it came); the output's gradient (bf16): amax 2, cast 3 for the grad
+# input GEMM, cast 3 again transposed for the grad weight GEMM; the weight (fp32 master, or bf16 when FSDP gathers
+# it so): amax + cast forward, again in the backward.
+TENSORWISE_CAST_BYTES = {"input": 10, "grad": 8, "weight": {4: 18, 2: 10}}
+
+
+def tensorwise_cast_bytes(tokens: int, in_f: int, out_f: int, weight_bytes: int = 4) -> int:
+    """Bytes one tensorwise linear's casts move in a forward and backward (``TENSORWISE_CAST_BYTES``)."""
+    table = TENSORWISE_CAST_BYTES
+    return tokens * (in_f * table["input"] + out_f * table["grad"]) + in_f * out_f * table["weight"][weight_bytes]
 
 
 def seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -159,6 +177,7 @@ def measure(args: argparse.Namespace, config: Config, device: torch.device, peak
                                                     gemms.gemm_config_grad_weight))
         rate = peak * (1 if recipe == "bf16" else FP8_PEAK_RATIO) if peak else None
         planner = DeviceRates(hardware, "bf16" if recipe == "bf16" else "fp8")
+        tensorwise = recipe.startswith("tensorwise")
         for linear, (out_f, in_f) in local_linears(config):
             flops = 2.0 * args.tokens * in_f * out_f  # one GEMM's
             shape = {"recipe": recipe, "linear": linear.name, "tokens": args.tokens, "in": in_f, "out": out_f}
@@ -167,6 +186,8 @@ def measure(args: argparse.Namespace, config: Config, device: torch.device, peak
                           for name, fn in gemm_calls(recipe, args.tokens, in_f, out_f, device, fast)}
                 records.append({**shape, "part": "gemm", "fast_accum": list(fast), "ms": 1e3 * sum(gemm_s.values()),
                                 "planned_ms": 3e3 * flops / planner.matmul(args.tokens, out_f, in_f),
+                                "cast_ms": 1e3 * tensorwise_cast_bytes(args.tokens, in_f, out_f)
+                                / planner.memory_bytes_per_s if tensorwise else None,
                                 "tflops": 3 * flops / sum(gemm_s.values()) / 1e12,
                                 "gemms": {name: {"flops": flops, "ms": 1e3 * s, "tflops": flops / s / 1e12,
                                                  "of_peak": flops / s / 1e12 / rate if rate else None}
@@ -181,8 +202,11 @@ def measure(args: argparse.Namespace, config: Config, device: torch.device, peak
             rows = [r for r in records if r["recipe"] == recipe and r["part"] == part]
             block = sum(r["ms"] for r in rows)
             planned = sum(r["planned_ms"] for r in rows) * layers if part == "gemm" else None
+            casts = [r.get("cast_ms") for r in rows]
+            cast_ms = sum(casts) * layers if part == "gemm" and casts and None not in casts else None
             records.append({"recipe": recipe, "linear": f"model ({layers} blocks)", "part": part,
-                            "tokens": args.tokens, "ms": block * layers, "block_ms": block, "planned_ms": planned})
+                            "tokens": args.tokens, "ms": block * layers, "block_ms": block, "planned_ms": planned,
+                            "cast_ms": cast_ms})
     return records
 
 
@@ -197,6 +221,9 @@ def compare(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
             saved = (bf16 - record["ms"]) * args.samples / 1e3
             record["best_step_s"] = args.bf16_step - saved
             record["step_speedup_cap"] = args.bf16_step / record["best_step_s"]
+            if record.get("cast_ms") is not None:  # the GEMMs' saving less the counted casts
+                record["step_with_casts_s"] = record["best_step_s"] + record["cast_ms"] * args.samples / 1e3
+                record["speedup_with_casts"] = args.bf16_step / record["step_with_casts_s"]
 
 
 def _number(form: str) -> Callable[[object], str]:
@@ -236,7 +263,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    ("ms", "ms", _number("{:.3f}")), ("planned_ms", "planned ms", _number("{:.3f}")),
                    ("tflops", "TFLOP/s", _number("{:.0f}")),
                    ("speedup", "vs bf16", _number("{:.2f}x")), ("best_step_s", "best step s", _number("{:.3f}")),
-                   ("step_speedup_cap", "step cap", _number("{:.2f}x"))])
+                   ("step_speedup_cap", "step cap", _number("{:.2f}x")),
+                   ("cast_ms", "casts ms", _number("{:.1f}")),
+                   ("speedup_with_casts", "with casts", _number("{:.2f}x"))])
     return records
 
 

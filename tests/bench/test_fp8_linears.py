@@ -88,3 +88,25 @@ def test_a_fast_recipe_row_accumulates_every_gemm_fast() -> None:
     assert (gemm["tensorwise-fast"]["in"], gemm["tensorwise-fast"]["out"]) == (gemm["bf16"]["in"], gemm["bf16"]["out"])
     assert fp8_linears.recipe_config("tensorwise-fast", CPU).gemm_config_grad_weight.use_fast_accum
     assert any(r["recipe"] == "tensorwise-fast" and r["part"] == "linear" and r["ms"] > 0 for r in records)
+
+
+def test_tensorwise_casts_are_counted_and_added_back() -> None:
+    """A tensorwise gemm row's ``cast_ms``: its casts' bytes as torchao 0.18 moves them (input 10, gradient 8 and
+    fp32 weight 18 bytes per element over forward and backward) at the planner's memory rate; the model's the
+    blocks' sum; the step with them is the cap's step plus their time, so below the cap. Rowwise is not counted."""
+    records = fp8_linears.main(["--tiny", "--parts", "gemm", "--bf16-step", "0.5", "--recipes", "bf16", "tensorwise",
+                                "rowwise"])
+    rate = fp8_linears.DeviceRates(fp8_linears.load_hardware("h200"), "fp8").memory_bytes_per_s
+    qkv = next(r for r in records if r["recipe"] == "tensorwise" and r["linear"] == "qkv")
+    tokens, n_in, n_out = qkv["tokens"], qkv["in"], qkv["out"]
+    counted = fp8_linears.tensorwise_cast_bytes(tokens, n_in, n_out)
+    assert counted == tokens * (10 * n_in + 8 * n_out) + 18 * n_in * n_out
+    assert qkv["cast_ms"] == pytest.approx(1e3 * fp8_linears.tensorwise_cast_bytes(tokens, n_in, n_out) / rate)
+    totals = {r["recipe"]: r for r in records if r["linear"].startswith("model")}
+    rows = [r for r in records if r["recipe"] == "tensorwise" and not r["linear"].startswith("model")]
+    assert totals["tensorwise"]["cast_ms"] == pytest.approx(2 * sum(r["cast_ms"] for r in rows))
+    assert totals["tensorwise"]["step_with_casts_s"] == pytest.approx(
+        totals["tensorwise"]["best_step_s"] + totals["tensorwise"]["cast_ms"] / 1e3)
+    assert totals["tensorwise"]["speedup_with_casts"] < totals["tensorwise"]["step_speedup_cap"]
+    assert totals["rowwise"]["cast_ms"] is None and "speedup_with_casts" not in totals["rowwise"]
+    assert totals["bf16"]["cast_ms"] is None

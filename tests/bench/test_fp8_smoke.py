@@ -3,6 +3,8 @@ benchmark is not first run on a GPU."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -47,6 +49,11 @@ def test_each_variant_in_its_own_process(tmp_path, capsys, monkeypatch) -> None:
     for bad in (tmp_path / "missing.json", tmp_path / "tensorwise.record.json"):
         with pytest.raises(SystemExit, match="^bench.fp8 --baseline .*(cannot read|not a bf16)"):
             fp8.main(["--tiny", "--out", str(tmp_path), "--variants", "tensorwise", "--baseline", str(bad)])
+    longer = json.loads((tmp_path / "none.record.json").read_text()) | {"steps": 100, "seq_len": 16384}
+    (tmp_path / "longer.json").write_text(json.dumps(longer))
+    with pytest.raises(SystemExit, match="^bench.fp8 --baseline .*100 steps of 16384 tokens and this one 3 of 128"):
+        fp8.main(["--tiny", "--out", str(tmp_path), "--variants", "tensorwise", "--baseline",
+                  str(tmp_path / "longer.json")])
     monkeypatch.setattr(fp8.sys, "executable", "false")  # the child exits 1 at once
     records = fp8.main(["--tiny", "--out", str(tmp_path), "--processes", "each", "--variants", "none", "rowwise"])
     assert records == []
