@@ -23,7 +23,7 @@ fast (``model.fp8_fast_accum=all``; the recipes accumulate the backward's two sl
   block Inductor may fuse some casts into their neighbours, so this bounds FP8's cost from above).
 
 For tensorwise the gemm rows also give ``cast_ms``: the bytes its casts move as torchao 0.18 runs them
-(``TENSORWISE_CAST_BYTES``: the input cast again in the backward, the gradient twice, fp32 weights twice) at the
+(``TENSORWISE_CAST_BYTES``: each operand's absolute maximum, its cast and a transposed copy for the backward) at the
 planner's memory rate on ``--hardware``, a count, not a measurement (``fp8-profile`` in ``bench/gpu_acceptance.sh``
 measures them). The totals add a block's linears and multiply by the layers. With ``--bf16-step S`` (a measured bf16
 step of ``--samples`` samples of ``--tokens``: ``bench.fp8``'s bf16 run), the best FP8 step: S minus what FP8 saves
@@ -64,12 +64,12 @@ TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4, "m
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-# tensorwise as torchao 0.18 runs it (``matmul_with_hp_or_float8_args``): bytes per element of each operand, each
-# absolute maximum one read and each cast one read and one FP8 write. The input (bf16): amax 2 + cast 3 forward, and
-# again in the backward (it saves the input as it came); the output's gradient (bf16): amax 2, cast 3 for the grad
-# input GEMM, cast 3 again transposed for the grad weight GEMM; the weight (fp32 master, or bf16 when FSDP gathers
-# it so): amax + cast forward, again in the backward.
-TENSORWISE_CAST_BYTES = {"input": 10, "grad": 8, "weight": {4: 18, 2: 10}}
+# tensorwise as the trainer runs it (``Float8Matmul``: each operand cast once, torchao 0.18's matmul; the joint graph
+# AOTAutograd partitions, ``tests/model/test_fp8.py``): bytes per element of each operand, each absolute maximum one
+# read, each cast one read and one FP8 write, each transposed FP8 copy (the backward's GEMMs take the other layout)
+# one read and one write. The input (bf16): amax 2, cast 3, transposed copy 2; the output's gradient (bf16): the
+# same; the weight (fp32 master; bf16 when FSDP gathers it so): amax 4, cast 5, transposed copy 2.
+TENSORWISE_CAST_BYTES = {"input": 7, "grad": 7, "weight": {4: 11, 2: 7}}
 
 
 def tensorwise_cast_bytes(tokens: int, in_f: int, out_f: int, weight_bytes: int = 4) -> int:

@@ -36,7 +36,7 @@
 #            16,384 tokens, their three GEMMs each in bf16 and in FP8 as torchao's tensorwise and rowwise run them,
 #            and tensorwise with every GEMM accumulating fast (model.fp8_fast_accum=all: torchao's recipes
 #            accumulate the backward's two slowly), and the best FP8 step the linears allow (bf16's step from
-#            fp8's run when it ran first, else 0.373 s), with tensorwise's casts counted (1.10x planned at 1B/16k)
+#            fp8's run when it ran first, else 0.373 s), with tensorwise's casts counted (1.12x planned at 1B/16k)
 #   fp8-linears (not run by default; about 3 minutes) the same with each linear's compiled forward and backward
 #            (its casts included), bf16, tensorwise and tensorwise-fast
 #   fp8-fast (not run by default; about 80 s) bench.fp8's tensorwise-fast, 100 steps, against bf16's record from

@@ -11,7 +11,8 @@ collectives. Instead each converted layer keeps its class, its parameter names a
 local matmul changes: its ``linear_fn`` (``F.linear`` by default, ``layers.py``; the MLP calls it too) becomes a
 ``Float8Matmul``, which runs torchao's float8 matmul (the autograd function ``Float8Linear`` runs: the input, the
 weight and the output's gradient cast with dynamic scaling, e4m3 forward and e5m2 gradients for tensorwise, e4m3
-with power-of-2 row scales for rowwise). So:
+with power-of-2 row scales for rowwise; tensorwise casts the input and the weight once, before that matmul,
+since one scale serves both GEMMs each enters: torchao's results bitwise, one cast of the input fewer). So:
 
 - TP and sequence parallelism: the collectives are the layer's, in the compute dtype, unchanged. Scales are per
   TP rank: each rank scales its own shard of the weight and its own input (the column-parallel input is the
@@ -126,18 +127,42 @@ class Float8Matmul:
     def __init__(self, config: Any) -> None:
         tensor_module = importlib.import_module("torchao.float8.float8_training_tensor")
         self._matmul = importlib.import_module("torchao.float8.float8_linear").matmul_with_hp_or_float8_args
+        self._scaling = importlib.import_module("torchao.float8.float8_scaling_utils")
+        self._roles = tensor_module.GemmInputRole
         gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
         self.config = config
         self.mm_config = tensor_module.LinearMMConfig(*(
             tensor_module.ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
             for gemm in gemms))
+        # an operand whose backward cast is its forward's (tensorwise: one scale serves both GEMMs it enters) is
+        # cast once, before the matmul, which then keeps the FP8 tensor for the backward (``_cast_once``)
+        tensorwise = importlib.import_module("torchao.float8.config").ScalingGranularity.TENSORWISE
+        self.cast_once = tuple(
+            forward == backward and forward.scaling_granularity is tensorwise
+            for forward, backward in ((config.cast_config_input, config.cast_config_input_for_grad_weight),
+                                      (config.cast_config_weight, config.cast_config_weight_for_grad_input)))
+
+    def _cast_once(self, x: torch.Tensor, input_role: bool) -> torch.Tensor:
+        """``x`` (the input, or the weight transposed) as torchao's dynamic tensorwise cast makes it, when its two
+        GEMMs take the same cast (``cast_once``); else ``x``, for torchao's matmul to cast per GEMM. The results are
+        torchao's bitwise (the same scale, the same FP8 values); what changes is that the input's cast runs once
+        where the matmul would cast it again for the weight's gradient (a second absolute maximum and a second cast
+        of the bf16 input, as the joint graph keeps them apart), and eager keeps the FP8 input, not the bf16 one,
+        for the backward."""
+        if not self.cast_once[0 if input_role else 1] or self._scaling.tensor_already_casted_to_fp8(x):
+            return x
+        cast = self.config.cast_config_input if input_role else self.config.cast_config_weight
+        role = self._roles.INPUT if input_role else self._roles.WEIGHT
+        return self._scaling.hp_tensor_to_float8_dynamic(x, cast.target_dtype, self.mm_config, gemm_input_role=role,
+                                                         round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         kind = x.device.type
         if torch.is_autocast_enabled(kind):
             x = x.to(torch.get_autocast_dtype(kind))
         with torch.autocast(kind, enabled=False):  # the casts and matmuls are torchao's, in the dtypes it chose
-            y = self._matmul.apply(x, weight.t(), self.mm_config, self.config)
+            y = self._matmul.apply(self._cast_once(x, True), self._cast_once(weight.t(), False), self.mm_config,
+                                   self.config)
         return y if bias is None else y + bias.to(y.dtype)
 
     def __repr__(self) -> str:

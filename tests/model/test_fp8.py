@@ -135,6 +135,50 @@ def test_compiled_equals_eager() -> None:
     assert max(rel_err(c, e) for c, e in zip(losses["compiled"], losses["eager"], strict=True)) < 1e-4, losses
 
 
+def test_tensorwise_casts_each_operand_once() -> None:
+    """Tensorwise serves both GEMMs an operand enters with one cast, so ``Float8Matmul`` casts the input and the
+    weight once, before torchao's matmul (rowwise casts per GEMM: not). In the joint graph AOTAutograd partitions
+    (the min-cut partitioner Inductor uses; torchao's real FP8 GEMMs, ``_scaled_mm`` on CPU): the forward takes
+    two absolute maxima (the input's, the weight's) where torchao's matmul alone takes three (the input's again for
+    the weight's gradient), the backward one (the output gradient's), and the backward keeps the input and the
+    weight in FP8. Eager keeps the FP8 input for the backward, not the bf16 one. The results are torchao's bitwise
+    (``test_the_matmul_is_torchaos_float8_linear_bitwise_and_near_float64``)."""
+    from functorch.compile import aot_function, min_cut_rematerialization_partition
+
+    assert Float8Matmul(float8_config("tensorwise", emulate=True)).cast_once == (True, True)
+    assert Float8Matmul(float8_config("rowwise", emulate=True)).cast_once == (False, False)
+    x0, w0 = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(48, 32)
+    seen: dict[str, tuple[int, list[torch.dtype]]] = {}
+
+    def compiler(name: str):
+        def record(graph, inputs):
+            maxima = sum(node.target is torch.ops.aten.max.default for node in graph.graph.nodes)
+            seen[name] = maxima, [t.dtype for t in inputs]
+            return graph
+        return record
+
+    for label, once in (("ours", True), ("torchao alone", False)):
+        matmul = Float8Matmul(float8_config("tensorwise", emulate=False))
+        matmul.cast_once = (once, once)
+
+        def f(x: torch.Tensor, w: torch.Tensor, matmul: Float8Matmul = matmul) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return matmul(x, w)
+
+        compiled = aot_function(f, fw_compiler=compiler(f"{label} forward"),
+                                bw_compiler=compiler(f"{label} backward"),
+                                partition_fn=min_cut_rematerialization_partition)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        compiled(x, w).sum().backward()
+    assert seen["ours forward"][0] == 2 and seen["torchao alone forward"][0] == 3
+    assert seen["ours backward"][0] == 1
+    assert seen["ours backward"][1].count(torch.float8_e4m3fn) == 2  # the input and the weight, kept in FP8
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        Float8Matmul(float8_config("tensorwise", emulate=True))(x0.clone().requires_grad_(), w0.requires_grad_())
+    assert [getattr(t, "_data", t).dtype for t in saved] == [torch.float8_e4m3fn, torch.float8_e4m3fn]
+
+
 # ----------------------------------------------------------------------------------------------- errors
 def test_without_torchao_the_error_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 raises ImportError
