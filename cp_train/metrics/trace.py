@@ -74,9 +74,10 @@ def busy_events(events: list[Any], cuda: bool) -> list[Any]:
 def fp8_seconds(events: list[Any], busy: list[Any]) -> dict[str, float]:
     """The device seconds FP8 linears spend, on CUDA: ``gemm``, the kernels ``aten::_scaled_mm`` launched (also
     from a compiled graph; part of ``matmul``), and ``scales``, the kernels that take an absolute maximum (named
-    ``abs`` and ``amax``: a dynamic scale's reduction, fused or not; part of their kinds). Empty without FP8."""
+    after both ``abs`` and ``max``: torchao's ``max(abs(x))`` as Inductor fuses it, ``triton_red_fused_abs_max_...``;
+    an eager run's separate abs and max kernels are not counted; part of their kinds). Empty without FP8."""
     gemm = sum(k.duration for e in events if e.name == "aten::_scaled_mm" for k in (e.kernels or ()))
-    scales = sum(e.time_range.elapsed_us() for e in busy if "abs" in e.name.lower() and "amax" in e.name.lower())
+    scales = sum(e.time_range.elapsed_us() for e in busy if "abs" in e.name.lower() and "max" in e.name.lower())
     return {"gemm": gemm / 1e6, "scales": scales / 1e6} if gemm else {}
 
 

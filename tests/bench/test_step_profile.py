@@ -41,10 +41,10 @@ def test_the_annotations_on_the_device_timeline_are_not_busy_time() -> None:
 
 def test_fp8_gemms_and_scales_are_read_apart() -> None:
     """With FP8 linears the record adds ``fp8_s``: the kernels ``aten::_scaled_mm`` launched (a compiled graph's
-    too) and the dynamic scales' absolute-maximum reductions (by kernel name); a bf16 step (no ``_scaled_mm``) has
-    none, though its loss's ``amax`` kernels look alike without ``abs``."""
+    too) and the dynamic scales' absolute-maximum reductions (by kernel name: torchao's ``max(abs(x))``); a bf16
+    step (no ``_scaled_mm``) has none, and the loss's ``amax`` kernels, without ``abs``, are not scales."""
     graph = _op("## Call CompiledFxGraph abc ##", None, [])
-    kernels = [_device_event("nvjet_fp8_gemm", 0, 30), _device_event("triton_red_fused_abs_amax_clamp_0", 30, 40),
+    kernels = [_device_event("nvjet_fp8_gemm", 0, 30), _device_event("triton_red_fused_abs_max_0", 30, 40),
                _device_event("triton_red_fused__log_softmax_amax_1", 40, 45), _device_event("nvjet_bf16", 45, 50)]
     fp8 = [*kernels, _op("aten::_scaled_mm", graph, [], (30.0,)), _op("aten::mm", graph, [], (5.0,))]
     record = summary(fp8, cuda=True, steps=1)
