@@ -76,3 +76,10 @@ def emit(records: list[dict], columns: Sequence[tuple[str, str, Callable[[object
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
         if index == 0:
             print("  ".join("-" * width for width in widths))
+
+
+def fp8_variant(name: str) -> tuple[str, str]:
+    """An FP8 bench variant's ``(model.fp8, model.fp8_fast_accum)``: ``tensorwise-fast`` is tensorwise with every
+    GEMM accumulating fast ("all"); a plain recipe (or none / bf16) keeps the recipes' own ("output")."""
+    recipe = name.removesuffix("-fast")
+    return recipe, "all" if recipe != name else "output"

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/fp
 
 import torch  # noqa: E402
 
-from bench.common import emit, progress  # noqa: E402
+from bench.common import emit, fp8_variant, progress  # noqa: E402
 from cp_train.config.schema import Config, ConfigError  # noqa: E402
 from cp_train.config.sources import build_config, flatten, parse_override, read_yaml  # noqa: E402
 from cp_train.config.validate import validate  # noqa: E402
@@ -58,23 +58,19 @@ TINY_MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads":
               "model.ffn_hidden_size": 128, "model.max_position_embeddings": 128}
 
 
-def recipe_of(variant: str) -> str:
-    """``model.fp8`` of a variant (``tensorwise-fast``: tensorwise, every GEMM accumulating fast)."""
-    return variant.removesuffix("-fast")
-
-
 def run_config(args: argparse.Namespace, variant: str, run_dir: Path) -> Config:
     """The 1B config (or ``--tiny``'s) for one variant, in a world of one."""
+    recipe, fast_accum = fp8_variant(variant)
     values = flatten(read_yaml(CONFIG), str(CONFIG))
     values.update({
-        "model.fp8": recipe_of(variant), "parallel.cp": 1, "parallel.fsdp": args.fsdp, "parallel.backend": None,
+        "model.fp8": recipe, "parallel.cp": 1, "parallel.fsdp": args.fsdp, "parallel.backend": None,
         "data.seq_len": args.seq, "train.micro_batch_size": 1, "train.global_batch_size": 1,
         "train.steps": args.steps, "schedule.warmup_steps": max(1, args.steps // 10), "train.valid_interval": 0,
         "train.compile": not args.eager, "train.dtype": "auto", "checkpoint.save": None, "checkpoint.interval": 0,
         "logging.dir": str(run_dir), "logging.interval": args.interval, "logging.wandb": False,
         "logging.console": False, "logging.hardware_profile": args.hardware})
-    if variant.endswith("-fast"):
-        values["model.fp8_fast_accum"] = "all"
+    if fast_accum != "output":  # set only where it differs: under bf16 it would be noted as doing nothing
+        values["model.fp8_fast_accum"] = fast_accum
     if args.tiny:
         values.update(TINY_MODEL)
     return build_config([("bench.fp8", values), ("--set", dict(parse_override(o) for o in args.overrides))])
@@ -141,7 +137,7 @@ def check_variants(args: argparse.Namespace) -> str | None:
     line, or None: checked for all of them before the first (bf16's) run."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for variant in args.variants:
-        problem = fp8_unavailable(recipe_of(variant), device)
+        problem = fp8_unavailable(fp8_variant(variant)[0], device)
         if problem is None:
             try:
                 validate(run_config(args, variant, Path(args.out) / variant), 1)

@@ -45,13 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/fp
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, fp8_variant  # noqa: E402
 from bench.gpu import time_call  # noqa: E402
 from cp_train.config.fp8_shapes import check_fp8_shapes, local_linears  # noqa: E402
 from cp_train.config.schema import Config, ConfigError  # noqa: E402
 from cp_train.config.sources import build_config, flatten, parse_override, read_yaml  # noqa: E402
 from cp_train.metrics.throughput import FP8_PEAK_RATIO, gpu_peak_tflops  # noqa: E402
-from cp_train.parallel.tp.fp8 import Float8Matmul, float8_config, fp8_unavailable  # noqa: E402
+from cp_train.parallel.tp.fp8 import FAST_ACCUM, Float8Matmul, float8_config, fp8_unavailable  # noqa: E402
 from cp_train.perf.calibrate import cuda_seconds  # noqa: E402
 from cp_train.perf.inputs.hardware import load_hardware  # noqa: E402
 from cp_train.perf.rates import DeviceRates  # noqa: E402
@@ -120,11 +120,10 @@ def gemm_calls(recipe: str, tokens: int, in_f: int, out_f: int, device: torch.de
 
 
 def recipe_config(recipe: str, device: torch.device) -> Any:
-    """torchao's config of a recipe row (``tensorwise-fast``: tensorwise with ``fast_accum`` all), emulated off
-    CUDA."""
-    fast = recipe.endswith("-fast")
-    return float8_config(recipe.removesuffix("-fast"), emulate=device.type != "cuda",
-                         fast_accum="all" if fast else "output")
+    """torchao's config of a recipe row (``tensorwise-fast``: tensorwise with ``fast_accum`` all, ``fp8_variant``),
+    emulated off CUDA."""
+    name, fast_accum = fp8_variant(recipe)
+    return float8_config(name, emulate=device.type != "cuda", fast_accum=fast_accum)
 
 
 def linear_call(recipe: str, tokens: int, in_f: int, out_f: int, device: torch.device, compiled: bool
@@ -157,7 +156,7 @@ def bench_config(args: argparse.Namespace) -> Config:
     values = flatten(read_yaml(Path(args.config)), args.config)
     values.update(TINY if args.tiny else {})
     values.update({"data.seq_len": args.tokens, "parallel.cp": 1, "train.micro_batch_size": 1, "model.mlp_chunks": 1,
-                   "model.fp8": next((r.removesuffix("-fast") for r in args.recipes if r != "bf16"), "none")})
+                   "model.fp8": next((fp8_variant(r)[0] for r in args.recipes if r != "bf16"), "none")})
     return build_config([("bench.fp8_linears", values), ("--set", dict(parse_override(o) for o in args.overrides))])
 
 
@@ -170,11 +169,7 @@ def measure(args: argparse.Namespace, config: Config, device: torch.device, peak
     compiled = device.type == "cuda" and not args.eager
     records: list[dict[str, Any]] = []
     for recipe in args.recipes:
-        fast = (False, False, False)
-        if recipe != "bf16":
-            gemms = recipe_config(recipe, torch.device("cuda"))  # the flags only: not emulated
-            fast = tuple(g.use_fast_accum for g in (gemms.gemm_config_output, gemms.gemm_config_grad_input,
-                                                    gemms.gemm_config_grad_weight))
+        fast = FAST_ACCUM["none" if recipe == "bf16" else fp8_variant(recipe)[1]]  # as float8_config sets them
         rate = peak * (1 if recipe == "bf16" else FP8_PEAK_RATIO) if peak else None
         planner = DeviceRates(hardware, "bf16" if recipe == "bf16" else "fp8")
         tensorwise = recipe.startswith("tensorwise")
@@ -248,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.tokens, args.repeats = min(args.tokens, 64), min(args.repeats, 3)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for recipe in set(args.recipes) - {"bf16"}:
-        problem = fp8_unavailable(recipe.removesuffix("-fast"), device)
+        problem = fp8_unavailable(fp8_variant(recipe)[0], device)
         if problem is not None:
             raise SystemExit(f"bench.fp8_linears: {problem}")
     config = bench_config(args)
