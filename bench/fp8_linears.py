@@ -35,6 +35,7 @@ Shapes the GPU's FP8 GEMMs refuse stop the bench first with the config's one lin
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +95,19 @@ def _scaled(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch
     return (x.float() * scale).to(dtype), scale.reciprocal()
 
 
+@functools.cache
+def row_scales_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes row and column scales on ``device`` (CUDA's FP8 GEMMs do; on CPU torch
+    2.13 does, 2.11 takes one scale per tensor only): tried once on a 16 x 16 product."""
+    a = torch.ones(16, 16, device=device).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1, device=device), torch.ones(1, 16, device=device),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def gemm_calls(recipe: str, tokens: int, in_f: int, out_f: int, device: torch.device,
                fast: tuple[bool, bool, bool]) -> list[tuple[str, Callable[[], object]]]:
     """The three GEMMs of one linear (output, grad input, grad weight), each with operands made beforehand in the
@@ -113,6 +127,8 @@ def gemm_calls(recipe: str, tokens: int, in_f: int, out_f: int, device: torch.de
         a8, a_scale = _scaled(a.contiguous(), a_dtype, 1 if rowwise else None)
         b8, b_scale = _scaled(b.t().contiguous(), b_dtype, 1 if rowwise else None)  # [n, k] row-major
         b8, b_scale = b8.t(), b_scale.t() if rowwise else b_scale
+        if rowwise and not row_scales_supported(device):  # dequantized operands, multiplied in fp32
+            return lambda: ((a8.float() * a_scale) @ (b8.float() * b_scale)).to(torch.bfloat16)
         return lambda: torch._scaled_mm(a8, b8, a_scale, b_scale, out_dtype=torch.bfloat16, use_fast_accum=use_fast)
 
     return [("output", pair(x, E4M3, w.t(), E4M3, fast[0])), ("grad input", pair(dy, grad_dtype, w, E4M3, fast[1])),
