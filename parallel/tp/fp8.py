@@ -124,7 +124,7 @@ class Float8Matmul:
     has (fp32 master weights, bf16 gathered by FSDP, or FP8 gathered already). Holds torchao's config and the
     matmul's per-GEMM settings, built as torchao 0.18's ``Float8Linear`` builds them."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, cast_weight_once: bool = True) -> None:
         tensor_module = importlib.import_module("torchao.float8.float8_training_tensor")
         self._matmul = importlib.import_module("torchao.float8.float8_linear").matmul_with_hp_or_float8_args
         self._scaling = importlib.import_module("torchao.float8.float8_scaling_utils")
@@ -135,12 +135,16 @@ class Float8Matmul:
             tensor_module.ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
             for gemm in gemms))
         # an operand whose backward cast is its forward's (tensorwise: one scale serves both GEMMs it enters) is
-        # cast once, before the matmul, which then keeps the FP8 tensor for the backward (``_cast_once``)
+        # cast once, before the matmul, which then keeps the FP8 tensor for the backward (``_cast_once``); the
+        # weight only when ``cast_weight_once``: under FSDP2 the weight is a gathered one, which FSDP frees after
+        # the forward and gathers again for the backward, and an FP8 copy kept would hold every block's
+        # unsharded weight from the forward to its backward (weights gathered in FP8 arrive cast either way)
         tensorwise = importlib.import_module("torchao.float8.config").ScalingGranularity.TENSORWISE
         self.cast_once = tuple(
-            forward == backward and forward.scaling_granularity is tensorwise
-            for forward, backward in ((config.cast_config_input, config.cast_config_input_for_grad_weight),
-                                      (config.cast_config_weight, config.cast_config_weight_for_grad_input)))
+            forward == backward and forward.scaling_granularity is tensorwise and once
+            for forward, backward, once in (
+                (config.cast_config_input, config.cast_config_input_for_grad_weight, True),
+                (config.cast_config_weight, config.cast_config_weight_for_grad_input, cast_weight_once)))
 
     def _cast_once(self, x: torch.Tensor, input_role: bool) -> torch.Tensor:
         """``x`` (the input, or the weight transposed) as torchao's dynamic tensorwise cast makes it, when its two
@@ -190,7 +194,7 @@ def convert_to_fp8(blocks: nn.ModuleList, recipe: str, device: torch.device, fsd
     _patch_inductor()
     config = float8_config(recipe, emulate=device.type != "cuda", fsdp_all_gather=fsdp_shards > 0,
                            fast_accum=fast_accum)
-    matmul = Float8Matmul(config)
+    matmul = Float8Matmul(config, cast_weight_once=fsdp_shards == 0)
     layers = [pair for index in chosen for pair in _tp_linears(blocks[index], f"{prefix}{index}.")]
     for _, layer in layers:
         layer.linear_fn = matmul

@@ -173,10 +173,14 @@ def test_tensorwise_casts_each_operand_once() -> None:
     assert seen["ours forward"][0] == 2 and seen["torchao alone forward"][0] == 3
     assert seen["ours backward"][0] == 1
     assert seen["ours backward"][1].count(torch.float8_e4m3fn) == 2  # the input and the weight, kept in FP8
-    saved: list[torch.Tensor] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        Float8Matmul(float8_config("tensorwise", emulate=True))(x0.clone().requires_grad_(), w0.requires_grad_())
-    assert [getattr(t, "_data", t).dtype for t in saved] == [torch.float8_e4m3fn, torch.float8_e4m3fn]
+    kept = {}
+    for weight_once in (True, False):  # False: FSDP's gathered weight, kept as it is for FSDP to free and gather
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            matmul = Float8Matmul(float8_config("tensorwise", emulate=True), cast_weight_once=weight_once)
+            matmul(x0.clone().requires_grad_(), w0.requires_grad_())
+        kept[weight_once] = [getattr(t, "_data", t).dtype for t in saved]
+    assert kept == {True: [torch.float8_e4m3fn, torch.float8_e4m3fn], False: [torch.float8_e4m3fn, torch.float32]}
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -218,7 +222,8 @@ def test_converting_takes_any_shape_and_applies_torchaos_inductor_patch(monkeypa
 def test_fsdp_gathers_in_fp8_only_the_weights_that_split_evenly() -> None:
     """torchao 0.18 hands FSDP2 an unpadded shard: at 3 FSDP ranks the [256, 48] gate/up weight (hidden 48, ffn 128)
     keeps its plain parameter (gathered in the compute dtype), qkv [96, 48], out [48, 48] and down [48, 128] get the
-    FP8 wrapper; at 2 ranks all four; every layer multiplies in FP8 either way."""
+    FP8 wrapper; at 2 ranks all four; every layer multiplies in FP8 either way. Under FSDP the weight is not cast
+    before torchao's matmul: it keeps the gathered weight, which FSDP frees after the forward and gathers again."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Wrapper
 
     config = {"hidden_size": 48, "ffn_hidden_size": 128}
@@ -227,6 +232,8 @@ def test_fsdp_gathers_in_fp8_only_the_weights_that_split_evenly() -> None:
         model = GPTModel(tiny_config(**config))
         assert len(convert_to_fp8(model.layers, "tensorwise", CPU, fsdp_shards=shards, prefix="layers.")) == 8
         assert len(fp8_layers(model)) == 8
+        # under FSDP the weight is cast per GEMM from the gathered one (kept in FP8 it would outlive FSDP's reshard)
+        assert model.layers[1].mlp.down.linear_fn.cast_once == (True, shards == 0)
         wrapped[shards] = [name for name in BLOCK_LINEARS
                            if isinstance(model.layers[1].get_submodule(name).weight, Wrapper)]
     assert wrapped == {3: ["attention.qkv", "attention.proj", "mlp.down"], 2: list(BLOCK_LINEARS), 0: []}
