@@ -51,6 +51,8 @@ CASES: dict[str, dict[str, Any]] = {
     "cp2-fsdp-per_step": {"parallel.fsdp": True, "parallel.fsdp_reduce": "per_step", "train.micro_batch_size": 2},
     "cp2-fsdp-per_microbatch": {"parallel.fsdp": True, "parallel.fsdp_reduce": "per_microbatch",
                                 "train.micro_batch_size": 2},
+    "cp2-fp8-tensorwise": {"model.fp8": "tensorwise"},  # eager: FP8 casts of the linears' inputs and weights kept
+    "cp2-fp8-rowwise": {"model.fp8": "rowwise"},
     "cp2-selective": {"model.activation_checkpointing": "selective"},
     "cp2-full": {"model.activation_checkpointing": "full"},
 }

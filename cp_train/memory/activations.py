@@ -11,7 +11,9 @@ kernels keep only a per-token scale), the inputs of the column-parallel matmuls 
 gate and up are one matmul), the CP attention's q, k, v, output and fp32 log-sum-exp (Ulysses also keeps its
 sequence-ordered copies of them for its heads), and the SwiGLU's gate, up and product ``[n, ffn/tp]`` (silu is
 recomputed: ``swiglu`` and ``gated_silu`` in ``model/mlp.py``) (unless ``mlp_chunks`` > 1, which keeps only the
-MLP's input; not inside a checkpointed block). With sequence
+MLP's input; not inside a checkpointed block). FP8 linears run eager (``model.fp8``) keep, under tensorwise,
+FP8 casts of their inputs (1 byte; the output projection's besides the attention's output) in place of the inputs
+(``fp8_inputs``); compiled runs are planned as bf16 ones. With sequence
 parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the all-gathered inputs of the
 column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing keeps each block's input
 (``n / tp`` tokens under SP) and recomputes one block in the backward; ``selective`` keeps the input and what
@@ -33,6 +35,8 @@ prefetched block on top (``offload.py``, which also counts the host bytes).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cp_train.memory import attention_memory
 from cp_train.memory.attention_memory import Shapes
 from cp_train.memory.offload import device_terms, offload_plan
@@ -50,7 +54,19 @@ def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, r
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
                   model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, cp,
                   algorithm, degree, tp, sequence_parallel and tp > 1, cuda,
-                  swiglu_temporaries(model.fp8 != "none", compiled))
+                  swiglu_temporaries(model.fp8 != "none", compiled), fp8_inputs(model.fp8, compiled))
+
+
+def fp8_inputs(recipe: str, compiled: bool) -> str:
+    """What the FP8 linears of ``recipe`` keep of their inputs for the backward (``Shapes.fp8_inputs``). Eager,
+    tensorwise keeps the FP8 casts (``Float8Matmul`` casts once) and rowwise the inputs (torchao casts per GEMM).
+    Compiled, planned as bf16 linears ("kept"): Inductor's partition keeps nothing of them under either recipe and
+    casts them again in the backward (the partitioned graphs of a 1B block on CPU; an H200's 1B step at 16k kept
+    9.3 GiB less under FP8 than bf16, these inputs and autocast's weight copies being 9.2 GiB), but the planner's
+    published FP8 runs are Transformer Engine's, which keeps FP8 casts, and read the same plan."""
+    if compiled:
+        return "kept"
+    return "fp8" if recipe == "tensorwise" else "kept"
 
 
 def swiglu_temporaries(fp8: bool, compiled: bool) -> int:
@@ -73,20 +89,28 @@ def norm_kept(s: Shapes) -> int:
     return s.stream * 4 if s.cuda else _stream(s)
 
 
+def linear_input(s: Shapes) -> int:
+    """Bytes per element a linear keeps of its input (``Shapes.fp8_inputs``): the compute dtype's (the input itself,
+    or autocast's copy), or 1 (an FP8 cast; the input is freed unless kept else)."""
+    return 1 if s.fp8_inputs == "fp8" else s.compute
+
+
 def attention_half(s: Shapes) -> int:
     """The attention half of a block without checkpointing: the block's input, the norm, the QKV input (all ``n``
-    tokens, gathered under SP) and what the attention keeps (its output is the output projection's input)."""
-    return _stream(s) + norm_kept(s) + s.n * s.hidden * s.compute + attention_memory.kept(s)
+    tokens, gathered under SP) and what the attention keeps (its output is the output projection's input; an FP8
+    projection that keeps FP8 casts keeps one of it besides)."""
+    fp8_copy = s.n * s.heads * s.head_dim if s.fp8_inputs == "fp8" else 0
+    return _stream(s) + norm_kept(s) + s.n * s.hidden * linear_input(s) + attention_memory.kept(s) + fp8_copy
 
 
 def mlp_half(s: Shapes, chunks: int) -> int:
-    """The MLP half: the stream after attention, the norm, the gate/up input (one matmul; under FP8 torchao keeps
-    it in the compute dtype) and gate, up and product ``[n, ffn/tp]`` (``model/mlp.py``'s ``swiglu`` eager,
-    ``gated_silu`` compiled and under FP8: silu recomputed); chunked (``chunks`` > 1) only the MLP's input."""
+    """The MLP half: the stream after attention, the norm, the gate/up input (one matmul) and gate, up and product
+    ``[n, ffn/tp]`` (``model/mlp.py``'s ``swiglu`` eager, ``gated_silu`` compiled and under FP8: silu recomputed;
+    the product is the down projection's input, ``linear_input``); chunked (``chunks`` > 1) only the MLP's input."""
     if chunks > 1:
         return _stream(s) + norm_kept(s) + s.n * s.hidden * s.residual
-    intermediates = 3 * s.n * s.ffn * s.compute
-    return _stream(s) + norm_kept(s) + s.n * s.hidden * s.compute + intermediates
+    intermediates = 2 * s.n * s.ffn * s.compute + s.n * s.ffn * linear_input(s)
+    return _stream(s) + norm_kept(s) + s.n * s.hidden * linear_input(s) + intermediates
 
 
 def mlp_backward(s: Shapes, chunks: int) -> int:
@@ -131,6 +155,27 @@ def block_peak(s: Shapes, chunks: int) -> int:
     return attention_half(s) + mlp_half(s, chunks) + _stream(s) + block_backward(s, chunks, 0)
 
 
+def block_terms(model: ModelConfig, s: Shapes) -> tuple[int, int, int]:
+    """``(block, kept, backward)`` of one block of ``model`` with shapes ``s``: its tensors without checkpointing,
+    what it keeps under ``model.activation_checkpointing`` and its backward on top of the blocks' kept tensors."""
+    mode = model.activation_checkpointing
+    # inside a checkpointed block the MLP slices are not checkpointed again (``model/mlp.py``): the recompute
+    # keeps every slice's intermediates
+    chunks = model.mlp_chunks if mode == "none" else 1
+    block = attention_half(s) + mlp_half(s, chunks)
+    block_input = _stream(s)
+    if mode == "none":
+        return block, block, block_backward(s, chunks, 0)
+    if mode == "full":  # the recompute runs the attention's forward again (its buffers) before the backward
+        forward = attention_half(s) - block_input + attention_memory.buffers(s, backward=False)
+        return block, block_input, max(forward, block_backward(s, 1, block - block_input))
+    # selective: the CP attention keeps its tensors; the MLP side, then the QKV side are recomputed
+    kept = block_input + attention_memory.kept(s)
+    qkv_side = attention_half(s) - kept
+    return block, kept, max(block_backward(s, 1, mlp_half(s, 1)),
+                            _stream(s) + qkv_side + attention_memory.buffers(s, True))
+
+
 def activation_estimate(model: ModelConfig, s: Shapes) -> dict[str, int]:
     """Bytes per rank for shapes ``s`` of ``model``: ``blocks`` (kept by all blocks on the device), ``block_input``
     (one block's input), ``head`` (kept by the head and loss), ``head_backward`` (the head's backward on top),
@@ -139,26 +184,14 @@ def activation_estimate(model: ModelConfig, s: Shapes) -> dict[str, int]:
     ``model.activation_offload`` (``offload.py``) ``window`` (the prefetched blocks a block's backward holds on
     top), ``offloaded`` (host bytes), ``moved`` (bytes each way per micro-batch), ``moved_per_layer`` and
     ``offloaded_layers`` (all 0 without it)."""
-    mode = model.activation_checkpointing
-    # inside a checkpointed block the MLP slices are not checkpointed again (``model/mlp.py``): the recompute
-    # keeps every slice's intermediates
-    chunks = model.mlp_chunks if mode == "none" else 1
-    block = attention_half(s) + mlp_half(s, chunks)
-    block_input = _stream(s)
-    if mode == "none":
-        kept, backward = block, block_backward(s, chunks, 0)
-    elif mode == "full":  # the recompute runs the attention's forward again (its buffers) before the backward
-        kept = block_input
-        forward = attention_half(s) - block_input + attention_memory.buffers(s, backward=False)
-        backward = max(forward, block_backward(s, 1, block - block_input))
-    else:  # selective: the CP attention keeps its tensors; the MLP side, then the QKV side are recomputed
-        kept = block_input + attention_memory.kept(s)
-        qkv_side = attention_half(s) - kept
-        backward = max(block_backward(s, 1, mlp_half(s, 1)), _stream(s) + qkv_side + attention_memory.buffers(s, True))
+    fp8 = len(model.fp8_blocks)  # the blocks whose linears compute in FP8 keep their inputs as ``s`` says
+    plain = replace(s, fp8_inputs="kept")
+    terms = [block_terms(model, plain)] * (model.num_layers - fp8) + [block_terms(model, s)] * fp8
+    block, backward = max(t[0] for t in terms), max(t[2] for t in terms)
     chunk = model.loss_chunk_tokens
     plan = offload_plan(model, s, block)
-    blocks, window = device_terms(plan, model.num_layers * kept)
-    return {"blocks": blocks, "block_input": block_input, "head": head_kept(s, chunk),
+    blocks, window = device_terms(plan, sum(t[1] for t in terms))
+    return {"blocks": blocks, "block_input": _stream(s), "head": head_kept(s, chunk),
             "head_backward": head_peak(s, chunk), "block_backward": backward, "block": block, "window": window,
             "offloaded": plan.host_bytes if plan else 0, "moved": plan.traffic_bytes if plan else 0,
             "moved_per_layer": plan.per_layer if plan else 0, "offloaded_layers": plan.layers if plan else 0}

@@ -10,10 +10,10 @@ copies ("gathered") and its activations (``activations.py``):
 
 - the head's backward in the last micro-batch: every block's activations, the head's working set; FSDP's
   gathered root and last block (every block without resharding after forward; tensorwise FP8 gathers the block
-  linears' weights at 1 byte, ``gathered_in_fp8``), or autocast's bf16 copies of
-  the weights without FSDP; the unsharded fp32 gradients of every parameter while gradients accumulate
-  (FSDP with ``parallel.fsdp_reduce`` per_step, in place of the sharded ones the state counts; DDP keeps the
-  earlier micro-batches' gradients outside its buckets);
+  linears' weights at 1 byte, ``gathered_in_fp8``), or without FSDP autocast's bf16 copies of the weights
+  (tensorwise FP8 linears: their weights' FP8 casts; ``weight_copies``); the unsharded fp32 gradients of every
+  parameter while gradients accumulate (FSDP with ``parallel.fsdp_reduce`` per_step, in place of the sharded ones
+  the state counts; DDP keeps the earlier micro-batches' gradients outside its buckets);
 - a block's backward: the blocks' activations (with activation offload the prefetch window besides,
   ``offload.py``), the recomputed block and its working set; FSDP's root and two
   blocks (the current one and the next one's gather), the root's unsharded gradient (the head's) and the block's,
@@ -176,7 +176,7 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
         at_block += (kept or compute * (head_weight + max(blocks))) + 4 * max(blocks)  # + a reduce-scatter in flight
         held = 0  # the head's gradient is the root's unsharded gradient above
     else:
-        at_head = compute * every if compute == 2 else 0  # autocast's bf16 copies of the weights
+        at_head = weight_copies(config, fp8_weights(config, full, dims), every, compute)  # autocast's, FP8's
         if accumulating and dims.dp * dims.cp > 1:  # DDP's no_sync: gradients outside the buckets
             at_head += 4 * every
         at_block = at_head
@@ -186,22 +186,40 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
             "optimizer": (state[0] if foreach else 0, 0)}
 
 
-def gathered_in_fp8(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims) -> set[str]:
-    """The block weights FSDP all-gathers in FP8, 1 byte an element (``parallel/tp/fp8.py``): under tensorwise FP8
-    with FSDP, the TP linears' weights of ``ModelConfig.fp8_blocks`` whose sharded dim splits evenly."""
-    if config.model.fp8 != "tensorwise" or not config.parallel.fsdp:
-        return set()
-    shards, chosen = dims.data // config.parallel.dp_replicate, set(config.model.fp8_blocks)
-    names = set()
+def fp8_weights(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims) -> dict[str, list[int]]:
+    """The weights whose linears compute in FP8 (``model.fp8``: the TP linears of ``ModelConfig.fp8_blocks``), with
+    their TP-local shapes."""
+    chosen, shapes = set(config.model.fp8_blocks), {}
     for name, param in full.items():
         tp_dim, parts = tensor_parallel_dim(param), name.split(".", 2)
         if parts[0] != "layers" or int(parts[1]) not in chosen or param.dim() != 2 or tp_dim is None:
             continue
-        shape = list(param.shape)
-        shape[tp_dim] //= dims.tp
-        if fsdp_gathers_fp8(shape, tp_dim == 0, dims.tp, shards):
-            names.add(name)
-    return names
+        shapes[name] = list(param.shape)
+        shapes[name][tp_dim] //= dims.tp
+    return shapes
+
+
+def gathered_in_fp8(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims) -> set[str]:
+    """The block weights FSDP all-gathers in FP8, 1 byte an element (``parallel/tp/fp8.py``): under tensorwise FP8
+    with FSDP, the FP8 linears' weights (``fp8_weights``) whose sharded dim splits evenly."""
+    if config.model.fp8 != "tensorwise" or not config.parallel.fsdp:
+        return set()
+    shards = dims.data // config.parallel.dp_replicate
+    return {name for name, shape in fp8_weights(config, full, dims).items()
+            if fsdp_gathers_fp8(shape, tensor_parallel_dim(full[name]) == 0, dims.tp, shards)}
+
+
+def weight_copies(config: Config, fp8: dict[str, list[int]], every: int, compute: int) -> int:
+    """Without FSDP, the copies of the ``every`` (TP-local) weight elements autograd keeps from the forward to the
+    backward: autocast's bf16 copy of each (``compute`` 2; none in fp32), except that an FP8 linear (``fp8``:
+    ``fp8_weights``) run eager keeps the weight itself under rowwise (torchao casts it per GEMM) and its FP8 cast
+    under tensorwise (1 byte: ``Float8Matmul`` casts it once). Compiled runs are planned as bf16 ones
+    (``activations.fp8_inputs``)."""
+    copies = compute * every if compute == 2 else 0
+    if config.model.fp8 == "none" or config.train.compile:
+        return copies
+    in_fp8 = sum(math.prod(shape) for shape in fp8.values())
+    return copies - (compute * in_fp8 if compute == 2 else 0) + (in_fp8 if config.model.fp8 == "tensorwise" else 0)
 
 
 def dry_run_vocab(config: Config) -> int:

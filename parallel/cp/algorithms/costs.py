@@ -44,6 +44,9 @@ class Shapes:
     sequence_parallel: bool = False  # the residual stream and the norms hold n / tp tokens
     cuda: bool = False  # CUDA: fused RMSNorm (input and a per-token scale kept), GQA-native kernels, 2 head chunks
     swiglu_temps: int = 1  # [n, ffn] temporaries of the SwiGLU's backward (``memory/activations.py``)
+    # what an FP8 block's linears keep of their inputs (``memory/activations.py``): "kept" (the compute dtype's, as
+    # bf16 linears do) or "fp8" (an FP8 cast, 1 byte)
+    fp8_inputs: str = "kept"
 
     @property
     def stream(self) -> int:
