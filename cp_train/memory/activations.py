@@ -13,7 +13,7 @@ sequence-ordered copies of them for its heads), and the SwiGLU's gate, up and pr
 recomputed: ``swiglu`` and ``gated_silu`` in ``model/mlp.py``) (unless ``mlp_chunks`` > 1, which keeps only the
 MLP's input; not inside a checkpointed block). FP8 linears run eager (``model.fp8``) keep, under tensorwise,
 FP8 casts of their inputs (1 byte; the output projection's besides the attention's output) in place of the inputs
-(``fp8_inputs``); compiled runs are planned as bf16 ones. With sequence
+(``fp8_inputs``); compiled, neither recipe keeps them (cast again in the backward). With sequence
 parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the all-gathered inputs of the
 column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing keeps each block's input
 (``n / tp`` tokens under SP) and recomputes one block in the backward; ``selective`` keeps the input and what
@@ -46,26 +46,29 @@ from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorit
 
 def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, residual: int,
               algorithm: CPAlgorithm | None = None, ulysses: int = 1, sequence_parallel: bool = False,
-              cuda: bool = False, compiled: bool = False) -> Shapes:
+              cuda: bool = False, compiled: bool = False, fp8_keeps: str | None = None) -> Shapes:
     """``Shapes`` for ``tokens`` per rank of ``model`` at (tp, cp) with the CP ``algorithm`` (None: ring);
-    ``ulysses``: hybrid's ulysses_size; ``compiled``: ``train.compile``."""
+    ``ulysses``: hybrid's ulysses_size; ``compiled``: ``train.compile``; ``fp8_keeps``: what FP8 linears keep of
+    their inputs when not this project's (``Shapes.fp8_inputs``; None: ``fp8_inputs``)."""
     algorithm = algorithm or get_cp_algorithm("ring")
     degree = algorithm.head_degree(cp, ulysses) if cp > 1 else 1
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
                   model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, cp,
                   algorithm, degree, tp, sequence_parallel and tp > 1, cuda,
-                  swiglu_temporaries(model.fp8 != "none", compiled), fp8_inputs(model.fp8, compiled))
+                  swiglu_temporaries(model.fp8 != "none", compiled), fp8_keeps or fp8_inputs(model.fp8, compiled))
 
 
 def fp8_inputs(recipe: str, compiled: bool) -> str:
-    """What the FP8 linears of ``recipe`` keep of their inputs for the backward (``Shapes.fp8_inputs``). Eager,
-    tensorwise keeps the FP8 casts (``Float8Matmul`` casts once) and rowwise the inputs (torchao casts per GEMM).
-    Compiled, planned as bf16 linears ("kept"): Inductor's partition keeps nothing of them under either recipe and
-    casts them again in the backward (the partitioned graphs of a 1B block on CPU; an H200's 1B step at 16k kept
-    9.3 GiB less under FP8 than bf16, these inputs and autocast's weight copies being 9.2 GiB), but the planner's
-    published FP8 runs are Transformer Engine's, which keeps FP8 casts, and read the same plan."""
+    """What this project's FP8 linears of ``recipe`` keep of their inputs (and weights) for the backward
+    (``Shapes.fp8_inputs``). Eager, tensorwise keeps the FP8 casts ("fp8": ``Float8Matmul`` casts once) and
+    rowwise the inputs ("kept"; torchao casts per GEMM). Compiled, either recipe keeps nothing ("recomputed"):
+    Inductor's partition (AOTAutograd's min-cut) casts them again in the backward from what the block keeps anyway
+    (its input and the norms' scales, the gate/up output) and saved scales, where bf16 linears keep the QKV,
+    gate/up and down inputs and autocast's weight copies (read off the partitioned graphs of a 1B block on CPU; on
+    an H200, 2026-11-30, the 1B step at 16k kept 9.3 GiB less under FP8, where these come to 9.2 GiB).
+    The planner plans its published Transformer Engine runs' FP8 linears as bf16 ones ("bf16", ``fp8_keeps``)."""
     if compiled:
-        return "kept"
+        return "recomputed"
     return "fp8" if recipe == "tensorwise" else "kept"
 
 
@@ -91,8 +94,8 @@ def norm_kept(s: Shapes) -> int:
 
 def linear_input(s: Shapes) -> int:
     """Bytes per element a linear keeps of its input (``Shapes.fp8_inputs``): the compute dtype's (the input itself,
-    or autocast's copy), or 1 (an FP8 cast; the input is freed unless kept else)."""
-    return 1 if s.fp8_inputs == "fp8" else s.compute
+    or autocast's copy), 1 (an FP8 cast; the input is freed unless kept else) or 0 (cast again in the backward)."""
+    return {"kept": s.compute, "bf16": s.compute, "fp8": 1, "recomputed": 0}[s.fp8_inputs]
 
 
 def attention_half(s: Shapes) -> int:

@@ -148,10 +148,10 @@ def _reduces_per_step(config: Config) -> bool:
 
 
 def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, compute: int,
-                accumulation: int, activations: dict[str, int], state: tuple[int, int], foreach: bool
-                ) -> dict[str, tuple[int, int]]:
+                accumulation: int, activations: dict[str, int], state: tuple[int, int], foreach: bool,
+                fp8_keeps: str = "kept") -> dict[str, tuple[int, int]]:
     """``(gathered, activation)`` bytes of one rank at each moment of ``PHASES`` (see the module doc); ``state``:
-    the rank's parameter and gradient bytes."""
+    the rank's parameter and gradient bytes; ``fp8_keeps``: ``Shapes.fp8_inputs``."""
     tp_local = {name: p.numel() // (dims.tp if tensor_parallel_dim(p) is not None else 1) for name, p in full.items()}
     layers, in_fp8 = config.model.num_layers, gathered_in_fp8(config, full, dims)
     blocks, root = [0] * layers, 0  # each block's parameters ("layers.{i}.*") and the rest's
@@ -176,7 +176,7 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
         at_block += (kept or compute * (head_weight + max(blocks))) + 4 * max(blocks)  # + a reduce-scatter in flight
         held = 0  # the head's gradient is the root's unsharded gradient above
     else:
-        at_head = weight_copies(config, fp8_weights(config, full, dims), every, compute)  # autocast's, FP8's
+        at_head = weight_copies(config, fp8_weights(config, full, dims), every, compute, fp8_keeps)  # autocast's, FP8's
         if accumulating and dims.dp * dims.cp > 1:  # DDP's no_sync: gradients outside the buckets
             at_head += 4 * every
         at_block = at_head
@@ -209,17 +209,17 @@ def gathered_in_fp8(config: Config, full: dict[str, torch.nn.Parameter], dims: P
             if fsdp_gathers_fp8(shape, tensor_parallel_dim(full[name]) == 0, dims.tp, shards)}
 
 
-def weight_copies(config: Config, fp8: dict[str, list[int]], every: int, compute: int) -> int:
+def weight_copies(config: Config, fp8: dict[str, list[int]], every: int, compute: int, keeps: str) -> int:
     """Without FSDP, the copies of the ``every`` (TP-local) weight elements autograd keeps from the forward to the
     backward: autocast's bf16 copy of each (``compute`` 2; none in fp32), except that an FP8 linear (``fp8``:
-    ``fp8_weights``) run eager keeps the weight itself under rowwise (torchao casts it per GEMM) and its FP8 cast
-    under tensorwise (1 byte: ``Float8Matmul`` casts it once). Compiled runs are planned as bf16 ones
-    (``activations.fp8_inputs``)."""
+    ``fp8_weights``) keeps its weight's FP8 cast (1 byte) where it keeps FP8 casts of its inputs (``keeps``
+    "fp8", ``Shapes.fp8_inputs``), else the weight itself (torchao casts per GEMM; compiled, Inductor casts again),
+    unless planned as a bf16 linear (``keeps`` "bf16")."""
     copies = compute * every if compute == 2 else 0
-    if config.model.fp8 == "none" or config.train.compile:
+    if config.model.fp8 == "none" or keeps == "bf16":
         return copies
     in_fp8 = sum(math.prod(shape) for shape in fp8.values())
-    return copies - (compute * in_fp8 if compute == 2 else 0) + (in_fp8 if config.model.fp8 == "tensorwise" else 0)
+    return copies - (compute * in_fp8 if compute == 2 else 0) + (in_fp8 if keeps == "fp8" else 0)
 
 
 def dry_run_vocab(config: Config) -> int:
@@ -248,11 +248,11 @@ def with_vocab(config: Config) -> Config:
     return replace(config, model=replace(config.model, vocab_size=dry_run_vocab(config)))
 
 
-def memory_plan(config: Config, world: int, only: list[int] | None = None
+def memory_plan(config: Config, world: int, only: list[int] | None = None, fp8_keeps: str | None = None
                 ) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, Any]]:
     """Every rank's memory (or the ranks ``only``) for ``config`` on ``world`` ranks: the layout, per rank
     figures, the activation estimate's terms and the assumptions (device, dtypes, tokens). ``config`` is not
-    changed."""
+    changed. ``fp8_keeps``: what another framework's FP8 linears keep (``activations.shapes_of``)."""
     config = with_vocab(config)
     dp = validate(config, world)
     parallel = config.parallel
@@ -265,7 +265,7 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None
     accumulation = config.train.global_batch_size // (config.train.micro_batch_size * dp)
     shapes = shapes_of(config.model, tokens, dims.tp, dims.cp, compute, compute if fsdp else 4,
                        get_cp_algorithm(parallel.cp_algorithm), parallel.ulysses_size,
-                       parallel.sequence_parallel_on, cuda=cuda, compiled=config.train.compile)
+                       parallel.sequence_parallel_on, cuda=cuda, compiled=config.train.compile, fp8_keeps=fp8_keeps)
     activations = activation_estimate(config.model, shapes)
     optimizer = config.optimizer
     foreach = adamw_implementation(optimizer, "cuda" if cuda else "cpu") == "foreach"  # apex: neither torch kernel
@@ -277,7 +277,8 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None
         if key not in _STATE:  # the planner asks for the same state under many activation settings
             _STATE[key] = rank_state(config, full, dims, rank)
         params, grads, moments = _STATE[key]
-        phases = phase_bytes(config, full, dims, compute, accumulation, activations, (params, grads), foreach)
+        phases = phase_bytes(config, full, dims, compute, accumulation, activations, (params, grads), foreach,
+                             shapes.fp8_inputs)
         phase = max(phases, key=lambda name: sum(phases[name]))
         ranks.append(RankMemory(rank, params, grads, moments, *phases[phase], phase))
     assumed = {"device": "cuda" if cuda else "cpu", "compute": "bf16" if bf16 else "fp32", "tokens_per_rank": tokens,

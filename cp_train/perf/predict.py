@@ -183,11 +183,13 @@ def breakdown(work: Workload, rates: DeviceRates, documents: tuple[int, ...] | N
 
 
 def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, device_gib: float,
-            reserve_gib: float, documents: tuple[int, ...] | None = None) -> Prediction:
+            reserve_gib: float, documents: tuple[int, ...] | None = None, fp8_keeps: str | None = None
+            ) -> Prediction:
     """``config`` (validated by the dry run's ``memory_plan``) on ``world`` ranks of a device with ``rates``;
     ``documents``: the lengths of the documents packed into each sample (``documents.py``; None: one document
-    per sample, or ``data.document_mask`` off)."""
-    dims, ranks, activations, assumed = memory_plan(config, world, only=[0])  # rank 0 holds FSDP's largest shards
+    per sample, or ``data.document_mask`` off); ``fp8_keeps``: ``memory_plan``'s, for another framework's run."""
+    # rank 0 holds FSDP's largest shards
+    dims, ranks, activations, assumed = memory_plan(config, world, only=[0], fp8_keeps=fp8_keeps)
     config = replace(with_vocab(config), parallel=replace(config.parallel, dp=dims.dp))  # ``config`` is not changed
     compute = 2 if assumed["compute"] == "bf16" else 4
     work = build_workload(config, world, compute, documents if config.data.document_mask else None)

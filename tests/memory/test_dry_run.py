@@ -108,13 +108,15 @@ def test_fsdp_reduce_auto_is_per_step_where_it_fits_else_per_microbatch() -> Non
 
 def test_tensorwise_fp8_gathers_the_block_linears_at_one_byte() -> None:
     """8B, cp 8, FSDP: a block's backward holds two gathered blocks; tensorwise gathers their linear weights in FP8
-    (1 byte, not bf16's 2), rowwise in bf16; over 24 ranks (dp 3) only the q/k/v weight (6,144 rows) splits evenly,
-    and the others gather in bf16."""
+    (1 byte, not bf16's 2), rowwise in bf16 (compiled, both keep less activation memory than bf16); over 24 ranks
+    (dp 3) only the q/k/v weight (6,144 rows) splits evenly, and the others gather in bf16."""
     linears = {x.name: x.in_features * x.out_features for x in get_model_family("llama").block_linears(_8b().model)}
     plans = {fp8: memory_plan(_8b(f"model.fp8={fp8}"), 8, only=[0])[1][0] for fp8 in ("none", "tensorwise", "rowwise")}
     assert {plan.phase for plan in plans.values()} == {"block"}, plans
     assert plans["none"].gathered_bytes - plans["tensorwise"].gathered_bytes == 2 * sum(linears.values()), plans
-    assert plans["rowwise"] == plans["none"], plans  # compiled (the config's): planned as bf16 linears
+    assert plans["rowwise"].gathered_bytes == plans["none"].gathered_bytes, plans
+    # compiled (the config's), FP8 linears of either recipe keep nothing of their inputs: cast again in the backward
+    assert plans["rowwise"].activation_bytes == plans["tensorwise"].activation_bytes < plans["none"].activation_bytes
     uneven = [memory_plan(_8b(f"model.fp8={fp8}", "train.global_batch_size=3"), 24, only=[0])[1][0]
               for fp8 in ("none", "tensorwise")]
     assert uneven[0].gathered_bytes - uneven[1].gathered_bytes == 2 * linears["qkv"], (uneven, linears)
@@ -204,3 +206,49 @@ def test_fp8_linears_keep_what_the_plan_says(spawn_world, corpus, tmp_path) -> N
     assert change["tensorwise"]["measured"] < 0, records  # FP8 inputs kept in place of fp32 ones
     assert abs(change["tensorwise"]["planned"] / change["tensorwise"]["measured"] - 1) <= 0.1, change
     assert change["rowwise"] == {"planned": 0, "measured": 0}, change
+
+
+def test_compiled_fp8_blocks_keep_what_inductors_partition_keeps() -> None:
+    """What a compiled block's backward receives (AOTAutograd's min-cut partition, Inductor's): bf16 linears keep
+    their QKV, gate/up and down inputs and autocast's weight copies; tensorwise FP8 linears (torchao's real
+    ``_scaled_mm`` on CPU) none of them, cast again in the backward (from the block's input, the norms' scales and the
+    gate/up output, which both keep, and saved scales). The plan's difference is the graphs' to the byte."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from cp_train.memory.activations import block_terms, shapes_of
+    from cp_train.model.config import ModelConfig
+    from cp_train.model.gpt import GPTModel
+    from cp_train.parallel.tp.fp8 import Float8Matmul, float8_config
+    from tests.model_cases import global_batch
+
+    config = ModelConfig(vocab_size=128, num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=192, max_position_embeddings=128)
+    tokens, kept = 128, {}
+    for fp8 in (False, True):
+        torch._dynamo.reset()
+        model, saved = GPTModel(config), []
+
+        def record(graph, inputs, saved=saved):  # the backward's inputs but the tangents and the block's own inputs
+            saved.extend(node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"
+                         and not node.name.startswith(("tangents", "primals")))
+            return graph
+
+        block = model.layers[0]
+        if fp8:
+            matmul = Float8Matmul(float8_config("tensorwise", emulate=False))
+            for linear in (block.attention.qkv, block.attention.proj, block.mlp.gate_up, block.mlp.down):
+                linear.linear_fn = matmul
+        backend = aot_autograd(fw_compiler=lambda graph, inputs: graph, bw_compiler=record,
+                               partition_fn=min_cut_rematerialization_partition)
+        block._checkpointed = torch.compile(block._checkpointed, backend=backend, fullgraph=True)
+        batch = global_batch(config, seq=tokens, batch=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(batch["tokens"], batch["positions"], batch["labels"])
+        loss.float().sum().backward()
+        kept[fp8] = sum(t.nbytes for t in saved if isinstance(t, torch.Tensor) and t.dim())  # scales, amax aside
+    weights = sum(p.numel() for name, p in model.layers[0].named_parameters() if p.dim() == 2)
+    shapes = {mode: shapes_of(dataclasses.replace(config, fp8="tensorwise"), tokens, 1, 1, 2, 4, cuda=True,
+                              compiled=True, fp8_keeps=mode) for mode in ("kept", None)}  # None: the dry run's own
+    planned = (block_terms(config, shapes["kept"])[1] - block_terms(config, shapes[None])[1]) + 2 * weights
+    assert kept[False] - kept[True] == planned > 0, (kept, planned)

@@ -45,7 +45,8 @@ class Shapes:
     cuda: bool = False  # CUDA: fused RMSNorm (input and a per-token scale kept), GQA-native kernels, 2 head chunks
     swiglu_temps: int = 1  # [n, ffn] temporaries of the SwiGLU's backward (``memory/activations.py``)
     # what an FP8 block's linears keep of their inputs (``memory/activations.py``): "kept" (the compute dtype's, as
-    # bf16 linears do) or "fp8" (an FP8 cast, 1 byte)
+    # bf16 linears do), "fp8" (an FP8 cast, 1 byte), "recomputed" (nothing: cast again in the backward) or "bf16"
+    # (planned as bf16 linears, their weights' autocast copies too)
     fp8_inputs: str = "kept"
 
     @property
