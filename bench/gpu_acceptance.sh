@@ -77,8 +77,9 @@ for part in $PARTS; do
         python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
         ;;
     tests)
-        run_part tests 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+        run_part tests 300 python3 -m pytest -q -p no:cacheprovider -rfE --durations=12 tests/gpu
         grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12
+        grep -E "^[0-9.]+s (call|setup)" "$OUT/tests.log" | head -12  # where the part's 200 s go, for the next plan
         ;;
     graphs)
         run_part graphs 90 bash -c "python3 -m bench.cudnn_graphs --steps 12 --no-warm && python3 -m bench.cudnn_graphs --steps 12"
