@@ -25,7 +25,8 @@
 #
 # Measured on an H200 (2026-11-30): setup 25 s (with the machine's start, about 90 s), tests 206 s, graphs 12 s,
 # profile 82 s, offload at 64k 159 s (its four cases done, stopped at its limit on the way out), fp8 about 80 s a
-# variant. Two calls fit a 15-minute lease: `setup tests graphs profile` (~330 s), then `setup offload fp8`.
+# variant. The next lease (2026-12-02): `setup tests` (~230 s), then `setup ragged fp8-gemms` (~480 s); issue 49's
+# `setup fp8` (~300 s) and the other fp8 parts need another.
 #   fp8-profile (not run by default; about 90 s) the step profile of fp8's tensorwise run (no FSDP, one sample of
 #            16,384 tokens): kernel time by kind, and fp8_s: the FP8 GEMMs' time and the scales' amax reductions
 #   fp8-8b   (not run by default) bench.fp8 at Llama-3.1-8B's layer shape (hidden 4096, 32 heads, 8 kv heads, ffn
