@@ -67,6 +67,8 @@ def fp8_inputs(recipe: str, compiled: bool) -> str:
     gate/up and down inputs and autocast's weight copies (read off the partitioned graphs of a 1B block on CPU; on
     an H200, 2026-11-30, the 1B step at 16k kept 9.3 GiB less under FP8, where these come to 9.2 GiB).
     The planner plans its published Transformer Engine runs' FP8 linears as bf16 ones ("bf16", ``fp8_keeps``)."""
+    if recipe == "none":
+        return "kept"
     if compiled:
         return "recomputed"
     return "fp8" if recipe == "tensorwise" else "kept"
