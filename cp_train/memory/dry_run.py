@@ -11,9 +11,9 @@ copies ("gathered") and its activations (``activations.py``):
 - the head's backward in the last micro-batch: every block's activations, the head's working set; FSDP's
   gathered root and last block (every block without resharding after forward; tensorwise FP8 gathers the block
   linears' weights at 1 byte, ``gathered_in_fp8``), or without FSDP autocast's bf16 copies of the weights
-  (tensorwise FP8 linears: their weights' FP8 casts; ``weight_copies``); the unsharded fp32 gradients of every
-  parameter while gradients accumulate (FSDP with ``parallel.fsdp_reduce`` per_step, in place of the sharded ones
-  the state counts; DDP keeps the earlier micro-batches' gradients outside its buckets);
+  (FP8 linears: their weights' FP8 casts under tensorwise run eager, else none; ``weight_copies``); the unsharded
+  fp32 gradients of every parameter while gradients accumulate (FSDP with ``parallel.fsdp_reduce`` per_step, in
+  place of the sharded ones the state counts; DDP keeps the earlier micro-batches' gradients outside its buckets);
 - a block's backward: the blocks' activations (with activation offload the prefetch window besides,
   ``offload.py``), the recomputed block and its working set; FSDP's root and two
   blocks (the current one and the next one's gather), the root's unsharded gradient (the head's) and the block's,
@@ -176,7 +176,8 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
         at_block += (kept or compute * (head_weight + max(blocks))) + 4 * max(blocks)  # + a reduce-scatter in flight
         held = 0  # the head's gradient is the root's unsharded gradient above
     else:
-        at_head = weight_copies(config, fp8_weights(config, full, dims), every, compute, fp8_keeps)  # autocast's, FP8's
+        fp8 = fp8_weights(config, full, dims) if config.model.fp8 != "none" else {}
+        at_head = weight_copies(config, fp8, every, compute, fp8_keeps)  # autocast's copies, FP8's
         if accumulating and dims.dp * dims.cp > 1:  # DDP's no_sync: gradients outside the buckets
             at_head += 4 * every
         at_block = at_head
