@@ -26,7 +26,13 @@ Two moments of the backward compete for the peak (``activation_estimate`` gives 
 transient parameter and gradient copies of each and takes the larger): the head's backward, with every block's
 tensors kept (one chunk's logits, the head's fp32 weight gradient and its matmul's product, ``dx``), and a block's
 backward (the recomputed block, then the MLP's gradients, or the attention's with the CP algorithm's buffers of
-``attention_memory.py`` once the MLP half is freed).
+``attention_buffers`` once the MLP half is freed).
+The CP attention (``attention_kept``, ``attention_buffers``): every algorithm's operator keeps q, k, v, its
+output and fp32 lse (``parallel/cp/op.py``); the algorithm reports what it keeps beyond that and its transient
+working set (``CPAlgorithm.kept_bytes`` and ``buffer_bytes``: the ring's blocks in flight and fp32 dK/dV
+accumulators, the all-gather's gathered chunks, Ulysses' all-to-all buffers and sequence-ordered copies); here
+the parts every algorithm has, the output accumulator (forward) or the incoming gradient (backward), and one
+rank's local kernel (on CPU K/V repeated to every query head, GQA, and their gradients too).
 Checked against the measured peak of real training steps by ``bench/dry_run_check.py``.
 
 With ``model.activation_offload`` the blocks' term is what stays on the device and a block's backward holds the
@@ -37,10 +43,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cp_train.memory import attention_memory
-from cp_train.memory.attention_memory import Shapes
 from cp_train.memory.offload import device_terms, offload_plan
 from cp_train.model.config import ModelConfig
+from cp_train.parallel.cp.algorithms.costs import ACC, Shapes, expanded
 from cp_train.parallel.cp.algorithms.registry import CPAlgorithm, get_cp_algorithm
 
 
@@ -55,7 +60,8 @@ def shapes_of(model: ModelConfig, tokens: int, tp: int, cp: int, compute: int, r
     return Shapes(tokens, model.hidden_size, model.num_heads // tp, model.num_kv_heads // tp, model.head_dim,
                   model.ffn_hidden_size // tp, model.vocab_size // tp, compute, residual, cp,
                   algorithm, degree, tp, sequence_parallel and tp > 1, cuda,
-                  swiglu_temporaries(model.fp8 != "none", compiled), fp8_keeps or fp8_inputs(model.fp8, compiled))
+                  swiglu_temporaries(model.fp8 != "none", compiled), fp8_keeps or fp8_inputs(model.fp8, compiled),
+                  compiled)
 
 
 def fp8_inputs(recipe: str, compiled: bool) -> str:
@@ -85,6 +91,26 @@ def swiglu_temporaries(fp8: bool, compiled: bool) -> int:
     return 4 if fp8 else 1
 
 
+def attention_kept(s: Shapes) -> int:
+    """What the CP attention keeps for the backward: q, k, v, output and fp32 lse (and its algorithm's own)."""
+    io = s.n * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.compute + s.n * s.heads * ACC
+    return io + (s.algorithm.kept_bytes(s) if s.cp > 1 else 0)
+
+
+def attention_buffers(s: Shapes, backward: bool) -> int:
+    """The CP attention's transient working set in its forward or ``backward`` beyond what it keeps, with the
+    incoming gradient and the dq, dk, dv it returns."""
+    d, c = s.head_dim, s.compute
+    if not backward:
+        out = s.n * s.heads * (d + 1) * ACC if c < ACC else 0  # the fp32 output accumulator before its cast
+    else:  # dout
+        out = s.n * s.heads * d * c
+    if s.cp == 1:  # the kernel's dq, dk, dv
+        qkv = s.n * (s.heads + 2 * s.kv_heads) * d
+        return out + (qkv * c if backward else 0) + expanded(s, s.n, s.heads, s.kv_heads, backward)
+    return out + s.algorithm.buffer_bytes(s, backward)
+
+
 def _stream(s: Shapes) -> int:
     return s.stream * s.hidden * s.residual
 
@@ -100,22 +126,37 @@ def linear_input(s: Shapes) -> int:
     return {"kept": s.compute, "bf16": s.compute, "fp8": 1, "recomputed": 0}[s.fp8_inputs]
 
 
+def rope_copies(s: Shapes) -> int:
+    """A compiled block's own casts of the rope tables to the compute dtype, cos and sin ``[n, head_dim / 2]``
+    each (eager blocks share the fp32 tables)."""
+    return s.n * s.head_dim * s.compute if s.compiled and s.compute < 4 else 0
+
+
+def mid_stream(s: Shapes) -> int:
+    """The stream between the attention and the MLP, which the MLP's norm needs: eager, the residual sum itself;
+    compiled, the output projection's output in the compute dtype (Inductor's partition adds the block's input,
+    kept anyway, to it again in the backward)."""
+    return s.stream * s.hidden * min(s.residual, s.compute) if s.compiled else _stream(s)
+
+
 def attention_half(s: Shapes) -> int:
     """The attention half of a block without checkpointing: the block's input, the norm, the QKV input (all ``n``
     tokens, gathered under SP) and what the attention keeps (its output is the output projection's input; an FP8
-    projection that keeps FP8 casts keeps one of it besides)."""
+    projection that keeps FP8 casts keeps one of it besides; compiled, the rope tables' casts)."""
     fp8_copy = s.n * s.heads * s.head_dim if s.fp8_inputs == "fp8" else 0
-    return _stream(s) + norm_kept(s) + s.n * s.hidden * linear_input(s) + attention_memory.kept(s) + fp8_copy
+    return (_stream(s) + norm_kept(s) + s.n * s.hidden * linear_input(s) + attention_kept(s) + fp8_copy
+            + rope_copies(s))
 
 
 def mlp_half(s: Shapes, chunks: int) -> int:
-    """The MLP half: the stream after attention, the norm, the gate/up input (one matmul) and gate, up and product
-    ``[n, ffn/tp]`` (``model/mlp.py``'s ``swiglu`` eager, ``gated_silu`` compiled and under FP8: silu recomputed;
-    the product is the down projection's input, ``linear_input``); chunked (``chunks`` > 1) only the MLP's input."""
+    """The MLP half: the stream after attention (``mid_stream``), the norm, the gate/up input (one matmul) and
+    gate, up and product ``[n, ffn/tp]`` (``model/mlp.py``'s ``swiglu`` eager, ``gated_silu`` compiled and under
+    FP8: silu recomputed; the product is the down projection's input, ``linear_input``); chunked (``chunks`` > 1)
+    only the MLP's input."""
     if chunks > 1:
         return _stream(s) + norm_kept(s) + s.n * s.hidden * s.residual
     intermediates = 2 * s.n * s.ffn * s.compute + s.n * s.ffn * linear_input(s)
-    return _stream(s) + norm_kept(s) + s.n * s.hidden * linear_input(s) + intermediates
+    return mid_stream(s) + norm_kept(s) + s.n * s.hidden * linear_input(s) + intermediates
 
 
 def mlp_backward(s: Shapes, chunks: int) -> int:
@@ -131,7 +172,7 @@ def block_backward(s: Shapes, chunks: int, recomputed: int) -> int:
     the MLP's backward (``recomputed``: what the checkpoint recomputed, if any) and the attention's, which runs
     once the MLP half's tensors are freed. ``chunks``: the MLP's slices in the backward."""
     mlp = recomputed + mlp_backward(s, chunks)
-    attention = recomputed - mlp_half(s, chunks) + attention_memory.buffers(s, backward=True)
+    attention = recomputed - mlp_half(s, chunks) + attention_buffers(s, backward=True)
     return _stream(s) + max(mlp, attention)
 
 
@@ -172,13 +213,13 @@ def block_terms(model: ModelConfig, s: Shapes) -> tuple[int, int, int]:
     if mode == "none":
         return block, block, block_backward(s, chunks, 0)
     if mode == "full":  # the recompute runs the attention's forward again (its buffers) before the backward
-        forward = attention_half(s) - block_input + attention_memory.buffers(s, backward=False)
+        forward = attention_half(s) - block_input + attention_buffers(s, backward=False)
         return block, block_input, max(forward, block_backward(s, 1, block - block_input))
     # selective: the CP attention keeps its tensors; the MLP side, then the QKV side are recomputed
-    kept = block_input + attention_memory.kept(s)
+    kept = block_input + attention_kept(s)
     qkv_side = attention_half(s) - kept
     return block, kept, max(block_backward(s, 1, mlp_half(s, 1)),
-                            _stream(s) + qkv_side + attention_memory.buffers(s, True))
+                            _stream(s) + qkv_side + attention_buffers(s, True))
 
 
 def activation_estimate(model: ModelConfig, s: Shapes) -> dict[str, int]:

@@ -5,22 +5,9 @@ and FSDP shards (FSDP2's shapes: ``torch.chunk`` pieces, the parameter and gradi
 largest piece); the rank's AdamW steps once on meta gradients, creating its state on the meta device. The
 bytes of these tensors are the rank's state, as the run's ``setup`` record measures it.
 
-On top of the state, three moments of a step compete for the peak (``phase_bytes``), each with its transient
-copies ("gathered") and its activations (``activations.py``):
-
-- the head's backward in the last micro-batch: every block's activations, the head's working set; FSDP's
-  gathered root and last block (every block without resharding after forward; tensorwise FP8 gathers the block
-  linears' weights at 1 byte, ``gathered_in_fp8``), or without FSDP autocast's bf16 copies of the weights
-  (FP8 linears: their weights' FP8 casts under tensorwise run eager, else none; ``weight_copies``); the unsharded
-  fp32 gradients of every parameter while gradients accumulate (FSDP with ``parallel.fsdp_reduce`` per_step, in
-  place of the sharded ones the state counts; DDP keeps the earlier micro-batches' gradients outside its buckets);
-- a block's backward: the blocks' activations (with activation offload the prefetch window besides,
-  ``offload.py``), the recomputed block and its working set; FSDP's root and two
-  blocks (the current one and the next one's gather), the root's unsharded gradient (the head's) and the block's,
-  and the previous block's reduce-scatter in flight; without FSDP a tied head's gradient, held until the
-  embedding's backward;
-- the optimizer step: foreach AdamW's temporaries (one fp32 tensor per parameter; the fused kernels, the default,
-  have none).
+On top of the state, three moments of a step compete for the peak (``phases.py``: the head's backward, a
+block's backward, the optimizer step), each with its transient copies ("gathered"), its activations
+(``activations.py``) and the state's gradients the backward has not made yet.
 
 ``parallel.fsdp_reduce: auto`` is resolved on these plans by ``fsdp_reduce.py``, the same way by the dry run and
 by the trainer.
@@ -44,6 +31,7 @@ from cp_train.data.default_corpus import DEFAULT_VOCAB_SIZE
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
 from cp_train.memory.activations import activation_estimate, shapes_of
 from cp_train.memory.offload import offload_plan
+from cp_train.memory.phases import phase_bytes
 from cp_train.memory.state_bytes import optimizer_state_bytes
 from cp_train.model.config import ModelConfig
 from cp_train.model.meta import meta_model
@@ -52,11 +40,9 @@ from cp_train.model.shards import tensor_parallel_dim
 from cp_train.optim import adamw_implementation
 from cp_train.parallel.cp.algorithms.registry import get_cp_algorithm
 from cp_train.parallel.mesh.rank_groups import ParallelDims
-from cp_train.parallel.tp.fp8 import fsdp_gathers_fp8
 
 GIB = 2.0**30
 RESERVE_GIB, RESERVE_FRACTION = 3.0, 0.05  # the default reserve: the CUDA context, NCCL, fragmentation
-PHASES = {"head": "the head's backward", "block": "a block's backward", "optimizer": "the optimizer step"}
 
 
 @dataclass(frozen=True)
@@ -68,14 +54,20 @@ class RankMemory:
     gathered_bytes: int  # transient at the peak: gathered or cast parameters, unsharded gradients, temporaries
     activation_bytes: int  # at the peak
     phase: str = "head"  # the moment of the peak (``PHASES``)
+    unmade_gradient_bytes: int = 0  # the state's gradients not made yet at the peak (``phases.gradients_made``)
 
     @property
     def state_bytes(self) -> int:
+        """The state after a step (what the run's ``setup`` record measures)."""
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
 
     @property
+    def gradients_at_peak(self) -> int:
+        return self.gradient_bytes - self.unmade_gradient_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.gathered_bytes + self.activation_bytes
+        return self.state_bytes - self.unmade_gradient_bytes + self.gathered_bytes + self.activation_bytes
 
 
 def reserve_gib(device_gib: float, fixed: float = RESERVE_GIB, fraction: float = RESERVE_FRACTION) -> float:
@@ -141,88 +133,6 @@ def rank_state(config: Config, full: dict[str, torch.nn.Parameter], dims: Parall
     return sum(stored), sum(stored), optimizer_state_bytes(config.optimizer, held)
 
 
-def _reduces_per_step(config: Config) -> bool:
-    """FSDP keeps unsharded gradients between micro-batches: ``fsdp_reduce`` per_step (auto unresolved counts as
-    per_step, the larger)."""
-    return config.parallel.fsdp_reduce != "per_microbatch"
-
-
-def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims, compute: int,
-                accumulation: int, activations: dict[str, int], state: tuple[int, int], foreach: bool,
-                fp8_keeps: str = "kept") -> dict[str, tuple[int, int]]:
-    """``(gathered, activation)`` bytes of one rank at each moment of ``PHASES`` (see the module doc); ``state``:
-    the rank's parameter and gradient bytes; ``fp8_keeps``: ``Shapes.fp8_inputs``."""
-    tp_local = {name: p.numel() // (dims.tp if tensor_parallel_dim(p) is not None else 1) for name, p in full.items()}
-    layers, in_fp8 = config.model.num_layers, gathered_in_fp8(config, full, dims)
-    blocks, root = [0] * layers, 0  # each block's parameters ("layers.{i}.*") and the rest's
-    gathered = [0] * layers  # each block's bytes gathered: compute, 1 for weights FSDP gathers in FP8
-    for name, n in tp_local.items():
-        if name.startswith("layers."):
-            index = int(name.split(".", 2)[1])
-            blocks[index] += n
-            gathered[index] += n * (1 if name in in_fp8 else compute)
-        else:
-            root += n
-    every = root + sum(blocks)
-    head_weight = config.model.vocab_size // dims.tp * config.model.hidden_size
-    accumulating = accumulation > 1
-    if config.parallel.fsdp:
-        reshard = config.parallel.fsdp_reshard_after_forward
-        # the unsharded fp32 gradients summed over the micro-batches, in place of the sharded ones (counted in the
-        # state), which the last micro-batch's reduce-scatters make as they free them
-        kept = max(0, 4 * every - state[1]) if accumulating and _reduces_per_step(config) else 0
-        at_head = compute * root + (gathered[-1] if reshard else sum(gathered)) + kept
-        at_block = compute * root + (min(2, layers) * max(gathered) if reshard else sum(gathered))
-        at_block += (kept or compute * (head_weight + max(blocks))) + 4 * max(blocks)  # + a reduce-scatter in flight
-        held = 0  # the head's gradient is the root's unsharded gradient above
-    else:
-        fp8 = fp8_weights(config, full, dims) if config.model.fp8 != "none" else {}
-        at_head = weight_copies(config, fp8, every, compute, fp8_keeps)  # autocast's copies, FP8's
-        if accumulating and dims.dp * dims.cp > 1:  # DDP's no_sync: gradients outside the buckets
-            at_head += 4 * every
-        at_block = at_head
-        held = 4 * head_weight if config.model.tie_embeddings else 0  # summed with the embedding's at its backward
-    return {"head": (at_head, activations["blocks"] + activations["head"] + activations["head_backward"]),
-            "block": (at_block, activations["blocks"] + activations["window"] + activations["block_backward"] + held),
-            "optimizer": (state[0] if foreach else 0, 0)}
-
-
-def fp8_weights(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims) -> dict[str, list[int]]:
-    """The weights whose linears compute in FP8 (``model.fp8``: the TP linears of ``ModelConfig.fp8_blocks``), with
-    their TP-local shapes."""
-    chosen, shapes = set(config.model.fp8_blocks), {}
-    for name, param in full.items():
-        tp_dim, parts = tensor_parallel_dim(param), name.split(".", 2)
-        if parts[0] != "layers" or int(parts[1]) not in chosen or param.dim() != 2 or tp_dim is None:
-            continue
-        shapes[name] = list(param.shape)
-        shapes[name][tp_dim] //= dims.tp
-    return shapes
-
-
-def gathered_in_fp8(config: Config, full: dict[str, torch.nn.Parameter], dims: ParallelDims) -> set[str]:
-    """The block weights FSDP all-gathers in FP8, 1 byte an element (``parallel/tp/fp8.py``): under tensorwise FP8
-    with FSDP, the FP8 linears' weights (``fp8_weights``) whose sharded dim splits evenly."""
-    if config.model.fp8 != "tensorwise" or not config.parallel.fsdp:
-        return set()
-    shards = dims.data // config.parallel.dp_replicate
-    return {name for name, shape in fp8_weights(config, full, dims).items()
-            if fsdp_gathers_fp8(shape, tensor_parallel_dim(full[name]) == 0, dims.tp, shards)}
-
-
-def weight_copies(config: Config, fp8: dict[str, list[int]], every: int, compute: int, keeps: str) -> int:
-    """Without FSDP, the copies of the ``every`` (TP-local) weight elements autograd keeps from the forward to the
-    backward: autocast's bf16 copy of each (``compute`` 2; none in fp32), except that an FP8 linear (``fp8``:
-    ``fp8_weights``) keeps its weight's FP8 cast (1 byte) where it keeps FP8 casts of its inputs (``keeps``
-    "fp8", ``Shapes.fp8_inputs``), else the weight itself (torchao casts per GEMM; compiled, Inductor casts again),
-    unless planned as a bf16 linear (``keeps`` "bf16")."""
-    copies = compute * every if compute == 2 else 0
-    if config.model.fp8 == "none" or keeps == "bf16":
-        return copies
-    in_fp8 = sum(math.prod(shape) for shape in fp8.values())
-    return copies - (compute * in_fp8 if compute == 2 else 0) + (in_fp8 if keeps == "fp8" else 0)
-
-
 def dry_run_vocab(config: Config) -> int:
     """``model.vocab_size``, else the one training would take from the tokenizer (padded to a multiple of 128):
     the embedded corpus's, or ``data.tokenizer``'s when that file is on this machine."""
@@ -253,7 +163,9 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None, fp8_k
                 ) -> tuple[ParallelDims, list[RankMemory], dict[str, int], dict[str, Any]]:
     """Every rank's memory (or the ranks ``only``) for ``config`` on ``world`` ranks: the layout, per rank
     figures, the activation estimate's terms and the assumptions (device, dtypes, tokens). ``config`` is not
-    changed. ``fp8_keeps``: what another framework's FP8 linears keep (``activations.shapes_of``)."""
+    changed. ``fp8_keeps``: what another framework's FP8 linears keep (``activations.shapes_of``); given, its blocks
+    are planned as eager ones whatever ``train.compile`` (what a compiled block keeps is Inductor's partition of
+    this trainer's block)."""
     config = with_vocab(config)
     dp = validate(config, world)
     parallel = config.parallel
@@ -266,7 +178,8 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None, fp8_k
     accumulation = config.train.global_batch_size // (config.train.micro_batch_size * dp)
     shapes = shapes_of(config.model, tokens, dims.tp, dims.cp, compute, compute if fsdp else 4,
                        get_cp_algorithm(parallel.cp_algorithm), parallel.ulysses_size,
-                       parallel.sequence_parallel_on, cuda=cuda, compiled=config.train.compile, fp8_keeps=fp8_keeps)
+                       parallel.sequence_parallel_on, cuda=cuda, compiled=config.train.compile and fp8_keeps is None,
+                       fp8_keeps=fp8_keeps)
     activations = activation_estimate(config.model, shapes)
     optimizer = config.optimizer
     foreach = adamw_implementation(optimizer, "cuda" if cuda else "cpu") == "foreach"  # apex: neither torch kernel
@@ -280,8 +193,9 @@ def memory_plan(config: Config, world: int, only: list[int] | None = None, fp8_k
         params, grads, moments = _STATE[key]
         phases = phase_bytes(config, full, dims, compute, accumulation, activations, (params, grads), foreach,
                              shapes.fp8_inputs)
-        phase = max(phases, key=lambda name: sum(phases[name]))
-        ranks.append(RankMemory(rank, params, grads, moments, *phases[phase], phase))
+        phase = max(phases, key=lambda name: phases[name][0] + phases[name][1] - phases[name][2])
+        gathered, activation, unmade = phases[phase]
+        ranks.append(RankMemory(rank, params, grads, moments, gathered, activation, phase, unmade))
     assumed = {"device": "cuda" if cuda else "cpu", "compute": "bf16" if bf16 else "fp32", "tokens_per_rank": tokens,
                "accumulation": accumulation, "parameters": sum(p.numel() for p in full.values()),
                "sequence_parallel": shapes.sequence_parallel, "algorithm": shapes.algorithm,

@@ -7,14 +7,7 @@ from typing import NamedTuple
 
 from cp_train.config.schema import Config
 from cp_train.memory.communicators import communicator_lines, communicators
-from cp_train.memory.dry_run import (
-    GIB,
-    PHASES,
-    RankMemory,
-    memory_plan,
-    sig3,
-    with_vocab,
-)
+from cp_train.memory.dry_run import GIB, RankMemory, memory_plan, sig3, with_vocab
 from cp_train.memory.fsdp_reduce import resolve_fsdp_reduce, with_reduce
 from cp_train.memory.offload import (
     HOST_USABLE_FRACTION,
@@ -25,6 +18,7 @@ from cp_train.memory.offload import (
     host_hint,
     ranks_per_node,
 )
+from cp_train.memory.phases import PHASES
 
 
 class DryRunReport(NamedTuple):
@@ -77,10 +71,14 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
         lines += held
     header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
     rows = [header] + [(str(r.rank), *(sig3(b / GIB) for b in (
-        r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes, r.state_bytes, r.gathered_bytes,
-        r.activation_bytes, r.total_bytes))) for r in ranks]
+        r.parameter_bytes, r.gradients_at_peak, r.optimizer_bytes, r.state_bytes - r.unmade_gradient_bytes,
+        r.gathered_bytes, r.activation_bytes, r.total_bytes))) for r in ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines.append("GiB per rank:")
+    if worst.unmade_gradient_bytes:
+        lines.append(f"gradients: {sig3(worst.gradients_at_peak / GIB)} of {sig3(worst.gradient_bytes / GIB)} GiB "
+                     f"exist at {PHASES[worst.phase]} (freed at each step's start, made by the backward: one "
+                     f"micro-batch a step{'' if parallel.fsdp else ' and no DDP buckets'})")
+    lines.append("GiB per rank at the peak:")
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     usable = device_gib - reserve_gib
     fits = worst.total_bytes <= usable * GIB

@@ -22,9 +22,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, NamedTuple
 
-from cp_train.memory.attention_memory import Shapes
 from cp_train.model.config import ModelConfig
-from cp_train.parallel.cp.algorithms.costs import ACC
+from cp_train.parallel.cp.algorithms.costs import ACC, Shapes
 from cp_train.parallel.offload import KEEP_LAST_LAYERS, PREFETCH_LAYERS
 
 if TYPE_CHECKING:

@@ -194,7 +194,7 @@ def predict(config: Config, world: int, rates: DeviceRates, peak_tflops: float, 
     compute = 2 if assumed["compute"] == "bf16" else 4
     work = build_workload(config, world, compute, documents if config.data.document_mask else None)
     worst = max(ranks, key=lambda r: r.total_bytes)
-    memory = {"parameters": worst.parameter_bytes / GIB, "gradients": worst.gradient_bytes / GIB,
+    memory = {"parameters": worst.parameter_bytes / GIB, "gradients": worst.gradients_at_peak / GIB,
               "optimizer": worst.optimizer_bytes / GIB, "gathered": worst.gathered_bytes / GIB,
               "activations": worst.activation_bytes / GIB, "total": worst.total_bytes / GIB}
     hardware = rates.hardware

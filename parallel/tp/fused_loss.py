@@ -61,6 +61,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     all_reduce_(sums, group)
                 row_max[part], log_sum_exp[part] = chunk_max, sums[1].log()
                 loss[part] = torch.where(targets[part] == ignore_index, 0.0, log_sum_exp[part] - sums[0])
+                del logits  # freed before the next chunk's matmul: one chunk's logits at a time
         ctx.save_for_backward(x, weight, targets, row_max, log_sum_exp)
         ctx.group, ctx.chunk_tokens, ctx.ignore_index, ctx.dtype = group, chunk_tokens, ignore_index, dtype
         return shaped

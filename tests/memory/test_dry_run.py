@@ -208,11 +208,13 @@ def test_fp8_linears_keep_what_the_plan_says(spawn_world, corpus, tmp_path) -> N
     assert change["rowwise"] == {"planned": 0, "measured": 0}, change
 
 
-def test_compiled_fp8_blocks_keep_what_inductors_partition_keeps() -> None:
+def test_compiled_blocks_keep_what_inductors_partition_keeps() -> None:
     """What a compiled block's backward receives (AOTAutograd's min-cut partition, Inductor's): bf16 linears keep
-    their QKV, gate/up and down inputs and autocast's weight copies; tensorwise FP8 linears (torchao's real
-    ``_scaled_mm`` on CPU) none of them, cast again in the backward (from the block's input, the norms' scales and the
-    gate/up output, which both keep, and saved scales). The plan's difference is the graphs' to the byte."""
+    their QKV, gate/up and down inputs and autocast's weight copies, the block the output projection's bf16 output
+    (not the fp32 stream after the attention) and bf16 casts of the rope tables; tensorwise FP8 linears (torchao's
+    real ``_scaled_mm`` on CPU) none of the linears' inputs, cast again in the backward (from the block's input, the
+    norms' scales and the gate/up output, which both keep, and saved scales). The bf16 block's plan is the graph's
+    to the byte, and so is the plan's difference under FP8."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -252,3 +254,6 @@ def test_compiled_fp8_blocks_keep_what_inductors_partition_keeps() -> None:
                               compiled=True, fp8_keeps=mode) for mode in ("kept", None)}  # None: the dry run's own
     planned = (block_terms(config, shapes["kept"])[1] - block_terms(config, shapes[None])[1]) + 2 * weights
     assert kept[False] - kept[True] == planned > 0, (kept, planned)
+    block_input = tokens * config.hidden_size * 4  # a primal input of the graph, the plan's first term
+    bf16 = shapes_of(config, tokens, 1, 1, 2, 4, cuda=True, compiled=True)
+    assert kept[False] + block_input == block_terms(config, bf16)[1] + 2 * weights, kept

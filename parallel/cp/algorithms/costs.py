@@ -48,6 +48,9 @@ class Shapes:
     # bf16 linears do), "fp8" (an FP8 cast, 1 byte), "recomputed" (nothing: cast again in the backward) or "bf16"
     # (planned as bf16 linears, their weights' autocast copies too)
     fp8_inputs: str = "kept"
+    # torch.compile'd blocks (Inductor's partition, ``memory/activations.py``): the stream between the attention
+    # and the MLP kept as the output projection's output (compute dtype), the rope tables' compute-dtype casts
+    compiled: bool = False
 
     @property
     def stream(self) -> int:
