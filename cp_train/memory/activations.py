@@ -127,9 +127,10 @@ def linear_input(s: Shapes) -> int:
 
 
 def rope_copies(s: Shapes) -> int:
-    """A compiled block's own casts of the rope tables to the compute dtype, cos and sin ``[n, head_dim / 2]``
-    each (eager blocks share the fp32 tables)."""
-    return s.n * s.head_dim * s.compute if s.compiled and s.compute < 4 else 0
+    """A block's own casts of the rope tables to the compute dtype, cos and sin ``[n, head_dim / 2]`` each (none in
+    fp32: the tables are shared): kept by ``apply_rope``'s products, eager once for q and once for k, compiled once
+    (Inductor's partition keeps one of each)."""
+    return s.n * s.head_dim * s.compute * (1 if s.compiled else 2) if s.compute < 4 else 0
 
 
 def mid_stream(s: Shapes) -> int:
@@ -142,7 +143,7 @@ def mid_stream(s: Shapes) -> int:
 def attention_half(s: Shapes) -> int:
     """The attention half of a block without checkpointing: the block's input, the norm, the QKV input (all ``n``
     tokens, gathered under SP) and what the attention keeps (its output is the output projection's input; an FP8
-    projection that keeps FP8 casts keeps one of it besides; compiled, the rope tables' casts)."""
+    projection that keeps FP8 casts keeps one of it besides) and the rope tables' casts."""
     fp8_copy = s.n * s.heads * s.head_dim if s.fp8_inputs == "fp8" else 0
     return (_stream(s) + norm_kept(s) + s.n * s.hidden * linear_input(s) + attention_kept(s) + fp8_copy
             + rope_copies(s))

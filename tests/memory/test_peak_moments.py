@@ -1,6 +1,7 @@
 """What exists at the moments of the peak (``cp_train/memory/phases.py``), measured in live tensor bytes: the
 gradients the backward has made when a step has one micro-batch and no DDP buckets (the trainer frees them at
-each step's start), and one chunk of the fused head's logits at a time in its forward."""
+each step's start), one chunk of the fused head's logits at a time in its forward, and eager rope's casts of the
+tables."""
 
 from __future__ import annotations
 
@@ -51,3 +52,24 @@ def test_the_fused_head_holds_one_chunk_of_logits_at_a_time() -> None:
     assert chunk_logits <= tracker.peaks["forward"] - start < 1.5 * chunk_logits, (tracker.peaks, start)
     loss.sum().backward()  # and its gradients still flow
     assert x.grad is not None and weight.grad is not None
+
+
+def test_eager_rope_keeps_its_casts_of_the_tables_as_planned() -> None:
+    """Eager, ``apply_rope`` casts cos and sin to q's and k's dtype and its products keep the casts: two of each
+    table per block in bf16 (``activations.rope_copies``; none in fp32, where the tables are shared)."""
+    from cp_train.memory.activations import rope_copies
+    from cp_train.model.rope import apply_rope, rope_tables
+    from cp_train.parallel.cp.algorithms.costs import Shapes
+
+    n, head_dim = 1024, 64
+    cos, sin = rope_tables(torch.arange(n)[None], head_dim, 10000.0)
+    for dtype, compute in ((torch.bfloat16, 2), (torch.float32, 4)):
+        q = torch.randn(1, n, 4, head_dim, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, n, 2, head_dim, dtype=dtype, requires_grad=True)
+        tracker = LiveTensorBytes()
+        tracker.track([cos, sin, q, k])
+        with tracker:
+            start = tracker.current
+            outputs = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kept = tracker.current - start - sum(out.untyped_storage().nbytes() for out in outputs)
+        assert kept == rope_copies(Shapes(n, 256, 4, 2, head_dim, 512, 128, compute, 4)), (dtype, kept)
