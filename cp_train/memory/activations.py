@@ -17,7 +17,8 @@ FP8 casts of their inputs (1 byte; the output projection's besides the attention
 parallelism (tp > 1) the residual stream and the norms hold ``n / tp`` tokens; the all-gathered inputs of the
 column-parallel matmuls (QKV, gate/up, head) hold all ``n``. ``full`` checkpointing keeps each block's input
 (``n / tp`` tokens under SP) and recomputes one block in the backward; ``selective`` keeps the input and what
-the CP attention keeps, and recomputes either side of it.
+the CP attention keeps, and recomputes either side of it (compiled, the attention's q, k, v as well: Inductor's
+partition recomputes a checkpoint's outputs).
 
 The head keeps the final norm's input and the head's matmul input and, with full logits
 (``model.loss_chunk_tokens`` 0), the fp32 softmax ``[n, vocab/tp]``; fused by chunks, two fp32 numbers per token.
@@ -216,8 +217,10 @@ def block_terms(model: ModelConfig, s: Shapes) -> tuple[int, int, int]:
     if mode == "full":  # the recompute runs the attention's forward again (its buffers) before the backward
         forward = attention_half(s) - block_input + attention_buffers(s, backward=False)
         return block, block_input, max(forward, block_backward(s, 1, block - block_input))
-    # selective: the CP attention keeps its tensors; the MLP side, then the QKV side are recomputed
-    kept = block_input + attention_kept(s)
+    # selective: the CP attention keeps its tensors; the MLP side, then the QKV side are recomputed. Compiled, its
+    # q, k, v too: Inductor's partition recomputes a checkpoint's outputs (the QKV side's) for their users' backward
+    recomputed_qkv = s.n * (s.heads + 2 * s.kv_heads) * s.head_dim * s.compute if s.compiled else 0
+    kept = block_input + attention_kept(s) - recomputed_qkv
     qkv_side = attention_half(s) - kept
     return block, kept, max(block_backward(s, 1, mlp_half(s, 1)),
                             _stream(s) + qkv_side + attention_buffers(s, True))

@@ -5,15 +5,16 @@ On top of the rank's state (parameters, gradients, optimizer state), each moment
 
 - the head's backward in the last micro-batch: every block's activations, the head's working set; FSDP's
   gathered root and last block (every block without resharding after forward; tensorwise FP8 gathers the block
-  linears' weights at 1 byte, ``gathered_in_fp8``), or without FSDP autocast's bf16 copies of the weights
-  (FP8 linears: their weights' FP8 casts under tensorwise run eager, else none; ``weight_copies``); the unsharded
+  linears' weights at 1 byte, ``gathered_in_fp8``), or without FSDP autocast's bf16 copies of the block weights
+  unless the blocks are checkpointed (FP8 linears: their weights' FP8 casts under tensorwise run eager, else none;
+  ``weight_copies``) and the head's bf16 weight; the unsharded
   fp32 gradients of every parameter while gradients accumulate (FSDP with ``parallel.fsdp_reduce`` per_step, in
   place of the sharded ones the state counts; DDP keeps the earlier micro-batches' gradients outside its buckets);
 - a block's backward: the blocks' activations (with activation offload the prefetch window besides,
   ``offload.py``), the recomputed block and its working set; FSDP's root and two
   blocks (the current one and the next one's gather), the root's unsharded gradient (the head's) and the block's,
-  and the previous block's reduce-scatter in flight; without FSDP a tied head's gradient, held until the
-  embedding's backward;
+  and the previous block's reduce-scatter in flight; without FSDP the block copies above (a checkpointed block
+  its own) and a tied head's gradient, held until the embedding's backward;
 - the optimizer step: foreach AdamW's temporaries (one fp32 tensor per parameter; the fused kernels, the default,
   have none).
 
@@ -79,11 +80,18 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
         at_block += (kept or compute * (head_weight + max(blocks))) + 4 * max(blocks)  # + a reduce-scatter in flight
         held = 0  # the head's gradient is the root's unsharded gradient above
     else:
-        fp8 = fp8_weights(config, full, dims) if config.model.fp8 != "none" else {}
-        at_head = weight_copies(config, fp8, every, compute, fp8_keeps)  # autocast's copies, FP8's
-        if accumulating and dims.dp * dims.cp > 1:  # DDP's no_sync: gradients outside the buckets
-            at_head += 4 * every
-        at_block = at_head
+        # autocast's copies of the block weights (FP8's casts), kept unless the blocks are checkpointed (recomputed:
+        # the block in its backward holds its own); the head's compute-dtype weight at its backward (kept from the
+        # forward with full logits, cast again by the fused loss)
+        checkpointed, cast = config.model.activation_checkpointing != "none", compute if compute < 4 else 0
+        fp8 = fp8_weights(config, full, dims) if config.model.fp8 != "none" and not checkpointed else {}
+        copies = weight_copies(config, fp8, 0 if checkpointed else sum(blocks), compute, fp8_keeps)
+        if fp8_keeps == "bf16":  # Megatron's (Transformer Engine's) runs hold bf16 weights throughout
+            checkpointed, cast, copies = False, 0, compute * every
+        # DDP's no_sync: the earlier micro-batches' gradients outside the buckets
+        outside = 4 * every if accumulating and dims.dp * dims.cp > 1 else 0
+        at_head = copies + cast * head_weight + outside
+        at_block = copies + (cast * max(blocks) if checkpointed else 0) + outside
         held = 4 * head_weight if config.model.tie_embeddings else 0  # summed with the embedding's at its backward
     # the gradients the last block's backward has: the head's (a tied one is ``held``) and the block's own; under
     # FSDP the unsharded ones above until their reduce-scatter makes the block's shard
@@ -121,13 +129,13 @@ def gathered_in_fp8(config: Config, full: dict[str, torch.nn.Parameter], dims: P
             if fsdp_gathers_fp8(shape, tensor_parallel_dim(full[name]) == 0, dims.tp, shards)}
 
 
-def weight_copies(config: Config, fp8: dict[str, list[int]], every: int, compute: int, keeps: str) -> int:
-    """Without FSDP, the copies of the ``every`` (TP-local) weight elements autograd keeps from the forward to the
-    backward: autocast's bf16 copy of each (``compute`` 2; none in fp32), except that an FP8 linear (``fp8``:
+def weight_copies(config: Config, fp8: dict[str, list[int]], elements: int, compute: int, keeps: str) -> int:
+    """Without FSDP, the copies of the ``elements`` (TP-local) block weight elements autograd keeps from the forward
+    to the backward: autocast's bf16 copy of each (``compute`` 2; none in fp32), except that an FP8 linear (``fp8``:
     ``fp8_weights``) keeps its weight's FP8 cast (1 byte) where it keeps FP8 casts of its inputs (``keeps``
     "fp8", ``Shapes.fp8_inputs``), else the weight itself (torchao casts per GEMM; compiled, Inductor casts again),
     unless planned as a bf16 linear (``keeps`` "bf16")."""
-    copies = compute * every if compute == 2 else 0
+    copies = compute * elements if compute == 2 else 0
     if config.model.fp8 == "none" or keeps == "bf16":
         return copies
     in_fp8 = sum(math.prod(shape) for shape in fp8.values())

@@ -213,8 +213,9 @@ def test_compiled_blocks_keep_what_inductors_partition_keeps() -> None:
     their QKV, gate/up and down inputs and autocast's weight copies, the block the output projection's bf16 output
     (not the fp32 stream after the attention) and bf16 casts of the rope tables; tensorwise FP8 linears (torchao's
     real ``_scaled_mm`` on CPU) none of the linears' inputs, cast again in the backward (from the block's input, the
-    norms' scales and the gate/up output, which both keep, and saved scales). The bf16 block's plan is the graph's
-    to the byte, and so is the plan's difference under FP8."""
+    norms' scales and the gate/up output, which both keep, and saved scales). Checkpointed, full keeps the block's
+    input and selective its input and the attention's output and lse (q, k, v recomputed with the QKV side). Each
+    bf16 block's plan is the graph's to the byte, and so is the plan's difference under FP8."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -227,9 +228,9 @@ def test_compiled_blocks_keep_what_inductors_partition_keeps() -> None:
     config = ModelConfig(vocab_size=128, num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2,
                          ffn_hidden_size=192, max_position_embeddings=128)
     tokens, kept = 128, {}
-    for fp8 in (False, True):
+    for mode, fp8 in (("none", False), ("none", True), ("selective", False), ("full", False)):
         torch._dynamo.reset()
-        model, saved = GPTModel(config), []
+        model, saved = GPTModel(dataclasses.replace(config, activation_checkpointing=mode)), []
 
         def record(graph, inputs, saved=saved):  # the backward's inputs but the tangents and the block's own inputs
             saved.extend(node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"
@@ -248,12 +249,14 @@ def test_compiled_blocks_keep_what_inductors_partition_keeps() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(batch["tokens"], batch["positions"], batch["labels"])
         loss.float().sum().backward()
-        kept[fp8] = sum(t.nbytes for t in saved if isinstance(t, torch.Tensor) and t.dim())  # scales, amax aside
+        kept[mode, fp8] = sum(t.nbytes for t in saved if isinstance(t, torch.Tensor) and t.dim())  # scales aside
     weights = sum(p.numel() for name, p in model.layers[0].named_parameters() if p.dim() == 2)
     shapes = {mode: shapes_of(dataclasses.replace(config, fp8="tensorwise"), tokens, 1, 1, 2, 4, cuda=True,
                               compiled=True, fp8_keeps=mode) for mode in ("kept", None)}  # None: the dry run's own
     planned = (block_terms(config, shapes["kept"])[1] - block_terms(config, shapes[None])[1]) + 2 * weights
-    assert kept[False] - kept[True] == planned > 0, (kept, planned)
+    assert kept["none", False] - kept["none", True] == planned > 0, (kept, planned)
     block_input = tokens * config.hidden_size * 4  # a primal input of the graph, the plan's first term
     bf16 = shapes_of(config, tokens, 1, 1, 2, 4, cuda=True, compiled=True)
-    assert kept[False] + block_input == block_terms(config, bf16)[1] + 2 * weights, kept
+    for mode, copies in (("none", 2 * weights), ("selective", 0), ("full", 0)):  # checkpointed: weights recast
+        planned = block_terms(dataclasses.replace(config, activation_checkpointing=mode), bf16)[1] + copies
+        assert kept[mode, False] + block_input == planned, (mode, kept)
