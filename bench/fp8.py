@@ -15,7 +15,8 @@ which holds the compilation), tokens/s, ``mfu`` (at the bf16 peak), ``mfu_fp8_pe
 peak; ``cp_train/metrics/throughput.py``), the loss at the last step and its relative difference from bf16's,
 tokens/s over bf16's and the peak memory; beside them the planner's prediction for the same run (the one every
 run makes of itself, ``cp_train/perf/run_check.py``: this config, the corpus's documents, ``--hardware`` or the
-GPU's own profile): its tokens/s, its speedup over bf16's, and the measured step time over the planned one.
+GPU's own profile): its tokens/s, its speedup over bf16's, the measured step time over the planned one and the dry
+run's peak memory.
 JSON lines, then a table (``bench.common.emit``).
 
 On CUDA each variant trains in its own Python process (``--processes each``, the default there): on an H200 with
@@ -157,6 +158,7 @@ def compare(records: list[dict[str, Any]]) -> None:
         planned = record.pop("planned") or {}
         record["planned_tokens_per_s"] = planned.get("tokens_per_s_per_device")
         record["measured_vs_planned"] = (record["step_time_s"] / planned["step_time_s"]) if planned else None
+        record["planned_memory_gib"] = planned.get("memory_gib")  # the dry run's, the reserve left out
     planned_base = base["planned_tokens_per_s"] if base else None
     for record in records:
         record["planned_speedup_vs_bf16"] = (record["planned_tokens_per_s"] / planned_base
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    ("mfu_fp8_peak", "MFU (fp8 peak)", percent), ("loss", f"loss@{args.steps}", lambda v: f"{v:.4f}"),
                    ("loss_vs_bf16", "vs bf16", lambda v: "-" if v is None else f"{v:+.2%}"),
                    ("speedup_vs_bf16", "speedup", times), ("peak_memory_gib", "GiB", lambda v: f"{v:.1f}"),
+                   ("planned_memory_gib", "planned GiB", lambda v: "-" if v is None else f"{v:.1f}"),
                    ("planned_tokens_per_s", "planned tokens/s", lambda v: "-" if v is None else f"{v:,.0f}"),
                    ("planned_speedup_vs_bf16", "planned speedup", times),
                    ("measured_vs_planned", "step measured/planned", times)])

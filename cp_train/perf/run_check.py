@@ -140,11 +140,21 @@ def measured_against_predicted(step_time_s: float, prediction: dict[str, Any] | 
             f"on {prediction['hardware']} = {ratio:.2f} ({where} the range of runs like it, {low:.3g}-{high:.3g} s)")
 
 
+def measured_against_planned_memory(peak_gib: float, prediction: dict[str, Any] | None) -> str | None:
+    """The final summary's memory line (the peak allocated on a GPU, max over ranks, against the dry run's plan of
+    the largest rank, the reserve left out), or None without a prediction or a peak."""
+    if not prediction or not peak_gib or not prediction.get("memory_gib"):
+        return None
+    planned = prediction["memory_gib"]
+    return (f"peak memory {peak_gib:.3g} GiB allocated / {planned:.3g} GiB planned by the dry run = "
+            f"{peak_gib / planned:.2f}")
+
+
 class PlannerCheck:
     """One run's check of the planner: the prediction made at the start (``prediction``, and ``notes`` when it
     could not be made), the measured MFU guarded at every logged interval (warned once), and the final
-    measured / predicted line from the median logged step time (the first interval, with compilation and
-    warm-up, left out when there are others)."""
+    measured / predicted lines: the median logged step time (the first interval, with compilation and warm-up,
+    left out when there are others) and, on a GPU, the peak allocated memory against the dry run's plan."""
 
     def __init__(self, config: Config, world: int, device: torch.device, peak_tflops: float, peak_source: str,
                  dataset: Any = None) -> None:
@@ -153,17 +163,22 @@ class PlannerCheck:
         self.notes = [note] if note else []
         self.peak_tflops, self.peak_source = peak_tflops, peak_source
         self.step_times: list[float] = []
+        self.peak_gib = 0.0  # the largest logged peak over ranks (a GPU's allocated bytes; not read on CPU: RSS)
+        self.gpu = device.type == "cuda"
         self.warned = False
 
     def observe(self, record: dict[str, Any]) -> list[str]:
         """Take one logged ``train`` record; the lines to print (the MFU warning, once)."""
         self.step_times.append(record["step_time_s"])
+        if self.gpu:
+            self.peak_gib = max(self.peak_gib, record.get("peak_memory_max_gib") or 0.0)
         warning = None if self.warned else implausible_mfu(record["mfu"], self.peak_tflops, self.peak_source)
         self.warned = self.warned or warning is not None
         return [warning] if warning else []
 
     def summary(self) -> list[str]:
         times = self.step_times[1:] or self.step_times
-        line = measured_against_predicted(statistics.median(times), self.prediction) if times else None
-        return [line] if line else []
+        lines = [measured_against_predicted(statistics.median(times), self.prediction) if times else None,
+                 measured_against_planned_memory(self.peak_gib, self.prediction)]
+        return [line for line in lines if line]
 

@@ -28,6 +28,7 @@ def test_fp8_benchmark_smoke_run(tmp_path, capsys) -> None:
     bf16, tensorwise, rowwise = (r["planned_tokens_per_s"] for r in records)
     assert bf16 < rowwise < tensorwise, (bf16, rowwise, tensorwise)  # rowwise pays more casts than tensorwise
     assert all(r["measured_vs_planned"] > 1 for r in records)  # a CPU is slower than an H200
+    assert all(r["planned_memory_gib"] > 0 for r in records)  # the dry run's plan beside the measured peak
     out = capsys.readouterr().out
     assert "MFU (fp8 peak)" in out and "speedup" in out and "step measured/planned" in out
 

@@ -182,3 +182,26 @@ def test_every_run_checks_the_planner(spawn_world, tmp_path) -> None:
     messages = answer["messages"]
     assert sum("measured MFU" in m and "above 100%" in m for m in messages) == 1, messages
     assert any(m.startswith("step time") and "predicted by the planner on h100-sxm" in m for m in messages), messages
+
+
+def test_a_gpu_run_compares_its_peak_memory_with_the_dry_run() -> None:
+    """On a GPU the final lines add the peak allocated memory (max over ranks, the largest logged) against the dry
+    run's plan in the prediction; a CPU run's peak (RSS, the runtime's too) is not compared."""
+    import torch
+
+    from cp_train.config.sources import build_config
+    from cp_train.perf.run_check import PlannerCheck
+
+    config = build_config([("test", {"model.vocab_size": 1024, "model.num_layers": 2, "model.hidden_size": 256,
+                                     "model.num_heads": 4, "model.num_kv_heads": 2, "model.ffn_hidden_size": 512,
+                                     "data.seq_len": 4096, "data.eod_id": 0, "parallel.cp": 1,
+                                     "logging.hardware_profile": "h100-sxm"})])
+    for device, compared in (("cuda", True), ("cpu", False)):
+        check = PlannerCheck(config, 1, torch.device(device), 989.0, "test")
+        planned = check.prediction["memory_gib"]
+        for peak in (0.5 * planned, 1.25 * planned, 0.75 * planned):  # the largest logged peak is the run's
+            check.observe({"step_time_s": 0.1, "mfu": 0.3, "peak_memory_max_gib": peak})
+        lines = check.summary()
+        assert lines[0].startswith("step time 0.1 s measured")
+        memory = f"peak memory {1.25 * planned:.3g} GiB allocated / {planned:.3g} GiB planned by the dry run = 1.25"
+        assert (lines[1:] == [memory]) is compared, lines
