@@ -22,7 +22,7 @@
 #            84.4 GiB; 2026-11-30) and 256k, with and without activation offload; 256k with offload needs ~115 GiB
 #            of pinned host memory and is reported as not run on a 128 GiB host
 #   fp8      bench.fp8: bf16, tensorwise, rowwise, 100 compiled steps of 16,384 tokens each, each in its own process
-#            (its table gives each run's peak GiB beside the dry run's plan: 40.4, 31.2, 31.2 GiB since 2026-12-02;
+#            (its table gives each run's peak GiB beside the dry run's plan: 40.3, 31.1, 31.1 GiB since 2026-12-02;
 #            every run's last lines also print peak allocated / planned)
 #
 # Measured on an H200 (2026-11-30): setup 25 s (with the machine's start, about 90 s), tests 206 s, graphs 12 s,

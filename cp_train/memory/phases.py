@@ -83,15 +83,17 @@ def phase_bytes(config: Config, full: dict[str, torch.nn.Parameter], dims: Paral
         # autocast's copies of the block weights (FP8's casts), kept unless the blocks are checkpointed (recomputed:
         # the block in its backward holds its own); the head's compute-dtype weight at its backward (kept from the
         # forward with full logits, cast again by the fused loss)
-        checkpointed, cast = config.model.activation_checkpointing != "none", compute if compute < 4 else 0
-        fp8 = fp8_weights(config, full, dims) if config.model.fp8 != "none" and not checkpointed else {}
-        copies = weight_copies(config, fp8, 0 if checkpointed else sum(blocks), compute, fp8_keeps)
+        cast = compute if compute < 4 else 0
         if fp8_keeps == "bf16":  # Megatron's (Transformer Engine's) runs hold bf16 weights throughout
-            checkpointed, cast, copies = False, 0, compute * every
-        # DDP's no_sync: the earlier micro-batches' gradients outside the buckets
-        outside = 4 * every if accumulating and dims.dp * dims.cp > 1 else 0
-        at_head = copies + cast * head_weight + outside
-        at_block = copies + (cast * max(blocks) if checkpointed else 0) + outside
+            copies, head_copy, recomputed = cast * every, 0, 0
+        else:
+            checkpointed = config.model.activation_checkpointing != "none"
+            fp8 = fp8_weights(config, full, dims) if config.model.fp8 != "none" and not checkpointed else {}
+            copies = weight_copies(config, fp8, 0 if checkpointed else sum(blocks), compute, fp8_keeps)
+            head_copy, recomputed = cast * head_weight, cast * max(blocks) if checkpointed else 0
+        outside = 4 * every if accumulating and dims.dp * dims.cp > 1 else 0  # DDP's no_sync: outside its buckets
+        at_head = copies + head_copy + outside
+        at_block = copies + recomputed + outside
         held = 4 * head_weight if config.model.tie_embeddings else 0  # summed with the embedding's at its backward
     # the gradients the last block's backward has: the head's (a tied one is ``held``) and the block's own; under
     # FSDP the unsharded ones above until their reduce-scatter makes the block's shard
