@@ -126,8 +126,7 @@ def planned(config: Config) -> dict[str, Any]:
     tp, cp, dp, _ = layout(config)
     _, ranks, _, _ = memory_plan(config, tp * cp * dp)
     worst = max(ranks, key=lambda r: r.total_bytes)
-    return {"planned": worst.total_bytes, "planned_state": worst.state_bytes - worst.unmade_gradient_bytes,
-            "planned_phase": worst.phase,
+    return {"planned": worst.total_bytes, "planned_state": worst.state_at_peak, "planned_phase": worst.phase,
             "planned_gathered": worst.gathered_bytes, "planned_activations": worst.activation_bytes}
 
 

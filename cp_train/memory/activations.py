@@ -92,9 +92,14 @@ def swiglu_temporaries(fp8: bool, compiled: bool) -> int:
     return 4 if fp8 else 1
 
 
+def _qkv_elements(s: Shapes) -> int:
+    """Elements of the attention's q, k and v on this rank."""
+    return s.n * (s.heads + 2 * s.kv_heads) * s.head_dim
+
+
 def attention_kept(s: Shapes) -> int:
     """What the CP attention keeps for the backward: q, k, v, output and fp32 lse (and its algorithm's own)."""
-    io = s.n * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.compute + s.n * s.heads * ACC
+    io = (_qkv_elements(s) + s.n * s.heads * s.head_dim) * s.compute + s.n * s.heads * ACC
     return io + (s.algorithm.kept_bytes(s) if s.cp > 1 else 0)
 
 
@@ -107,8 +112,7 @@ def attention_buffers(s: Shapes, backward: bool) -> int:
     else:  # dout
         out = s.n * s.heads * d * c
     if s.cp == 1:  # the kernel's dq, dk, dv
-        qkv = s.n * (s.heads + 2 * s.kv_heads) * d
-        return out + (qkv * c if backward else 0) + expanded(s, s.n, s.heads, s.kv_heads, backward)
+        return out + (_qkv_elements(s) * c if backward else 0) + expanded(s, s.n, s.heads, s.kv_heads, backward)
     return out + s.algorithm.buffer_bytes(s, backward)
 
 
@@ -219,7 +223,7 @@ def block_terms(model: ModelConfig, s: Shapes) -> tuple[int, int, int]:
         return block, block_input, max(forward, block_backward(s, 1, block - block_input))
     # selective: the CP attention keeps its tensors; the MLP side, then the QKV side are recomputed. Compiled, its
     # q, k, v too: Inductor's partition recomputes a checkpoint's outputs (the QKV side's) for their users' backward
-    recomputed_qkv = s.n * (s.heads + 2 * s.kv_heads) * s.head_dim * s.compute if s.compiled else 0
+    recomputed_qkv = _qkv_elements(s) * s.compute if s.compiled else 0
     kept = block_input + attention_kept(s) - recomputed_qkv
     qkv_side = attention_half(s) - kept
     return block, kept, max(block_backward(s, 1, mlp_half(s, 1)),

@@ -66,8 +66,13 @@ class RankMemory:
         return self.gradient_bytes - self.unmade_gradient_bytes
 
     @property
+    def state_at_peak(self) -> int:
+        """The state less the gradients not made yet at the peak."""
+        return self.state_bytes - self.unmade_gradient_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return self.state_bytes - self.unmade_gradient_bytes + self.gathered_bytes + self.activation_bytes
+        return self.state_at_peak + self.gathered_bytes + self.activation_bytes
 
 
 def reserve_gib(device_gib: float, fixed: float = RESERVE_GIB, fraction: float = RESERVE_FRACTION) -> float:

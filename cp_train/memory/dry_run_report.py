@@ -71,7 +71,7 @@ def report(config: Config, world: int, device_gib: float, source: str = "the con
         lines += held
     header = ("rank", "parameters", "gradients", "optimizer", "state", "gathered", "activations", "total")
     rows = [header] + [(str(r.rank), *(sig3(b / GIB) for b in (
-        r.parameter_bytes, r.gradients_at_peak, r.optimizer_bytes, r.state_bytes - r.unmade_gradient_bytes,
+        r.parameter_bytes, r.gradients_at_peak, r.optimizer_bytes, r.state_at_peak,
         r.gathered_bytes, r.activation_bytes, r.total_bytes))) for r in ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     if worst.unmade_gradient_bytes:

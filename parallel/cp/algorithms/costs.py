@@ -49,7 +49,8 @@ class Shapes:
     # (planned as bf16 linears, their weights' autocast copies too)
     fp8_inputs: str = "kept"
     # torch.compile'd blocks (Inductor's partition, ``memory/activations.py``): the stream between the attention
-    # and the MLP kept as the output projection's output (compute dtype), the rope tables' compute-dtype casts
+    # and the MLP kept as the output projection's output (compute dtype), one cast of each rope table, and under
+    # selective checkpointing q, k, v recomputed with the QKV side
     compiled: bool = False
 
     @property
