@@ -94,6 +94,16 @@ def _origin(error: BaseException) -> str:
     return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
 
 
+def launch_world_size() -> int:
+    """torchrun's ``WORLD_SIZE`` (1 when unset): an ``InputError`` naming the variable when it is not a whole
+    number above 0."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.strip().isdigit() or int(value) < 1:
+        raise InputError(f"WORLD_SIZE={value!r} is not a number of processes: unset it for one process, or "
+                         f"launch with torchrun, which sets it")
+    return int(value)
+
+
 def _rank_prefix() -> str:
     """``rank N: `` in a world of several processes, else nothing."""
     try:

@@ -12,7 +12,6 @@ traceback (``cp_train/errors.py``).
 
 from __future__ import annotations
 
-import os
 from argparse import Namespace
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import NoReturn
 from cp_train.config.flags import parse_args
 from cp_train.config.schema import Config, ConfigError
 from cp_train.data.blend_spec import parse_blend
-from cp_train.errors import InputError, exit_now, run_entry_point, this_rank
+from cp_train.errors import InputError, exit_now, launch_world_size, run_entry_point, this_rank
 
 # torch and everything that imports it load once the command line has parsed: ``--help`` and a flag's error answer
 # without them (tests/structure/test_layering.py)
@@ -134,7 +133,7 @@ def train(argv: list[str]) -> int:
     config, args = parse_args(argv, default_config=default)  # --help and the flags' errors end here
     if not args.dry_run:  # missing files first, then the settings derived from them
         check_input_files(config)
-        check_world(config, int(os.environ.get("WORLD_SIZE", "1")))
+        check_world(config, launch_world_size())
         check_schedule(config)
     from cp_train.cli.launch import stop_with_launcher  # torch, from here on
     from cp_train.config.validate import validate, with_accumulation
@@ -144,7 +143,7 @@ def train(argv: list[str]) -> int:
     stop_with_launcher()
     if args.dry_run:
         return dry_run(config, args, default)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_world_size()
     config = with_accumulation(config, world)
     dp = validate(config, world)
     from cp_train.trainer import run_training  # the model, FSDP and DCP: after the config holds (fast errors)

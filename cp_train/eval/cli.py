@@ -12,7 +12,6 @@ and exit code 2 (``cp_train/errors.py``).
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -22,7 +21,7 @@ from cp_train.config.arg_types import positive_int
 from cp_train.config.flags import FLAGS, MANY_WORDS
 from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
-from cp_train.errors import DEBUG_FLAG, ensure_writable_dir, exit_now, run_entry_point, this_rank
+from cp_train.errors import DEBUG_FLAG, ensure_writable_dir, exit_now, launch_world_size, run_entry_point, this_rank
 from cp_train.eval.context import build_context
 from cp_train.eval.load import eval_config, load_model
 from cp_train.eval.report import plots, table, wandb_log, write_jsonl
@@ -100,7 +99,7 @@ def evaluate(argv: list[str]) -> int:
     check_lengths(settings.lengths, config.model, parallel.cp, parallel.cp_layout)
     config.data.seq_len = max(settings.lengths)
     config.train.valid_interval = 0
-    dp = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+    dp = validate(config, launch_world_size())
     with world_of_one(), parallel_context(parallel.tp, parallel.cp, dp, parallel.backend,  # plain python: one
                                           parallel.timeout_minutes, parallel.ulysses_size,
                                           parallel.dp_replicate) as state:

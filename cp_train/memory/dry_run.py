@@ -29,6 +29,7 @@ from cp_train.config.schema import Config, ConfigError
 from cp_train.config.validate import validate
 from cp_train.data.default_corpus import DEFAULT_VOCAB_SIZE
 from cp_train.data.tokenizers.load import load_tokenizer, padded_vocab_size
+from cp_train.errors import launch_world_size
 from cp_train.memory.activations import activation_estimate, shapes_of
 from cp_train.memory.offload import offload_plan
 from cp_train.memory.phases import phase_bytes
@@ -218,5 +219,5 @@ def sig3(value: float) -> str:
 def dry_run_world(config: Config) -> int:
     """The world size to plan for: torchrun's ``WORLD_SIZE``, else tp x cp x (dp or 1)."""
     if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
+        return launch_world_size()
     return math.prod((config.parallel.tp, config.parallel.cp, config.parallel.dp or 1))

@@ -129,11 +129,12 @@ def destroy_parallel() -> None:
 def parallel_context(tp: int = 1, cp: int = 1, dp: int | None = None, backend: str | None = None,
                      timeout_minutes: float = 10.0, ulysses_size: int = 1, dp_replicate: int = 1
                      ) -> Iterator[ParallelState]:
-    """``initialize_parallel`` for the ``with`` block, ``destroy_parallel`` after it."""
-    state = initialize_parallel(tp=tp, cp=cp, dp=dp, backend=backend, timeout_minutes=timeout_minutes,
-                                ulysses_size=ulysses_size, dp_replicate=dp_replicate)
+    """``initialize_parallel`` for the ``with`` block, ``destroy_parallel`` after it. The generator keeps no
+    reference to the state, so ``destroy_parallel``'s collection frees its groups (and their gloo threads) unless
+    the caller still holds one."""
     try:
-        yield state
+        yield initialize_parallel(tp=tp, cp=cp, dp=dp, backend=backend, timeout_minutes=timeout_minutes,
+                                  ulysses_size=ulysses_size, dp_replicate=dp_replicate)
     finally:
         destroy_parallel()
 
@@ -168,8 +169,8 @@ def run_with_parallel(sizes: ParallelDims | tuple[int, ...], fn: Callable[..., A
     ``SpawnedWorld.run``."""
     tp, cp, dp, *rest = (sizes.tp, sizes.cp, sizes.dp) if isinstance(sizes, ParallelDims) else sizes
     ulysses, replicate = (list(rest) + [1, 1])[:2]
-    with parallel_context(tp, cp, dp, ulysses_size=ulysses, dp_replicate=replicate) as state:
-        return fn(state, *args, **kwargs)
+    with parallel_context(tp, cp, dp, ulysses_size=ulysses, dp_replicate=replicate):  # no name for the state:
+        return fn(get_parallel_state(), *args, **kwargs)  # its groups are freed as the block ends
 
 
 def parallel_is_initialized() -> bool:

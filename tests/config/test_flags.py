@@ -86,6 +86,15 @@ def test_dry_run_memory_flags_are_checked(capsys, argv: list[str], words: str) -
     assert err.startswith("train.py: error: ") and len(err.splitlines()) == 1 and words in err, err
 
 
+@pytest.mark.parametrize("value", ["", "two", "0"])
+def test_a_world_size_that_is_not_a_count_is_one_line(monkeypatch, capsys, value: str) -> None:
+    monkeypatch.setenv("WORLD_SIZE", value)
+    assert train_script.main(["--config", CPU_TINY, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"train.py: error: WORLD_SIZE={value!r} is not a number of processes: unset it for one process, "
+                   f"or launch with torchrun, which sets it\n"), err
+
+
 @pytest.mark.parametrize(("content", "words"), [
     (b"", "is empty: it holds no settings"),
     (b"# a comment, no settings\n", "is empty: it holds no settings"),
